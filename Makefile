@@ -1,0 +1,40 @@
+# The two commands of the README:
+#   make test   - create .venv, install pinned dependencies, build the C++ core, run the test suite
+#   make demo   - (arrives with the trainer issue)
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup build test test-fast lint bench-envs clean
+
+# torch is installed first, pinned, on its own: anything that pulls torch in unpinned downloads a CUDA build.
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA torch build was installed; expected the CPU build' if torch.version.cuda else 0)"
+	$(BIN)/python -m pip install --quiet "setuptools>=68" wheel "pybind11>=2.12" numpy
+	$(BIN)/python -m pip install --quiet --no-build-isolation -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Incremental rebuild of fastpo._C (CMake keeps its cache under build/).
+build: setup
+	$(BIN)/python setup.py --quiet build_ext --inplace
+
+test: build
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-fast: build
+	$(BIN)/python -m pytest -m "not gpu and not slow and not asan" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check fastpo kernels envs tests bench
+
+bench-envs: build
+	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_envs.py
+
+clean:
+	rm -rf build dist *.egg-info fastpo/_C*.so

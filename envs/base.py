@@ -1,0 +1,138 @@
+"""The batch environment interface every fastpo env implements, and the input checks they share.
+
+A batch env holds ``num_envs`` independent instances. Discrete envs (Sokoban, FrozenLake, Bandit)
+take ``int32[num_envs]`` action ids; text envs (Countdown, QA, users' own) take ``list[str]``.
+Nothing resets by itself: a finished instance stays finished (stepping it is a no-op that reports
+``terminated``/``truncated`` again with reward 0) until ``reset`` is called for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import numpy as np
+
+#: Keys of the ``info`` dict returned by ``step``; each value is ``bool[num_envs]``.
+INFO_KEYS = ("success", "action_is_valid", "action_is_effective")
+
+StepResult = tuple[list[str], np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]
+
+
+class BatchEnv(ABC):
+    """``num_envs`` instances of one environment stepped together.
+
+    Attributes:
+        name: registry name (``"sokoban"``, ...).
+        num_envs: number of instances.
+        action_space: ``"discrete"`` (ids, ``action_names[i - 1]`` names id ``i``; 0 = no valid action)
+            or ``"text"`` (free text, e.g. a Countdown equation).
+        action_names: discrete action names in id order (empty for text envs).
+        max_actions_per_turn: RAGEN's per-turn cap for this env (the parser keeps at most this many).
+    """
+
+    name: str = ""
+    action_space: str = "discrete"
+    action_names: list[str] = []
+    max_actions_per_turn: int = 5
+
+    def __init__(self, num_envs: int):
+        self.num_envs = check_num_envs(num_envs)
+
+    @abstractmethod
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """Start new episodes. ``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]``,
+        only instances where it is True are reset (the others keep their state). Returns all
+        ``num_envs`` observations."""
+
+    @abstractmethod
+    def step(self, actions: Any) -> StepResult:
+        """Apply one action per instance. Returns ``(obs, reward float32[N], terminated bool[N],
+        truncated bool[N], info)`` with ``info`` holding the ``bool[N]`` arrays of ``INFO_KEYS``."""
+
+    @abstractmethod
+    def render(self) -> list[str]:
+        """Current text observation of every instance."""
+
+    @abstractmethod
+    def instruction(self) -> str:
+        """The env's task description for the first user message (rules, symbol legend)."""
+
+    def close(self) -> None:
+        """Release resources (nothing to do for most envs)."""
+
+
+def check_num_envs(num_envs: Any) -> int:
+    if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
+        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
+    return int(num_envs)
+
+
+def check_seeds(seeds: Any, num_envs: int) -> np.ndarray:
+    """Validate seeds: integer array-like of shape ``[num_envs]`` -> ``int64[num_envs]``."""
+    arr = np.asarray(seeds)
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"seeds must be integers (int64[{num_envs}]), got dtype {arr.dtype}")
+    if arr.shape != (num_envs,):
+        raise ValueError(f"seeds must have shape ({num_envs},), got {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"seeds must fit in int64, got {arr.max()}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_mask(mask: Any, num_envs: int) -> np.ndarray:
+    """Validate a reset mask -> ``bool[num_envs]`` (None means all True)."""
+    if mask is None:
+        return np.ones(num_envs, dtype=bool)
+    arr = np.asarray(mask)
+    if arr.dtype != np.bool_:
+        raise ValueError(f"mask must be a bool array, got dtype {arr.dtype}")
+    if arr.shape != (num_envs,):
+        raise ValueError(f"mask must have shape ({num_envs},), got {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def check_discrete_actions(actions: Any, num_envs: int) -> np.ndarray:
+    """Validate discrete actions: integer array of shape ``[num_envs]`` -> ``int32[num_envs]``.
+
+    Out-of-range ids are accepted (they are "no valid action" for the env); the dtype and shape are
+    what is checked, and values must fit in int32."""
+    if isinstance(actions, (list, tuple)) and any(isinstance(a, (bool, np.bool_)) for a in actions):
+        raise ValueError("actions must be integer ids, got bool values")
+    arr = np.asarray(actions)
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"actions must be integer ids (int32[{num_envs}]), got dtype {arr.dtype}")
+    if arr.shape != (num_envs,):
+        raise ValueError(f"actions must have shape ({num_envs},), got {arr.shape}")
+    if arr.size:
+        info = np.iinfo(np.int32)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"actions must fit in int32 [{info.min}, {info.max}], got range [{lo}, {hi}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def check_text_actions(actions: Any, num_envs: int) -> list[str]:
+    """Validate text actions: a sequence of ``num_envs`` strings."""
+    if isinstance(actions, str) or not isinstance(actions, (list, tuple)):
+        raise ValueError(f"actions must be a list of {num_envs} strings, got {type(actions).__name__}")
+    if len(actions) != num_envs:
+        raise ValueError(f"actions must have length {num_envs}, got {len(actions)}")
+    for i, a in enumerate(actions):
+        if not isinstance(a, str):
+            raise ValueError(f"actions[{i}] must be a str, got {type(a).__name__}")
+    return list(actions)
+
+
+def build_config(config_cls: type, env_name: str, overrides: dict[str, Any]):
+    """Instantiate a config dataclass from keyword overrides, rejecting unknown keys by name."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown} for env {env_name!r}; accepted: {sorted(fields)}")
+    return config_cls(**overrides)
+
+
+def empty_info(num_envs: int) -> dict[str, np.ndarray]:
+    return {k: np.zeros(num_envs, dtype=bool) for k in INFO_KEYS}
