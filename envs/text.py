@@ -1,0 +1,294 @@
+"""Text environments: the one-instance ``TextEnv`` protocol and ``TextBatchEnv``, which steps N of them.
+
+This is how WebShop / ALFWorld-style envs plug into fastpo without touching it::
+
+    class GuessEnv(TextEnv):
+        instruction = "Guess the secret number between 1 and 10. Answer with the number."
+
+        def reset(self, seed: int) -> str:
+            self.secret = CounterRng(seed, stream=1000).randint(10) + 1
+            return "Your guess?"
+
+        def step(self, action_text: str):
+            ok = action_text.strip() == str(self.secret)
+            return ("Right!" if ok else "Wrong."), float(ok), ok, {"success": ok}
+
+    fastpo.envs.register("guess", GuessEnv, max_steps=3)
+    env = fastpo.envs.make("guess", num_envs=8)
+
+``TextBatchEnv`` owns the batch rules every fastpo env shares: input checks, reset masks, finished
+instances as no-ops, a per-episode step budget, and errors that name the instance. Countdown and the
+QA env are built on it. See docs/ENVS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .base import BatchEnv, StepResult, check_mask, check_seeds, check_text_actions, empty_info
+
+
+class TextEnv(ABC):
+    """One instance of a text environment. Subclassing is optional: ``TextBatchEnv`` only needs an
+    object with ``reset`` and ``step`` (the attributes below are read with these defaults).
+
+    Attributes:
+        instruction: task description for the first user message (rules, answer format). Read from
+            the first instance, so it may be set in ``__init__`` from the env's config.
+        action_vocabulary: the accepted actions, or None for free text. With a vocabulary, an action
+            matches case-insensitively after stripping and the env receives the vocabulary's spelling;
+            any other text is an invalid no-op (reward 0, ``action_is_valid`` False, state and step
+            count unchanged) and never reaches ``step``. For a vocabulary that changes with the state
+            (WebShop's clickables), keep None and report ``action_is_valid=False`` yourself.
+        max_actions_per_turn: how many actions the parser keeps from one answer (split on ``||``).
+    """
+
+    instruction: str = ""
+    action_vocabulary: list[str] | None = None
+    max_actions_per_turn: int = 1
+
+    @abstractmethod
+    def reset(self, seed: int) -> str:
+        """Start a new episode determined by ``seed`` alone; return the first observation. Draw all
+        randomness from ``fastpo.envs.rng.CounterRng(seed, stream)`` so it is reproducible."""
+
+    @abstractmethod
+    def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
+        """Apply one action. Returns ``(obs, reward, done, info)``: ``obs`` str, ``reward`` a finite
+        real number, ``done`` a bool (True ends the episode: ``terminated``), ``info`` a dict whose
+        optional bool flags default to ``success=False``, ``action_is_valid=True``,
+        ``action_is_effective=True``; other keys are kept in ``TextBatchEnv.last_infos``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
+        """Release resources (optional)."""
+
+
+class TextEnvError(RuntimeError):
+    """A user's text env failed (raised an exception or broke the protocol) in one instance.
+
+    Attributes: ``index`` (instance index in the batch), ``phase`` ("create", "reset" or "step"),
+    ``seed`` (the episode's seed, None before the first reset). The original exception, if any, is
+    ``__cause__``. After this error the batch is partly stepped: reset it before going on.
+    """
+
+    def __init__(self, env_name: str, index: int, phase: str, seed: int | None, message: str):
+        where = f"text env {env_name!r} instance {index}" + ("" if seed is None else f" (seed {seed})")
+        super().__init__(f"{where} failed in {phase}: {message}")
+        self.index, self.phase, self.seed = index, phase, seed
+
+
+_FLAG_DEFAULTS = {"success": False, "action_is_valid": True, "action_is_effective": True}
+
+
+class TextBatchEnv(BatchEnv):
+    """``num_envs`` instances made by ``factory()`` (a ``TextEnv`` class or any zero-argument callable
+    returning a fresh instance), stepped with the ``BatchEnv`` API and ``action_space = "text"``.
+
+    Args:
+        num_envs: number of instances; ``factory`` is called once per instance.
+        factory: zero-argument callable returning a new instance.
+        max_steps: optional per-episode budget of valid steps; the step that uses it up without
+            ``done`` reports ``truncated``. None = unlimited.
+        name: registry name, used in error messages.
+
+    ``step`` on a finished instance is a no-op: it reports ``terminated``/``truncated`` again with
+    reward 0, all flags False except ``success`` (kept from the last real step) and the same
+    observation. Instances that were never reset cannot be stepped (RuntimeError).
+    """
+
+    action_space = "text"
+
+    def __init__(self, num_envs: int, factory: Callable[[], Any], *, max_steps: int | None = None, name: str = "text"):
+        super().__init__(num_envs)
+        if not callable(factory):
+            raise ValueError(f"factory must be callable (a TextEnv class or a function), got {factory!r}")
+        if max_steps is not None and (
+            isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral) or max_steps < 1
+        ):
+            raise ValueError(f"max_steps must be None or an int >= 1, got {max_steps!r}")
+        self.name = name
+        self.max_steps = None if max_steps is None else int(max_steps)
+        self.action_names = []
+        self.envs = [self._create(factory, i) for i in range(self.num_envs)]
+        first = self.envs[0]
+        self._instruction = getattr(first, "instruction", "")
+        if not isinstance(self._instruction, str):
+            raise self._error(0, "create", f"instruction must be a str, got {type(self._instruction).__name__}")
+        per_turn = getattr(first, "max_actions_per_turn", 1)
+        if isinstance(per_turn, bool) or not isinstance(per_turn, numbers.Integral) or per_turn < 1:
+            raise self._error(0, "create", f"max_actions_per_turn must be an int >= 1, got {per_turn!r}")
+        self.max_actions_per_turn = int(per_turn)
+        self.action_vocabulary = self._check_vocabulary(getattr(first, "action_vocabulary", None))
+        self._vocab_lookup = {a.strip().lower(): a for a in self.action_vocabulary or []}
+
+        n = self.num_envs
+        self._obs = [""] * n
+        self._seeds: list[int | None] = [None] * n
+        self._steps = np.zeros(n, dtype=np.int64)
+        self._started = np.zeros(n, dtype=bool)
+        self._terminated = np.zeros(n, dtype=bool)
+        self._truncated = np.zeros(n, dtype=bool)
+        self._success = np.zeros(n, dtype=bool)
+        #: raw ``info`` dict of each instance's last ``step`` (``{}`` for a no-op).
+        self.last_infos: list[dict[str, Any]] = [{} for _ in range(n)]
+
+    # -- batch API -------------------------------------------------------------------------------
+
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        seeds = check_seeds(seeds, self.num_envs)
+        mask = check_mask(mask, self.num_envs)
+        for i in np.flatnonzero(mask).tolist():
+            seed = int(seeds[i])
+            self._seeds[i] = seed
+            try:
+                obs = self.envs[i].reset(seed)
+            except Exception as e:
+                raise self._error(i, "reset", f"{type(e).__name__}: {e}") from e
+            if not isinstance(obs, str):
+                raise self._error(i, "reset", f"reset must return a str observation, got {type(obs).__name__}")
+            self._obs[i] = obs
+            self._steps[i] = 0
+            self._started[i] = True
+            self._terminated[i] = self._truncated[i] = self._success[i] = False
+            self.last_infos[i] = {}
+        return list(self._obs)
+
+    def step(self, actions: Sequence[str]) -> StepResult:
+        actions = check_text_actions(actions, self.num_envs)
+        if not self._started.all():
+            never = np.flatnonzero(~self._started).tolist()
+            raise RuntimeError(f"instances {never[:10]} of env {self.name!r} were never reset; call reset(seeds) first")
+        n = self.num_envs
+        reward = np.zeros(n, dtype=np.float32)
+        info = empty_info(n)
+        for i, text in enumerate(actions):
+            if self._terminated[i] or self._truncated[i]:
+                info["success"][i] = self._success[i]
+                self.last_infos[i] = {}
+                continue
+            if self._vocab_lookup:
+                canonical = self._vocab_lookup.get(text.strip().lower())
+                if canonical is None:  # invalid: nothing happens, the budget is not used
+                    self.last_infos[i] = {}
+                    continue
+                text = canonical
+            try:
+                result = self.envs[i].step(text)
+            except Exception as e:
+                raise self._error(i, "step", f"{type(e).__name__}: {e}") from e
+            obs, r, done, env_info = self._check_step_result(i, result)
+            self._obs[i] = obs
+            self._steps[i] += 1
+            reward[i] = r
+            for key, default in _FLAG_DEFAULTS.items():
+                info[key][i] = bool(env_info.get(key, default))
+            self._success[i] = info["success"][i]
+            self.last_infos[i] = dict(env_info)
+            if done:
+                self._terminated[i] = True
+            elif self.max_steps is not None and self._steps[i] >= self.max_steps:
+                self._truncated[i] = True
+        return list(self._obs), reward, self._terminated.copy(), self._truncated.copy(), info
+
+    def render(self) -> list[str]:
+        return list(self._obs)
+
+    def instruction(self) -> str:
+        return self._instruction
+
+    def close(self) -> None:
+        for env in self.envs:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _error(self, index: int, phase: str, message: str) -> TextEnvError:
+        seed = self._seeds[index] if hasattr(self, "_seeds") else None
+        return TextEnvError(self.name, index, phase, seed, message)
+
+    def _create(self, factory: Callable[[], Any], index: int) -> Any:
+        try:
+            env = factory()
+        except Exception as e:
+            raise self._error(index, "create", f"{type(e).__name__}: {e}") from e
+        for method in ("reset", "step"):
+            if not callable(getattr(env, method, None)):
+                raise self._error(index, "create", f"{type(env).__name__} has no {method}() method")
+        return env
+
+    def _check_vocabulary(self, vocab: Any) -> list[str] | None:
+        if vocab is None:
+            return None
+        if isinstance(vocab, str) or not isinstance(vocab, Sequence) or not vocab:
+            raise self._error(0, "create", f"action_vocabulary must be None or a non-empty list of str, got {vocab!r}")
+        seen: dict[str, str] = {}
+        for a in vocab:
+            if not isinstance(a, str) or not a.strip():
+                raise self._error(0, "create", f"action_vocabulary entries must be non-blank str, got {a!r}")
+            key = a.strip().lower()
+            if key in seen:
+                raise self._error(0, "create", f"action_vocabulary has {seen[key]!r} and {a!r} (same ignoring case)")
+            seen[key] = a
+        return list(vocab)
+
+    def _check_step_result(self, i: int, result: Any) -> tuple[str, float, bool, Mapping[str, Any]]:
+        if not isinstance(result, tuple) or len(result) != 4:
+            raise self._error(i, "step", f"step must return (obs, reward, done, info), got {result!r:.200}")
+        obs, r, done, env_info = result
+        if not isinstance(obs, str):
+            raise self._error(i, "step", f"obs must be a str, got {type(obs).__name__}")
+        if isinstance(r, (bool, np.bool_)) or not isinstance(r, numbers.Real) or not math.isfinite(r):
+            raise self._error(i, "step", f"reward must be a finite real number, got {r!r}")
+        if not isinstance(done, (bool, np.bool_)):
+            raise self._error(i, "step", f"done must be a bool, got {type(done).__name__} {done!r}")
+        if not isinstance(env_info, Mapping):
+            raise self._error(i, "step", f"info must be a dict, got {type(env_info).__name__}")
+        return obs, float(r), bool(done), env_info
+
+
+def load_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """Read a data file of JSON objects: JSONL (one object per line, blank lines skipped) or one JSON
+    array. Returns ``(location, record)`` pairs, ``location`` being ``"path:line"`` (``"path[item]"``
+    for an array) for error messages. Raises ValueError naming the path (and line) when the file is
+    missing, empty, not JSON, or holds something other than objects."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"data file {str(p)!r} does not exist (or is not a file)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"data file {str(p)!r} cannot be read as UTF-8 text: {e}") from e
+    records: list[tuple[str, Any]] = []
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{e.lineno}: invalid JSON array: {e.msg}") from e
+        records = [(f"{p}[{k}]", item) for k, item in enumerate(items)]
+    else:
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((f"{p}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line") from e
+    if not records:
+        raise ValueError(f"data file {str(p)!r} holds no records")
+    for where, rec in records:
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    return records
+
+
+__all__ = ["TextBatchEnv", "TextEnv", "TextEnvError", "load_records"]
