@@ -37,7 +37,7 @@ _BUILTIN = frozenset(_REGISTRY)  # names register() must not replace
 _ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "simple_sokoban": ("sokoban", {}),
     "larger_sokoban": ("sokoban", {"dim_room": (8, 8), "num_boxes": 2, "search_depth": 10}),
-    "sokoban_different_grid_vocab": ("sokoban", {"symbols": "different"}),
+    "sokoban_different_grid_vocab": ("sokoban", {"symbols": "different", "search_depth": 30}),
     "metamathqa": ("qa", {}),
     "bandit_test": ("bandit", {"names": "test"}),
 }

@@ -1,0 +1,179 @@
+#include "frozenlake.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace fastpo {
+
+namespace {
+
+// gym action -> (row change, col change): 0 Left, 1 Down, 2 Right, 3 Up.
+constexpr int kMoveRow[4] = {0, 1, 0, -1};
+constexpr int kMoveCol[4] = {-1, 0, 1, 0};
+
+// RAGEN's is_valid: depth-first from S through non-holes until a neighbour is G.
+bool goal_reachable(const uint8_t* desc, int size, int start, std::vector<int>& stack, std::vector<uint8_t>& seen) {
+  seen.assign(static_cast<size_t>(size) * size, 0);
+  stack.clear();
+  stack.push_back(start);
+  constexpr int dr[4] = {1, 0, -1, 0}, dc[4] = {0, 1, 0, -1};
+  while (!stack.empty()) {
+    const int cell = stack.back();
+    stack.pop_back();
+    if (seen[cell]) continue;
+    seen[cell] = 1;
+    const int r = cell / size, c = cell % size;
+    for (int d = 0; d < 4; ++d) {
+      const int rn = r + dr[d], cn = c + dc[d];
+      if (rn < 0 || rn >= size || cn < 0 || cn >= size) continue;
+      const uint8_t letter = desc[rn * size + cn];
+      if (letter == 'G') return true;
+      if (letter != 'H') stack.push_back(rn * size + cn);
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int generate_frozenlake(uint64_t seed, int size, double p, uint8_t* desc, FrozenLakeScratch& scratch) {
+  CounterRng rng(seed, kStreamFrozenLakeGen);
+  for (int64_t t = 0; t < kFrozenLakeMaxMapTries; ++t) {
+    for (int c = 0; c < size * size; ++c) desc[c] = rng.uniform() < p ? 'F' : 'H';
+    const int start_r = static_cast<int>(rng.randint(size)), start_c = static_cast<int>(rng.randint(size));
+    const int goal_r = static_cast<int>(rng.randint(size)), goal_c = static_cast<int>(rng.randint(size));
+    if (start_r == goal_r && start_c == goal_c) continue;
+    const int start = start_r * size + start_c;
+    desc[start] = 'S';
+    desc[goal_r * size + goal_c] = 'G';
+    if (goal_reachable(desc, size, start, scratch.stack, scratch.seen)) return start;
+  }
+  throw std::runtime_error("no FrozenLake map with a reachable goal for seed " +
+                           std::to_string(static_cast<int64_t>(seed)) + " (size=" + std::to_string(size) +
+                           ", p=" + std::to_string(p) + ")");
+}
+
+FrozenLakeBatch::FrozenLakeBatch(int num_envs, int size, double p, bool is_slippery, int max_steps, int num_threads)
+    : n_(num_envs), size_(size), p_(p), is_slippery_(is_slippery), max_steps_(max_steps),
+      pool_(std::max(1, std::min(num_threads, 256))) {
+  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+  if (size < 2 || size > 64) throw std::invalid_argument("size must be in [2, 64], got " + std::to_string(size));
+  if (!(p > 0.0 && p <= 1.0)) throw std::invalid_argument("p must be in (0, 1], got " + std::to_string(p));
+  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
+  if (num_threads < 1 || num_threads > 256)
+    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
+  desc.assign(static_cast<size_t>(n_) * size_ * size_, 'F');
+  position.assign(n_, 0);
+  num_steps.assign(n_, 0);
+  slip_key.assign(n_, 0);
+  slip_counter.assign(n_, 0);
+  terminated.assign(n_, 0);
+  truncated.assign(n_, 0);
+  ready.assign(n_, 0);
+  scratch_.resize(pool_.size());
+}
+
+bool FrozenLakeBatch::all_ready() const {
+  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
+}
+
+void FrozenLakeBatch::start_episode(int i, int start, int64_t seed) {
+  position[i] = start;
+  num_steps[i] = 0;
+  slip_key[i] = rng_key(static_cast<uint64_t>(seed), kStreamFrozenLakeSlip, 0);
+  slip_counter[i] = 0;
+  terminated[i] = truncated[i] = 0;
+  ready[i] = 1;
+}
+
+void FrozenLakeBatch::reset(const int64_t* seeds, const uint8_t* mask) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int cells = size_ * size_;
+  pool_.parallel_for(n_, 64, [&](int worker, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (mask != nullptr && !mask[i]) continue;
+      const int start = generate_frozenlake(static_cast<uint64_t>(seeds[i]), size_, p_, &desc[i * cells],
+                                            scratch_[worker]);
+      start_episode(static_cast<int>(i), start, seeds[i]);
+    }
+  });
+}
+
+void FrozenLakeBatch::set_layouts(const uint8_t* desc_in, const int32_t* start, const int64_t* seeds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int cells = size_ * size_;
+  for (int i = 0; i < n_; ++i) {
+    for (int c = 0; c < cells; ++c) {
+      const uint8_t letter = desc_in[static_cast<size_t>(i) * cells + c];
+      if (letter != 'S' && letter != 'F' && letter != 'H' && letter != 'G')
+        throw std::invalid_argument("layout of env " + std::to_string(i) + ": invalid letter at cell " +
+                                    std::to_string(c));
+    }
+    if (start[i] < 0 || start[i] >= cells)
+      throw std::invalid_argument("start of env " + std::to_string(i) + " out of range: " + std::to_string(start[i]));
+  }
+  std::copy(desc_in, desc_in + static_cast<size_t>(n_) * cells, desc.begin());
+  for (int i = 0; i < n_; ++i) start_episode(i, start[i], seeds[i]);
+}
+
+void FrozenLakeBatch::step(const int32_t* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
+                           uint8_t* success, uint8_t* valid, uint8_t* effective) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int cells = size_ * size_;
+  pool_.parallel_for(n_, 16384, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* map = &desc[i * cells];
+      const int32_t action = actions[i];
+      reward[i] = 0.0f;
+      valid[i] = effective[i] = 0;
+      if (!terminated[i] && !truncated[i] && action >= 1 && action <= 4) {
+        ++num_steps[i];
+        int gym_action = action - 1;
+        if (is_slippery_) {
+          // [(a - 1) % 4, a, (a + 1) % 4][randint(3)], one draw of the episode's slip stream.
+          CounterRng slip = CounterRng::resume(slip_key[i], slip_counter[i]);
+          gym_action = (gym_action + 3 + static_cast<int>(slip.randint(3))) % 4;
+          slip_counter[i] = slip.counter;
+        }
+        const int r = std::min(std::max(position[i] / size_ + kMoveRow[gym_action], 0), size_ - 1);
+        const int c = std::min(std::max(position[i] % size_ + kMoveCol[gym_action], 0), size_ - 1);
+        const int old = position[i];
+        position[i] = r * size_ + c;
+        const uint8_t letter = map[position[i]];
+        reward[i] = letter == 'G' ? 1.0f : 0.0f;
+        terminated[i] = letter == 'G' || letter == 'H';
+        truncated[i] = !terminated[i] && num_steps[i] >= max_steps_;
+        valid[i] = 1;
+        effective[i] = position[i] != old;
+      }
+      success[i] = map[position[i]] == 'G';
+      terminated_out[i] = terminated[i];
+      truncated_out[i] = truncated[i];
+    }
+  });
+}
+
+void FrozenLakeBatch::render(std::vector<std::string>& out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int cells = size_ * size_;
+  out.resize(n_);
+  pool_.parallel_for(n_, 4096, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* map = &desc[i * cells];
+      std::string& s = out[i];
+      s.clear();
+      s.reserve(cells + size_ + 2);
+      for (int cell = 0; cell < cells; ++cell) {
+        if (cell > 0 && cell % size_ == 0) s.push_back('\n');
+        const uint8_t letter = map[cell];
+        if (cell == position[i]) {
+          s += letter == 'H' ? "X" : letter == 'G' ? "\xE2\x88\x9A" : "P";  // U+221A √ in UTF-8
+        } else {
+          s.push_back(letter == 'H' ? 'O' : letter == 'G' ? 'G' : '_');
+        }
+      }
+    }
+  });
+}
+
+}  // namespace fastpo

@@ -1,0 +1,63 @@
+// FrozenLake: RAGEN's generate_random_map and gymnasium's step rules for a struct-of-arrays batch of N
+// instances. The pure-Python twin envs/py_frozenlake.py is the specification. Maps are stored as ASCII
+// codes of 'S' 'F' 'H' 'G'; the player cell is row * size + col.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "rng.h"
+#include "thread_pool.h"
+
+namespace fastpo {
+
+constexpr int64_t kFrozenLakeMaxMapTries = 1000000;
+
+// Scratch space of the reachability check (one per thread).
+struct FrozenLakeScratch {
+  std::vector<int> stack;
+  std::vector<uint8_t> seen;
+};
+
+// Writes the map of `seed` (size * size ASCII codes) into desc; returns the start cell.
+// Throws std::runtime_error after kFrozenLakeMaxMapTries draws.
+int generate_frozenlake(uint64_t seed, int size, double p, uint8_t* desc, FrozenLakeScratch& scratch);
+
+// N FrozenLake instances, struct of arrays. All methods are safe to call without the GIL.
+class FrozenLakeBatch {
+ public:
+  FrozenLakeBatch(int num_envs, int size, double p, bool is_slippery, int max_steps, int num_threads);
+
+  // Regenerates instances with mask[i] (mask may be null = all) from seeds[i]; restarts their slip streams.
+  void reset(const int64_t* seeds, const uint8_t* mask);
+  // Sets every instance from desc (num_envs * size * size ASCII) and start cells; seeds seed the slip streams.
+  void set_layouts(const uint8_t* desc_in, const int32_t* start, const int64_t* seeds);
+  void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
+            uint8_t* valid, uint8_t* effective);
+  void render(std::vector<std::string>& out);
+  bool all_ready() const;
+
+  int num_envs() const { return n_; }
+  int size() const { return size_; }
+  // Raw state (copied out by the bindings).
+  std::vector<uint8_t> desc;
+  std::vector<int32_t> position, num_steps;
+  std::vector<uint64_t> slip_key, slip_counter;
+  std::vector<uint8_t> terminated, truncated, ready;
+
+ private:
+  void start_episode(int i, int start, int64_t seed);
+
+  int n_;
+  int size_;
+  double p_;
+  bool is_slippery_;
+  int max_steps_;
+  ThreadPool pool_;
+  std::vector<FrozenLakeScratch> scratch_;  // one per worker
+  std::mutex mu_;
+};
+
+}  // namespace fastpo

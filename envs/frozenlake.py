@@ -1,0 +1,92 @@
+"""FrozenLake on the C++ batch simulator (``fastpo._C.FrozenLakeBatch``): RAGEN's maps, gymnasium's rules.
+
+    env = FrozenLakeEnv(64, size=4, p=0.8, is_slippery=True)
+    obs = env.reset(np.arange(64))
+    obs, reward, terminated, truncated, info = env.step(np.full(64, 3, dtype=np.int32))
+
+Results equal the pure-Python twin ``PyFrozenLakeEnv`` (``envs/py_frozenlake.py``, the specification)
+exactly. Slips come from ``CounterRng(seed, STREAM_FROZENLAKE_SLIP)``, restarted at every reset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds
+from .layouts import (
+    FROZENLAKE_ACTIONS,
+    FROZENLAKE_GRID_VOCAB,
+    FROZENLAKE_INSTRUCTION,
+    FrozenLakeConfig,
+    parse_frozenlake_layouts,
+)
+
+
+class FrozenLakeEnv(BatchEnv):
+    """``num_envs`` FrozenLake instances (actions 1 Left, 2 Down, 3 Right, 4 Up; others are "no valid action").
+
+    Config: see ``FrozenLakeConfig`` (size, p, is_slippery, max_steps, num_threads). Reward 1.0 on reaching
+    the goal; terminated on a hole or the goal; truncated after ``max_steps`` valid actions.
+    """
+
+    name = "frozenlake"
+    action_names = FROZENLAKE_ACTIONS
+    grid_vocab = FROZENLAKE_GRID_VOCAB
+
+    def __init__(self, num_envs: int, **config: Any):
+        super().__init__(num_envs)
+        from fastpo import _C
+
+        self.config: FrozenLakeConfig = build_config(FrozenLakeConfig, self.name, config)
+        cfg = self.config
+        self._batch = _C.FrozenLakeBatch(
+            self.num_envs, cfg.size, float(cfg.p), cfg.is_slippery, cfg.max_steps, cfg.num_threads
+        )
+
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """Generate maps. ``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]`` (only True
+        instances are reset). Returns all ``num_envs`` observations."""
+        seeds = check_seeds(seeds, self.num_envs)
+        mask = check_mask(mask, self.num_envs)
+        return self._batch.reset(seeds, mask)
+
+    def reset_from_layouts(
+        self, layouts: Sequence[str | Sequence[str]], seeds: Sequence[int] | np.ndarray | None = None
+    ) -> list[str]:
+        """Start every instance from a gymnasium-style map of ``S F H G`` (list of rows or one string).
+
+        ``seeds`` (``int64[num_envs]``, default all 0) seed the slip streams only. Raises ValueError naming
+        env, row and column of bad input."""
+        desc, start = parse_frozenlake_layouts(layouts, self.num_envs, self.config.size)
+        seeds = check_seeds(np.zeros(self.num_envs, dtype=np.int64) if seeds is None else seeds, self.num_envs)
+        return self._batch.set_layouts(desc, start, seeds)
+
+    def step(self, actions: Any) -> StepResult:
+        """``actions``: ``int32[num_envs]`` -> ``(obs, reward float32[N], terminated bool[N], truncated
+        bool[N], info)`` with info ``success``, ``action_is_valid``, ``action_is_effective`` (``bool[N]``)."""
+        actions = check_discrete_actions(actions, self.num_envs)
+        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions)
+        info = {"success": success, "action_is_valid": valid, "action_is_effective": effective}
+        return obs, reward, terminated, truncated, info
+
+    def render(self) -> list[str]:
+        return self._batch.render()
+
+    def instruction(self) -> str:
+        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
+        return f"{FROZENLAKE_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Exact state: desc ``uint8[N, S, S]`` (ASCII), position/num_steps ``int32[N]``, slip_draws
+        ``int64[N]``, terminated/truncated ``bool[N]`` (same keys as ``PyFrozenLakeEnv.get_state``)."""
+        return self._batch.get_state()
+
+    def solve(self) -> list[list[int] | None]:
+        """Shortest path per instance from its current cell (see ``solvers.solve_frozenlake``)."""
+        from .solvers import solve_frozenlake
+
+        state = self.get_state()
+        return [solve_frozenlake(d, int(p)) for d, p in zip(state["desc"], state["position"], strict=True)]

@@ -1,0 +1,201 @@
+"""Pure-Python FrozenLake: the test oracle and the speed baseline of the C++ env (``fastpo.envs.frozenlake``).
+
+Maps are RAGEN's ``generate_random_map`` with ``CounterRng(seed, STREAM_FROZENLAKE_GEN)``; stepping is
+gymnasium's FrozenLake (RAGEN ids 1 Left, 2 Down, 3 Right, 4 Up = gym 0..3). On slippery ice the gym
+direction actually taken is ``[(a - 1) % 4, a, (a + 1) % 4][slip.randint(3)]``, where ``slip`` is
+``CounterRng(seed, STREAM_FROZENLAKE_SLIP)`` restarted at every reset (one draw per valid action).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds, empty_info
+from .layouts import (
+    FROZENLAKE_ACTIONS,
+    FROZENLAKE_GRID_VOCAB,
+    FROZENLAKE_INSTRUCTION,
+    FROZENLAKE_MAX_MAP_TRIES,
+    FrozenLakeConfig,
+    parse_frozenlake_layouts,
+)
+from .rng import STREAM_FROZENLAKE_GEN, STREAM_FROZENLAKE_SLIP, CounterRng
+
+# gym action -> (row change, col change): 0 Left, 1 Down, 2 Right, 3 Up.
+GYM_MOVES = ((0, -1), (1, 0), (0, 1), (-1, 0))
+
+
+def generate_random_map(seed: int, size: int = 4, p: float = 0.8) -> list[str]:
+    """RAGEN's generate_random_map: ``size`` row strings of ``S F H G`` with the goal reachable from S."""
+    rng = CounterRng(seed, STREAM_FROZENLAKE_GEN)
+    for _ in range(FROZENLAKE_MAX_MAP_TRIES):
+        board = [["F" if rng.uniform() < p else "H" for _ in range(size)] for _ in range(size)]
+        start_r, start_c = rng.randint(size), rng.randint(size)
+        goal_r, goal_c = rng.randint(size), rng.randint(size)
+        if (start_r, start_c) != (goal_r, goal_c):
+            board[start_r][start_c], board[goal_r][goal_c] = "S", "G"
+            if is_valid(board, size):
+                return ["".join(row) for row in board]
+    raise RuntimeError(f"no FrozenLake map with a reachable goal for seed {seed} (size={size}, p={p})")
+
+
+def is_valid(board: list[list[str]], size: int) -> bool:
+    """Whether G is reachable from S through non-hole cells (4-neighbour)."""
+    start = next((r, c) for r in range(size) for c in range(size) if board[r][c] == "S")
+    frontier, discovered = [start], set()
+    while frontier:
+        r, c = frontier.pop()
+        if (r, c) in discovered:
+            continue
+        discovered.add((r, c))
+        for dr, dc in ((1, 0), (0, 1), (-1, 0), (0, -1)):
+            rn, cn = r + dr, c + dc
+            if 0 <= rn < size and 0 <= cn < size:
+                if board[rn][cn] == "G":
+                    return True
+                if board[rn][cn] != "H":
+                    frontier.append((rn, cn))
+    return False
+
+
+class FrozenLakeGame:
+    """One FrozenLake instance: ``desc`` ``uint8[S, S]`` ASCII ``S F H G``, player cell ``row * S + col``."""
+
+    def __init__(self, desc: np.ndarray, start: int, seed: int, is_slippery: bool, max_steps: int):
+        self.desc = desc.astype(np.uint8)
+        self.size = desc.shape[0]
+        self.position = int(start)
+        self.slip = CounterRng(seed, STREAM_FROZENLAKE_SLIP)
+        self.is_slippery = is_slippery
+        self.max_steps = max_steps
+        self.num_steps = 0
+        self.terminated = False
+        self.truncated = False
+
+    def letter(self) -> str:
+        return chr(self.desc.flat[self.position])
+
+    def step(self, action: int) -> tuple[float, bool, bool]:
+        """Returns ``(reward, action_is_valid, action_is_effective)``."""
+        if self.terminated or self.truncated or not 1 <= action <= 4:
+            return 0.0, False, False
+        self.num_steps += 1
+        gym_action = action - 1
+        if self.is_slippery:
+            gym_action = [(gym_action - 1) % 4, gym_action, (gym_action + 1) % 4][self.slip.randint(3)]
+        row, col = divmod(self.position, self.size)
+        dr, dc = GYM_MOVES[gym_action]
+        row = min(max(row + dr, 0), self.size - 1)  # moving off the map leaves the player in place
+        col = min(max(col + dc, 0), self.size - 1)
+        old = self.position
+        self.position = row * self.size + col
+        letter = self.letter()
+        reward = 1.0 if letter == "G" else 0.0
+        self.terminated = letter in "GH"
+        self.truncated = not self.terminated and self.num_steps >= self.max_steps
+        return reward, True, self.position != old
+
+    def render(self) -> str:
+        rows = []
+        for r in range(self.size):
+            row = []
+            for c in range(self.size):
+                letter = chr(self.desc[r, c])
+                if r * self.size + c == self.position:
+                    row.append({"H": "X", "G": "√"}.get(letter, "P"))
+                else:
+                    row.append({"S": "_", "F": "_", "H": "O", "G": "G"}[letter])
+            rows.append("".join(row))
+        return "\n".join(rows)
+
+
+class PyFrozenLakeEnv(BatchEnv):
+    """Batch of pure-Python FrozenLake instances; same API, config and results as ``FrozenLakeEnv`` (C++).
+
+    Config: see ``FrozenLakeConfig`` (``num_threads`` is accepted and ignored).
+    """
+
+    name = "frozenlake"
+    action_names = FROZENLAKE_ACTIONS
+    grid_vocab = FROZENLAKE_GRID_VOCAB
+
+    def __init__(self, num_envs: int, **config: Any):
+        super().__init__(num_envs)
+        self.config: FrozenLakeConfig = build_config(FrozenLakeConfig, self.name, config)
+        self.games: list[FrozenLakeGame | None] = [None] * self.num_envs
+
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]``. Returns all observations."""
+        seeds = check_seeds(seeds, self.num_envs)
+        mask = check_mask(mask, self.num_envs)
+        cfg = self.config
+        for i in np.flatnonzero(mask):
+            rows = generate_random_map(int(seeds[i]), cfg.size, cfg.p)
+            desc = np.frombuffer("".join(rows).encode("ascii"), dtype=np.uint8).reshape(cfg.size, cfg.size)
+            start = int(np.flatnonzero(desc.ravel() == ord("S"))[0])
+            self.games[i] = FrozenLakeGame(desc, start, int(seeds[i]), cfg.is_slippery, cfg.max_steps)
+        return self.render()
+
+    def reset_from_layouts(
+        self, layouts: Sequence[str | Sequence[str]], seeds: Sequence[int] | np.ndarray | None = None
+    ) -> list[str]:
+        """Start every instance from a gymnasium-style map (see ``parse_frozenlake_layouts``).
+
+        ``seeds`` (``int64[num_envs]``, default all 0) seed the slip streams only."""
+        desc, start = parse_frozenlake_layouts(layouts, self.num_envs, self.config.size)
+        seeds = check_seeds(np.zeros(self.num_envs, dtype=np.int64) if seeds is None else seeds, self.num_envs)
+        cfg = self.config
+        self.games = [
+            FrozenLakeGame(desc[i], int(start[i]), int(seeds[i]), cfg.is_slippery, cfg.max_steps)
+            for i in range(self.num_envs)
+        ]
+        return self.render()
+
+    def step(self, actions: Any) -> StepResult:
+        """``actions``: ``int32[num_envs]`` ids (1 Left, 2 Down, 3 Right, 4 Up; others are invalid)."""
+        actions = check_discrete_actions(actions, self.num_envs)
+        games = self._games()
+        reward = np.zeros(self.num_envs, dtype=np.float32)
+        terminated = np.zeros(self.num_envs, dtype=bool)
+        truncated = np.zeros(self.num_envs, dtype=bool)
+        info = empty_info(self.num_envs)
+        for i, game in enumerate(games):
+            reward[i], info["action_is_valid"][i], info["action_is_effective"][i] = game.step(int(actions[i]))
+            terminated[i], truncated[i] = game.terminated, game.truncated
+            info["success"][i] = game.letter() == "G"
+        return self.render(), reward, terminated, truncated, info
+
+    def render(self) -> list[str]:
+        return [game.render() for game in self._games()]
+
+    def instruction(self) -> str:
+        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
+        return f"{FROZENLAKE_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Exact state: desc ``uint8[N, S, S]`` (ASCII), position/num_steps ``int32[N]``, slip_draws
+        ``int64[N]``, terminated/truncated ``bool[N]``."""
+        games = self._games()
+        return {
+            "desc": np.stack([g.desc for g in games]),
+            "position": np.array([g.position for g in games], dtype=np.int32),
+            "num_steps": np.array([g.num_steps for g in games], dtype=np.int32),
+            "slip_draws": np.array([g.slip.counter for g in games], dtype=np.int64),
+            "terminated": np.array([g.terminated for g in games], dtype=bool),
+            "truncated": np.array([g.truncated for g in games], dtype=bool),
+        }
+
+    def solve(self) -> list[list[int] | None]:
+        """Shortest path per instance from its current cell (see ``solvers.solve_frozenlake``)."""
+        from .solvers import solve_frozenlake
+
+        return [solve_frozenlake(g.desc, g.position) for g in self._games()]
+
+    def _games(self) -> list[FrozenLakeGame]:
+        missing = [i for i, g in enumerate(self.games) if g is None]
+        if missing:
+            raise RuntimeError(f"instances {missing[:8]} were never reset; call reset() or reset_from_layouts() first")
+        return self.games  # type: ignore[return-value]

@@ -1,0 +1,102 @@
+"""Sokoban on the C++ batch simulator (``fastpo._C.SokobanBatch``): RAGEN's levels and gym-sokoban's rules.
+
+    env = SokobanEnv(64, dim_room=(6, 6), num_boxes=1, num_threads=4)
+    obs = env.reset(np.arange(64))                     # list of 64 text grids
+    obs, reward, terminated, truncated, info = env.step(np.full(64, 4, dtype=np.int32))
+
+Results equal the pure-Python twin ``PySokobanEnv`` (``envs/py_sokoban.py``, the specification) exactly;
+a level depends only on ``(seed, config)``. Generation and stepping run without the GIL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds
+from .layouts import (
+    SOKOBAN_ACTIONS,
+    SOKOBAN_INSTRUCTION,
+    SOKOBAN_SYMBOLS,
+    SokobanConfig,
+    parse_sokoban_layouts,
+    sokoban_grid_vocab,
+)
+
+
+class SokobanEnv(BatchEnv):
+    """``num_envs`` Sokoban instances (actions 1 Up, 2 Down, 3 Left, 4 Right; others are "no valid action").
+
+    Config: see ``SokobanConfig`` (dim_room, num_boxes, search_depth, max_steps, symbols, num_threads,
+    p_change_directions, num_gen_steps). Rewards: -0.1 per valid action, +1 / -1 for a box pushed onto /
+    off a target, +10 when all boxes are on targets (terminated). ``truncated`` after ``max_steps`` valid
+    actions.
+    """
+
+    name = "sokoban"
+    action_names = SOKOBAN_ACTIONS
+
+    def __init__(self, num_envs: int, **config: Any):
+        super().__init__(num_envs)
+        from fastpo import _C  # imported here so the config errors above never need the extension
+
+        self.config: SokobanConfig = build_config(SokobanConfig, self.name, config)
+        cfg = self.config
+        self.grid_vocab = sokoban_grid_vocab(cfg.symbols)
+        self._batch = _C.SokobanBatch(
+            self.num_envs,
+            cfg.dim_room[0],
+            cfg.dim_room[1],
+            cfg.num_boxes,
+            cfg.search_depth,
+            cfg.max_steps,
+            list(SOKOBAN_SYMBOLS[cfg.symbols]),
+            cfg.num_threads,
+            float(cfg.p_change_directions),
+            cfg.gen_steps,
+        )
+
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """Generate levels. ``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]`` (only True
+        instances are regenerated). Returns all ``num_envs`` observations."""
+        seeds = check_seeds(seeds, self.num_envs)
+        mask = check_mask(mask, self.num_envs)
+        return self._batch.reset(seeds, mask)
+
+    def reset_from_layouts(self, layouts: Sequence[str | Sequence[str]]) -> list[str]:
+        """Start every instance from a text grid in the default symbols ``# _ O √ X P S``.
+
+        A layout may hold boxes already on targets; the +1/-1 rewards then count from the actual number on
+        targets (RAGEN starts its counter at 0). Raises ValueError naming env, row and column of bad input.
+        """
+        fixed, state = parse_sokoban_layouts(layouts, self.num_envs, self.config.dim_room)
+        return self._batch.set_layouts(fixed, state)
+
+    def step(self, actions: Any) -> StepResult:
+        """``actions``: ``int32[num_envs]`` -> ``(obs, reward float32[N], terminated bool[N], truncated
+        bool[N], info)`` with info ``success``, ``action_is_valid``, ``action_is_effective`` (``bool[N]``)."""
+        actions = check_discrete_actions(actions, self.num_envs)
+        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions)
+        info = {"success": success, "action_is_valid": valid, "action_is_effective": effective}
+        return obs, reward, terminated, truncated, info
+
+    def render(self) -> list[str]:
+        return self._batch.render()
+
+    def instruction(self) -> str:
+        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
+        return f"{SOKOBAN_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Exact state: room_fixed/room_state ``uint8[N, R, C]``, num_steps/boxes_on_target ``int32[N]``,
+        terminated/truncated ``bool[N]`` (same keys as ``PySokobanEnv.get_state``)."""
+        return self._batch.get_state()
+
+    def solve(self, max_depth: int = 100) -> list[list[int] | None]:
+        """Optimal action ids per instance from its current state (see ``solvers.solve_sokoban``)."""
+        from .solvers import solve_sokoban
+
+        state = self.get_state()
+        return [solve_sokoban(f, s, max_depth) for f, s in zip(state["room_fixed"], state["room_state"], strict=True)]
