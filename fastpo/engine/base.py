@@ -1,0 +1,176 @@
+"""The generation-engine interface that the built-in HF engine and the vLLM engine implement.
+
+Two ways to generate:
+
+    results = engine.generate(prompts, params, seeds)        # stateless: each prompt is a full list of token ids
+
+    sids = engine.open_sessions(n)                           # multi-turn: the engine keeps each context
+    engine.extend(sids, first_prompt_ids)                    # append tokens (the prompt, then each observation)
+    results = engine.generate_sessions(sids, params, seeds)  # sample; the sampled ids are appended to the session
+    engine.extend(sids, observation_ids)                     # e.g. "<|im_end|>\\n<|im_start|>user\\n..." tokens
+    results = engine.generate_sessions(sids, params, seeds)
+    engine.close_sessions(sids)
+
+What a result's logprobs are (both engines):
+    ``logprobs[i] = log_softmax(logits_i / T)[token_ids[i]]`` over the FULL vocabulary, with ``T = temperature``
+    (``T = 1`` for greedy). That is the quantity the trainer recomputes (``fused_linear_logprob(..., temperature=T)``),
+    so the two can be compared token by token. It equals vLLM's ``logprobs_mode="processed_logprobs"`` with
+    ``logprobs=0`` when top-k and top-p are off; with top-k / top-p on, vLLM renormalises over the kept tokens
+    (its value is larger by ``-log(kept mass)``) while these stay unnormalised. ``raw_logprobs`` are the same
+    under ``T = 1`` (vLLM's default ``raw_logprobs``). Top-k / top-p only decide which tokens can be drawn.
+
+Seeds: ``seeds[i]`` fixes the random draws of request i in this call: the same seed, context and params give the
+same tokens whatever else is in the batch (up to float differences from padding).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Temperatures below this sample greedily (vLLM's threshold).
+GREEDY_EPS = 1e-5
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one call's requests (shared by all of them).
+
+    Attributes:
+        temperature: softmax temperature; < 1e-5 (e.g. 0) means greedy (argmax).
+        top_p: nucleus sampling: draw only from the smallest set of tokens whose mass reaches top_p; 1 = off.
+        top_k: draw only from the k most likely tokens; 0 or -1 = off.
+        max_new_tokens: cap on the tokens sampled per request in this call (one turn for sessions).
+        stop_token_ids: tokens that end a request (kept in the output), in addition to the model's EOS ids.
+        ignore_eos: do not stop on the model's EOS ids (stop_token_ids still stop).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 1, or 0 / -1 for off, got {self.top_k!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        stops = tuple(self.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class GenerationResult:
+    """One request's output.
+
+    Attributes:
+        token_ids: the sampled ids, including the EOS / stop token that ended it (if any).
+        logprobs: per sampled token, ``log_softmax(logits / T)`` at that token (see the module docstring); fp32
+            values as Python floats; same length as token_ids.
+        finish_reason: "stop" (an EOS or stop token was sampled) or "length" (max_new_tokens reached).
+        raw_logprobs: the same at ``T = 1``; None when the engine does not report them.
+        weight_version: the engine's ``weight_version`` when the tokens were sampled.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    raw_logprobs: list[float] | None = None
+    weight_version: int = 0
+
+
+def check_seeds(seeds: Sequence[int] | None, n: int) -> list[int] | None:
+    """Validate per-request seeds: None, or n ints."""
+    if seeds is None:
+        return None
+    seeds = list(seeds)
+    if len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} seeds for {n} requests; pass one seed per request or None")
+    for s in seeds:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"seeds must be ints, got {s!r}")
+    return seeds
+
+
+def check_token_lists(token_lists: Sequence[Sequence[int]], vocab_size: int, what: str, allow_empty: bool) -> None:
+    """Validate lists of token ids: ints in [0, vocab_size); empty lists only when `allow_empty`."""
+    for i, ids in enumerate(token_lists):
+        if not allow_empty and len(ids) == 0:
+            raise ValueError(f"{what}[{i}] is empty; pass at least one token id")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"{what}[{i}] holds {t!r}; token ids must be ints in [0, {vocab_size})")
+
+
+class Engine(ABC):
+    """A generation engine: stateless ``generate`` plus multi-turn sessions. See the module docstring."""
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int:
+        """Incremented by every ``sync_weights``; 0 for the weights the engine was built with."""
+
+    @abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[GenerationResult]:
+        """Sample a continuation of each full prompt (token ids); results in prompt order."""
+
+    @abstractmethod
+    def open_sessions(self, n: int) -> list[int]:
+        """Open n empty sessions; returns their ids (never reused while open)."""
+
+    @abstractmethod
+    def extend(self, session_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]]) -> None:
+        """Append tokens (the first prompt, then each observation) to each session's context."""
+
+    @abstractmethod
+    def generate_sessions(
+        self, session_ids: Sequence[int], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[GenerationResult]:
+        """Sample from each session's current context; the sampled ids are appended to the session."""
+
+    @abstractmethod
+    def close_sessions(self, session_ids: Sequence[int]) -> None:
+        """Forget the sessions and free their caches."""
+
+    @abstractmethod
+    def session_token_ids(self, session_id: int) -> list[int]:
+        """A session's full context so far (prompt, observations and sampled tokens)."""
+
+    @abstractmethod
+    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | Any) -> int:
+        """Load new policy weights (a state dict or a module); returns the new ``weight_version``. Caches computed
+        with the old weights are dropped; open sessions keep their tokens and are re-prefilled when next used."""
+
+    def sleep(self) -> None:
+        """Release generation memory before a training step (no-op unless the engine supports it)."""
+        return None
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``."""
+        return None
+
+    def close(self) -> None:
+        """Free everything the engine holds."""
+        return None

@@ -1,0 +1,342 @@
+"""Load the policy, the critic and the tokenizer from a local directory or a Hugging Face hub id.
+
+    tok = load_tokenizer("Qwen/Qwen2.5-0.5B-Instruct")          # padding side left, pad token set
+    policy = load_policy(path, dtype="bfloat16", gradient_checkpointing=True)
+    critic = load_critic(path, dtype="bfloat16")                # backbone + nn.Linear(hidden, 1) -> values [B, T]
+    hidden, weight, bias = policy_hidden_states(policy, input_ids, attention_mask)
+    logp = fastpo.kernels.fused_linear_logprob(hidden, weight, targets, bias, temperature=T)  # no [B, T, V] logits
+
+Offline: a local directory is used as is; a hub id with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) must
+already be in the Hugging Face cache, or loading fails at once with a one-line ValueError (transformers would
+otherwise fail with a generic connection message, or spend ~23 s retrying when the variable is unset).
+
+transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as ``TokenizersBackend``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return constants.HF_HUB_OFFLINE or any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
+
+
+def _looks_like_path(name: str) -> bool:
+    return (
+        os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+        or os.path.exists(name)
+    )
+
+
+def resolve_pretrained(path_or_id: str | os.PathLike, required: tuple[str, ...], what: str) -> str:
+    """Check where `path_or_id` will load from, before transformers tries.
+
+    Args:
+        path_or_id: a directory written by ``save_pretrained`` or a hub id such as ``Qwen/Qwen2.5-0.5B-Instruct``.
+        required: file names of which at least one must exist (e.g. ``("config.json",)``).
+        what: "model" or "tokenizer", for the messages.
+
+    Returns:
+        the string to pass to ``from_pretrained``.
+
+    Raises:
+        ValueError: a missing directory, a directory without any of `required`, or (offline) a hub id that is not
+            in the local cache; one line that says what to pass.
+    """
+    if not isinstance(path_or_id, (str, os.PathLike)) or not str(path_or_id):
+        raise ValueError(f"{what} must be a directory path or a hub id (str), got {path_or_id!r}")
+    name = os.path.expanduser(str(path_or_id))
+    if os.path.isdir(name):
+        if not any(os.path.exists(os.path.join(name, f)) for f in required):
+            raise ValueError(
+                f"{what} directory {name!r} has none of {list(required)}; pass a directory written by save_pretrained"
+            )
+        return name
+    if _looks_like_path(name):
+        raise ValueError(
+            f"{what} path {name!r} does not exist; pass a directory written by save_pretrained or a hub id such as"
+            " Qwen/Qwen2.5-0.5B-Instruct"
+        )
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not any(isinstance(try_to_load_from_cache(name, f), str) for f in required):
+            raise ValueError(
+                f"{what} {name!r} is not a local directory and not in the Hugging Face cache while HF_HUB_OFFLINE=1;"
+                f" pass a local directory, or download it first (`hf download {name}`)"
+            )
+    return name
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """A torch dtype from a dtype or one of "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be a floating dtype in {sorted(set(_DTYPES.values()), key=str)}, got {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"unknown dtype {dtype!r}; accepted: {sorted(_DTYPES)} or a torch floating dtype")
+
+
+def load_tokenizer(
+    path_or_id: str | os.PathLike,
+    padding_side: str = "left",
+    require_chat_template: bool = True,
+    trust_remote_code: bool = False,
+) -> Any:
+    """Load a tokenizer with an explicit padding side and a pad token.
+
+    Args:
+        path_or_id: local directory or hub id.
+        padding_side: "left" (generation) or "right".
+        require_chat_template: raise when the tokenizer has no chat template (the rollout renders chats).
+        trust_remote_code: forwarded to ``AutoTokenizer.from_pretrained``.
+
+    Returns:
+        the tokenizer; ``pad_token`` is the tokenizer's own, else ``<|endoftext|>`` when in the vocab, else eos.
+    """
+    from transformers import AutoTokenizer
+
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    name = resolve_pretrained(path_or_id, ("tokenizer_config.json", "tokenizer.json"), "tokenizer")
+    tok = AutoTokenizer.from_pretrained(name, padding_side=padding_side, trust_remote_code=trust_remote_code)
+    tok.padding_side = padding_side
+    if tok.pad_token is None:
+        vocab = tok.get_vocab()
+        if "<|endoftext|>" in vocab:
+            tok.pad_token = "<|endoftext|>"
+        elif tok.eos_token is not None:
+            tok.pad_token = tok.eos_token
+        else:
+            raise ValueError(f"tokenizer {name!r} has neither a pad nor an eos token; pass a tokenizer that has one")
+    if require_chat_template and not getattr(tok, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {name!r} has no chat template; pass an instruct model's tokenizer (e.g."
+            " Qwen/Qwen2.5-0.5B-Instruct) or a directory with chat_template.jinja"
+        )
+    return tok
+
+
+def _require_peft(lora_rank: int) -> Any:
+    """The peft module when LoRA is requested (lora_rank > 0), else None; checked before any weights load."""
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0 (0 = no LoRA), got {lora_rank!r}")
+    if lora_rank == 0:
+        return None
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError(
+            f"LoRA was requested (lora_rank={lora_rank}) but peft is not installed; pip install peft or set lora_rank=0"
+        ) from exc
+    return peft
+
+
+def _apply_lora(peft: Any, model: nn.Module, rank: int, alpha: int, target_modules: str | list[str]) -> nn.Module:
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def _load_kwargs(dtype: torch.dtype | str | None, attn_implementation: str | None, trust_remote_code: bool) -> dict:
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return kwargs
+
+
+def _enable_checkpointing(model: Any) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def load_policy(
+    path_or_id: str | os.PathLike,
+    dtype: torch.dtype | str | None = torch.float32,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    lora_target_modules: str | list[str] = "all-linear",
+    trust_remote_code: bool = False,
+) -> Any:
+    """Load a causal LM (``AutoModelForCausalLM``) as the policy.
+
+    Args:
+        path_or_id: local directory or hub id.
+        dtype: parameter dtype (torch dtype or "float32" / "bfloat16" / "float16").
+        gradient_checkpointing: recompute each layer in backward (non-reentrant); turns the KV cache off.
+        attn_implementation: "sdpa", "eager", "flash_attention_2", ...; None lets transformers choose.
+        lora_rank: > 0 wraps the model with a peft LoRA adapter (peft must be installed).
+        lora_alpha, lora_target_modules: the LoRA config.
+        trust_remote_code: forwarded to ``from_pretrained``.
+
+    Returns:
+        the model in train mode (a ``peft.PeftModel`` when LoRA is on).
+    """
+    from transformers import AutoModelForCausalLM
+
+    peft = _require_peft(lora_rank)
+    name = resolve_pretrained(path_or_id, ("config.json",), "model")
+    model = AutoModelForCausalLM.from_pretrained(name, **_load_kwargs(dtype, attn_implementation, trust_remote_code))
+    if gradient_checkpointing:
+        _enable_checkpointing(model)
+    if peft is not None:
+        model = _apply_lora(peft, model, lora_rank, lora_alpha, lora_target_modules)
+    model.train()
+    return model
+
+
+class CriticModel(nn.Module):
+    """A transformer backbone (no lm head) plus a scalar value head.
+
+    ``forward(input_ids [B, T] int64, attention_mask [B, T] | None, position_ids [B, T] | None)`` returns the
+    per-token values [B, T] float32: the value head runs in fp32 on the fp32-cast last hidden states.
+    """
+
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = value_head
+        self.config = getattr(backbone, "config", None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return self.value_head(out.last_hidden_state.float()).squeeze(-1)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write the backbone (``save_pretrained``, safetensors) and the head (``value_head.safetensors``)."""
+        from safetensors.torch import save_file
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(str(path), safe_serialization=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.value_head.state_dict().items()}
+        save_file(state, os.path.join(str(path), VALUE_HEAD_FILE))
+
+
+def load_critic(
+    path_or_id: str | os.PathLike,
+    dtype: torch.dtype | str | None = torch.float32,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    lora_target_modules: str | list[str] = "all-linear",
+    trust_remote_code: bool = False,
+    head_seed: int = 0,
+) -> CriticModel:
+    """Load the backbone of `path_or_id` (``AutoModel``: the causal LM without its head) and add a value head.
+
+    The head is ``nn.Linear(hidden, 1)`` in fp32: loaded from ``value_head.safetensors`` when the directory has
+    one (a saved critic), else initialised like verl's token-classification head (normal(0,
+    ``initializer_range``), zero bias) with `head_seed`. Other arguments as in ``load_policy``.
+    """
+    from transformers import AutoModel
+
+    peft = _require_peft(lora_rank)
+    name = resolve_pretrained(path_or_id, ("config.json",), "model")
+    backbone = AutoModel.from_pretrained(name, **_load_kwargs(dtype, attn_implementation, trust_remote_code))
+    if gradient_checkpointing:
+        _enable_checkpointing(backbone)
+    if peft is not None:
+        backbone = _apply_lora(peft, backbone, lora_rank, lora_alpha, lora_target_modules)
+    config = backbone.config.get_text_config()
+    head = nn.Linear(config.hidden_size, 1, dtype=torch.float32)
+    head_file = os.path.join(name, VALUE_HEAD_FILE)
+    if os.path.isfile(head_file):
+        from safetensors.torch import load_file
+
+        head.load_state_dict(load_file(head_file))
+    else:
+        gen = torch.Generator().manual_seed(head_seed)
+        with torch.no_grad():
+            head.weight.normal_(0.0, getattr(config, "initializer_range", 0.02), generator=gen)
+            head.bias.zero_()
+    device = next(backbone.parameters()).device
+    critic = CriticModel(backbone, head.to(device))
+    critic.train()
+    return critic
+
+
+class LMHeadInputs(NamedTuple):
+    """What the lm head would consume: ``logits = hidden @ weight.T (+ bias)``.
+
+    Attributes:
+        hidden: last hidden states after the final norm, [B, T, H], the model's dtype.
+        weight: the lm-head weight [V, H] (the embedding matrix when tied).
+        bias: the lm-head bias [V] or None (Qwen, Llama: None).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _unwrap(model: Any) -> Any:
+    get_base = getattr(model, "get_base_model", None)  # peft
+    return get_base() if callable(get_base) else model
+
+
+def policy_hidden_states(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> LMHeadInputs:
+    """Run the policy's decoder without building logits.
+
+    Args:
+        model: a causal LM from ``load_policy`` (peft-wrapped or not).
+        input_ids: [B, T] int64.
+        attention_mask: [B, T] (1 = token, 0 = padding) or None.
+        position_ids: [B, T] int64 or None (then 0..T-1; pass them for left padding or packed rows).
+
+    Returns:
+        ``LMHeadInputs(hidden [B, T, H], weight [V, H], bias [V] | None)``, so that
+        ``fastpo.kernels.fused_linear_logprob(hidden, weight, ids, bias, temperature)`` equals
+        ``log_softmax(model(...).logits / T)`` gathered at ``ids``.
+
+    Under FSDP2 the decoder is called directly (not the root module), so its parameters must be unsharded by
+    the decoder's own hooks (shard ``model.model`` as its own unit) and the lm-head weight gathered by the caller.
+    """
+    base = _unwrap(model)
+    config = base.config.get_text_config()
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1.0):
+            raise ValueError(f"model config sets {attr}={getattr(config, attr)}; policy_hidden_states cannot apply it")
+    decoder = base.get_decoder()
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    head = base.get_output_embeddings()
+    return LMHeadInputs(out.last_hidden_state, head.weight, getattr(head, "bias", None))

@@ -1,0 +1,175 @@
+"""Tiny models and tokenizers built locally, for tests, benchmarks and the tiny CPU agent (no hub access).
+
+    from fastpo.testing import build_tiny_tokenizer, build_tiny_model
+    tok = build_tiny_tokenizer("/tmp/tiny")             # byte-level BPE + Qwen-style chat template, saved
+    model = build_tiny_model("/tmp/tiny", tok)          # Qwen2ForCausalLM, tied embeddings, safetensors
+    # both reload through the real from_pretrained path:
+    fastpo.model.load_tokenizer("/tmp/tiny"); fastpo.model.load_policy("/tmp/tiny")
+
+The tokenizer keeps every grid cell a token of its own (shared/design/TINY_AGENT.md: a tokenizer that merges
+neighbouring cells hides where the player is). Each grid symbol and each digit is isolated by the
+pre-tokenizer, so BPE can never merge it with a neighbour, in a grid or anywhere else; the multi-byte "√"
+and the think/answer tags are added tokens. The price is that capitalised words starting with a grid letter
+split ("S" + "ok" + "oban"), which a tiny model does not mind.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Grid symbols of Sokoban (default and alternative vocab) and FrozenLake; each must stay one token.
+SOKOBAN_SYMBOLS = "#_O√XPS"
+SOKOBAN_ALT_SYMBOLS = "W.GCBA@"
+FROZENLAKE_SYMBOLS = "P_OGX√"
+GRID_SYMBOLS = "".join(dict.fromkeys(SOKOBAN_SYMBOLS + SOKOBAN_ALT_SYMBOLS + FROZENLAKE_SYMBOLS))
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+
+#: Qwen2.5's chat template without the tool-calling branches; the default system text is shortened.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _random_grid(rng: np.random.Generator, symbols: str, rows: int, cols: int) -> str:
+    """A rows x cols grid of `symbols` written as RAGEN renders it (cells adjacent, one row per line)."""
+    cells = rng.choice(list(symbols), size=(rows, cols))
+    return "\n".join("".join(row) for row in cells)
+
+
+def env_like_texts(num_grids: int = 200, seed: int = 0) -> list[str]:
+    """Training texts for the tiny tokenizer: Sokoban / FrozenLake grids, RAGEN's prompt text for both,
+    think/answer responses and reward lines. Deterministic given `seed`."""
+    from .prompts import SYSTEM_PROMPT, Turn, build_messages, prompt_spec
+
+    rng = np.random.default_rng(seed)
+    texts: list[str] = []
+    actions = ["Up", "Down", "Left", "Right"]
+    for i in range(num_grids):
+        symbols = (SOKOBAN_SYMBOLS, SOKOBAN_ALT_SYMBOLS, FROZENLAKE_SYMBOLS)[i % 3]
+        size = int(rng.integers(4, 9))
+        texts.append(_random_grid(rng, symbols, size, size))
+        picked = " || ".join(rng.choice(actions, size=int(rng.integers(1, 4))))
+        first = picked.split(" || ")[0].lower()
+        texts.append(f"<think> I should move {first} first. </think> <answer> {picked} </answer>")
+        texts.append(f"Reward:\n{rng.choice([-0.1, 0.9, 1.0, 10.9, 0])}\n")
+    for env in ("sokoban", "frozenlake", "countdown", "bandit"):
+        spec = prompt_spec(env)
+        grid = _random_grid(rng, FROZENLAKE_SYMBOLS if env == "frozenlake" else SOKOBAN_SYMBOLS, 6, 6)
+        turns = [Turn(grid, actions_left=10, response="<think> go </think> <answer> Up </answer>", reward=-0.1)]
+        turns.append(Turn(grid, actions_left=9))
+        texts.extend(m["content"] for m in build_messages(spec, turns))
+    texts.extend([SYSTEM_PROMPT, "system", "user", "assistant"])
+    return texts
+
+
+def build_tiny_tokenizer(path: str | os.PathLike, extra_texts: Iterable[str] = (), vocab_size: int = 1024) -> Any:
+    """Train a byte-level BPE on env-like texts and save it (with a Qwen-style chat template) to `path`.
+
+    Args:
+        path: directory to write (created); ``AutoTokenizer.from_pretrained(path)`` loads it.
+        extra_texts: more training text (e.g. an env's observations).
+        vocab_size: BPE vocabulary size including the 256 byte symbols, special and added tokens.
+
+    Returns:
+        The transformers tokenizer as reloaded from `path` (a ``TokenizersBackend``), padding side left,
+        pad ``<|endoftext|>``, eos ``<|im_end|>``.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size must be >= 300 (256 bytes + special and added tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    ascii_symbols = "".join(c for c in GRID_SYMBOLS if c.isascii())
+    isolate = Regex("[" + "".join("\\" + c if not c.isalnum() else c for c in ascii_symbols) + "]|\\p{N}")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(isolate, behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(env_like_texts()) + list(extra_texts), trainer=trainer)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("√", *TAGS)])
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        padding_side="left",
+        model_max_length=4096,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    Path(path).mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), padding_side="left")
+
+
+def build_tiny_model(
+    path: str | os.PathLike,
+    tokenizer: Any,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    intermediate: int | None = None,
+    max_positions: int = 4096,
+    initializer_range: float = 0.02,
+) -> Any:
+    """Build a randomly initialised Qwen2ForCausalLM (tied embeddings, fp32) and save it to `path` (safetensors).
+
+    Deterministic given `seed` (the global RNG state is restored afterwards). The vocab is ``len(tokenizer)``,
+    eos/pad/bos ids come from the tokenizer; the generation config stops on ``<|im_end|>`` and
+    ``<|endoftext|>``. Returns the model (eval mode).
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, PAD_TOKEN)]
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        initializer_range=initializer_range,
+        bos_token_id=None,
+        eos_token_id=eos_ids[0],
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = eos_ids
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    model.eval()
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model

@@ -1,0 +1,305 @@
+"""fastpo.engine.hf.HFEngine on a tiny Qwen2 model: exactness against full forwards and HF generate, seeded
+sampling, multi-turn KV reuse, stopping rules, top-k / top-p."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastpo import testing
+from fastpo.engine import Engine, HFEngine, SamplingParams
+from fastpo.engine.hf import request_uniforms, sample_tokens
+from fastpo.model import load_policy, load_tokenizer
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny shapes gain nothing from more threads, and OpenMP threads spinning against other processes on a shared
+    2-core machine made this module ~25x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_engine")
+    tok = testing.build_tiny_tokenizer(path)
+    # A wider init than the default 0.02 gives peaked next-token distributions, so greedy comparisons are not
+    # decided by near-ties.
+    testing.build_tiny_model(path, tok, seed=0, initializer_range=0.2)
+    return path, load_tokenizer(path), load_policy(path).eval()
+
+
+def _prompts(n: int, vocab: int, seed: int = 0, lengths=(17, 5, 11, 1, 23, 8)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def _full_forward_logprobs(model, context: list[int], generated: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) at `generated`, the last len(generated) tokens of `context`, from one fresh forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0].float()
+    n = len(generated)
+    logp = torch.log_softmax(logits / temperature, dim=-1)[-n - 1 : -1]
+    return logp.gather(1, torch.tensor(generated)[:, None]).squeeze(1)
+
+
+def test_engine_implements_interface(tiny):
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    assert isinstance(engine, Engine) and engine.weight_version == 0
+    assert set(engine.eos_token_ids) == {tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_new_tokens=12), SamplingParams(temperature=1.0, top_k=1, max_new_tokens=12)],
+)
+def test_greedy_equals_hf_generate(tiny, params):
+    _, tok, model = tiny
+    prompts = _prompts(4, len(tok))
+    results = HFEngine(model, tok).generate(prompts, params, seeds=[0, 1, 2, 3])
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id
+            )
+        expected = out[0, len(prompt) :].tolist()
+        assert result.token_ids == expected[: len(result.token_ids)]
+        assert result.finish_reason == ("stop" if len(result.token_ids) < 12 else result.finish_reason)
+        torch.testing.assert_close(
+            torch.tensor(result.logprobs),
+            _full_forward_logprobs(model, prompt + result.token_ids, result.token_ids, 1.0),
+            atol=ATOL,
+            rtol=0,
+        )
+
+
+def test_seeded_sampling_reproducible_and_batch_invariant(tiny):
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    prompts = _prompts(5, len(tok))
+    batch = engine.generate(prompts, params, seeds=[10, 11, 12, 13, 14])
+    again = engine.generate(prompts, params, seeds=[10, 11, 12, 13, 14])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in again]
+    for i in range(5):
+        alone = engine.generate([prompts[i]], params, seeds=[10 + i])[0]
+        assert alone.token_ids == batch[i].token_ids
+        np.testing.assert_allclose(alone.logprobs, batch[i].logprobs, atol=ATOL)
+    shuffled = engine.generate(prompts[::-1], params, seeds=[14, 13, 12, 11, 10])
+    assert [r.token_ids for r in shuffled[::-1]] == [r.token_ids for r in batch]
+    other = engine.generate(prompts, params, seeds=[20, 21, 22, 23, 24])
+    assert [r.token_ids for r in other] != [r.token_ids for r in batch]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 50, 0.9)])
+def test_logprobs_equal_full_forward(tiny, temperature, top_k, top_p):
+    _, tok, model = tiny
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=9)
+    prompts = _prompts(3, len(tok), seed=5)
+    for prompt, result in zip(prompts, HFEngine(model, tok).generate(prompts, params, seeds=[1, 2, 3]), strict=True):
+        context = prompt + result.token_ids
+        expected = _full_forward_logprobs(model, context, result.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=ATOL, rtol=0)
+        raw = _full_forward_logprobs(model, context, result.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(result.raw_logprobs), raw, atol=ATOL, rtol=0)
+
+
+def _multi_turn(engine: HFEngine, prompts, observations, params) -> tuple[list, list[list[int]]]:
+    """Four turns over three sessions; turn 2 generates a reordered subset (forcing a regroup) and session 1
+    gets two observations at once. Returns per session [(start offset in its context, result)] and the contexts."""
+    sids = engine.open_sessions(3)
+    per_session: list[list] = [[], [], []]
+
+    def generate(which: list[int], seeds: list[int]) -> None:
+        starts = [len(engine.session_token_ids(sids[i])) for i in which]
+        results = engine.generate_sessions([sids[i] for i in which], params, seeds)
+        for i, start, result in zip(which, starts, results, strict=True):
+            per_session[i].append((start, result))
+
+    engine.extend(sids, prompts)
+    generate([0, 1, 2], [1, 2, 3])
+    engine.extend(sids, observations[0])
+    generate([2, 0], [13, 11])
+    engine.extend([sids[0], sids[2]], [observations[1][0], observations[1][2]])
+    engine.extend([sids[1]], [observations[0][1] + observations[1][1]])
+    generate([0, 1, 2], [21, 22, 23])
+    engine.extend(sids, observations[2])
+    generate([0, 1, 2], [31, 32, 33])
+    contexts = [engine.session_token_ids(s) for s in sids]
+    engine.close_sessions(sids)
+    return per_session, contexts
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_prefill_tokens": 16}, {"compact_below": 0.99}, {"max_batch_size": 2}],
+    ids=["default", "chunked_prefill", "always_compact", "batch_chunks"],
+)
+def test_kv_reuse_multi_turn_equals_reprefill_and_full_forward(tiny, options):
+    _, tok, model = tiny
+    # ~10% of the vocab stops a request, so rows finish at different steps and leave holes in the cache
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=tuple(range(3, 60)))
+    prompts = _prompts(3, len(tok), seed=7, lengths=(20, 7, 13))
+    obs = [
+        _prompts(3, len(tok), seed=8 + t, lengths=lengths)
+        for t, lengths in enumerate([(3, 9, 1), (5, 2, 8), (4, 1, 6)])
+    ]
+    turns_reuse, ctx_reuse = _multi_turn(HFEngine(model, tok, reuse_kv=True, **options), prompts, obs, params)
+    turns_fresh, ctx_fresh = _multi_turn(HFEngine(model, tok, reuse_kv=False), prompts, obs, params)
+    assert ctx_reuse == ctx_fresh
+    reasons = {r.finish_reason for turns in turns_reuse for _, r in turns}
+    assert reasons == {"stop", "length"}
+    for session_a, session_b in zip(turns_reuse, turns_fresh, strict=True):
+        for (_, a), (_, b) in zip(session_a, session_b, strict=True):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=ATOL)
+    # every sampled token of every turn against one forward over the final context
+    for ctx, session_turns in zip(ctx_reuse, turns_reuse, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ctx])).logits[0].float(), dim=-1)
+        for start, result in session_turns:
+            n = len(result.token_ids)
+            assert ctx[start : start + n] == result.token_ids
+            expected = logp[start - 1 : start - 1 + n].gather(1, torch.tensor(result.token_ids)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=ATOL, rtol=0)
+
+
+def test_kv_buffers_stay_finite_with_padding(tiny):
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    sids = engine.open_sessions(3)
+    engine.extend(sids, _prompts(3, len(tok), lengths=(1, 30, 4)))
+    engine.generate_sessions(sids, SamplingParams(max_new_tokens=5), seeds=[0, 1, 2])
+    group = engine._sessions[sids[0]].group
+    for layer in group.layers:
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+def test_stop_tokens_and_max_new_tokens(tiny):
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    prompt = _prompts(1, len(tok), seed=3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    free = engine.generate(prompt, greedy)[0]
+    assert len(free.token_ids) == 6 and free.finish_reason == "length"
+    # the last position whose token did not occur before it: stopping on that token stops exactly there
+    stop_at = max(i for i, t in enumerate(free.token_ids) if free.token_ids.index(t) == i)
+    stop_token = free.token_ids[stop_at]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, stop_token_ids=(stop_token,))
+    stopped = engine.generate(prompt, params)[0]
+    assert stopped.token_ids == free.token_ids[: stop_at + 1] and stopped.finish_reason == "stop"
+    eos_engine = HFEngine(model, tok, eos_token_ids=[stop_token])
+    as_eos = eos_engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    assert as_eos.token_ids == stopped.token_ids and as_eos.finish_reason == "stop"
+    assert eos_engine.generate(prompt, greedy)[0].token_ids == free.token_ids  # ignore_eos
+    capped = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    sampled = engine.generate(_prompts(4, len(tok)), capped, seeds=[1, 2, 3, 4])
+    assert all(len(r.token_ids) == 3 and r.finish_reason == "length" for r in sampled)
+    # sessions: the cap applies per call (per turn)
+    sids = engine.open_sessions(1)
+    engine.extend(sids, prompt)
+    for turn in range(2):
+        assert (
+            len(engine.generate_sessions(sids, SamplingParams(max_new_tokens=2, ignore_eos=True), [turn])[0].token_ids)
+            == 2
+        )
+    assert len(engine.session_token_ids(sids[0])) == len(prompt[0]) + 4
+
+
+def test_top_k_top_p_never_sample_outside_allowed_set():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4).clone()
+    uniforms = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000
+    cases = [  # (temperature, top_k, top_p) -> allowed tokens and their renormalised probabilities
+        ((1.0, 0, 0.7), [0.5 / 0.8, 0.3 / 0.8, 0, 0]),
+        ((1.0, 2, 1.0), [0.5 / 0.8, 0.3 / 0.8, 0, 0]),
+        ((1.0, 3, 0.9), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),  # top-p on the top-k renormalised distribution
+        ((1.0, 0, 0.5), [1.0, 0, 0, 0]),
+        ((1.0, 0, 1.0), [0.5, 0.3, 0.15, 0.05]),
+    ]
+    for (temperature, top_k, top_p), expected in cases:
+        tokens, logp, raw = sample_tokens(logits, uniforms, temperature, top_k, top_p)
+        freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
+        assert all(freq[i] == 0 for i in range(4) if expected[i] == 0), (top_k, top_p, freq)
+        np.testing.assert_allclose(freq.numpy(), expected, atol=1e-3)
+        # logprobs stay log_softmax(logits / T) over the full vocab, not renormalised
+        torch.testing.assert_close(logp, probs.log()[tokens], atol=1e-6, rtol=0)
+    hot = sample_tokens(logits, uniforms, 2.0, 0, 1.0)
+    torch.testing.assert_close(hot[1], torch.log_softmax(probs.log() / 2.0, -1)[hot[0]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(hot[2], probs.log()[hot[0]], atol=1e-6, rtol=0)
+    extremes = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    tokens, _, _ = sample_tokens(torch.tensor([[0.0, 0.0, -math.inf, 0.0, -math.inf]] * 2), extremes, 1.0)
+    assert tokens.tolist() == [0, 3]
+
+
+def test_request_uniforms():
+    u = request_uniforms([0, 1, 2**70, -5], 1000)
+    assert u.shape == (4, 1000) and (u >= 0).all() and (u < 1).all()
+    np.testing.assert_array_equal(u[1], request_uniforms([1], 1000)[0])
+    assert abs(u.mean() - 0.5) < 0.02 and not np.array_equal(u[0], u[1])
+    np.testing.assert_array_equal(u[:, :10], request_uniforms([0, 1, 2**70, -5], 10))
+
+
+def test_sync_weights_updates_and_reprefills(tiny, tmp_path):
+    path, tok, model = tiny
+    engine = HFEngine(load_policy(path).eval(), tok)
+    new_model = testing.build_tiny_model(tmp_path / "new", tok, seed=5, initializer_range=0.2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True)
+    prompt = _prompts(1, len(tok), seed=9)
+    sids = engine.open_sessions(1)
+    engine.extend(sids, prompt)
+    engine.generate_sessions(sids, params, [0])
+    assert engine.sync_weights(new_model.state_dict()) == 1 and engine.weight_version == 1
+    engine.extend(sids, [[5, 6, 7]])
+    result = engine.generate_sessions(sids, params, [1])[0]
+    assert result.weight_version == 1
+    ctx = engine.session_token_ids(sids[0])
+    expected = _full_forward_logprobs(new_model, ctx, result.token_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=ATOL, rtol=0)
+    assert engine.sync_weights(new_model) == 2
+    with pytest.raises(ValueError, match="missing"):
+        engine.sync_weights({"model.norm.weight": torch.ones(model.config.hidden_size)})
+
+
+def test_bad_inputs_raise(tiny):
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="seeds"):
+        engine.generate([[1, 2]], SamplingParams(), seeds=[1, 2])
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        engine.generate([[len(tok) + 5]], SamplingParams())
+    sids = engine.open_sessions(1)
+    with pytest.raises(ValueError, match="no tokens"):
+        engine.generate_sessions(sids, SamplingParams())
+    engine.close_sessions(sids)
+    with pytest.raises(ValueError, match="unknown or closed"):
+        engine.extend(sids, [[1]])
+
+
+@pytest.mark.gpu
+def test_cuda_engine_matches_cpu(tiny):
+    path, tok, model = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    prompts = _prompts(4, len(tok), seed=11)
+    cpu = HFEngine(model, tok).generate(prompts, params, seeds=[1, 2, 3, 4])
+    gpu = HFEngine(load_policy(path).eval().cuda(), tok).generate(prompts, params, seeds=[1, 2, 3, 4])
+    for a, b in zip(cpu, gpu, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
