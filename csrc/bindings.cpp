@@ -4,6 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +24,21 @@ template <typename T>
 using CArray = py::array_t<T, py::array::c_style>;
 
 // Returns `obj` as a C-contiguous array of T with the given shape; ValueError otherwise (never converts).
+template <typename T>
+CArray<T> strict_array(const py::handle& obj, const std::vector<py::ssize_t>& shape, const char* name);
+
+// strict_array for 1-D arrays: the common case (an exact ndarray of the right dtype, shape and layout) is
+// checked without building any message or shape vector; anything else goes through strict_array's errors.
+template <typename T>
+CArray<T> strict_array_1d(const py::handle& obj, py::ssize_t n, const char* name) {
+  if (py::isinstance<py::array_t<T>>(obj)) {
+    auto arr = py::reinterpret_borrow<py::array>(obj);
+    if (arr.ndim() == 1 && arr.shape(0) == n && (arr.flags() & py::array::c_style))
+      return py::reinterpret_borrow<CArray<T>>(arr);
+  }
+  return strict_array<T>(obj, {n}, name);
+}
+
 template <typename T>
 CArray<T> strict_array(const py::handle& obj, const std::vector<py::ssize_t>& shape, const char* name) {
   const std::string expected = py::str(py::dtype::of<T>()).cast<std::string>();
@@ -42,10 +60,125 @@ CArray<T> strict_array(const py::handle& obj, const std::vector<py::ssize_t>& sh
   return py::reinterpret_borrow<CArray<T>>(arr);
 }
 
-py::list to_list(const std::vector<std::string>& strings) {
-  py::list out(strings.size());
-  for (size_t i = 0; i < strings.size(); ++i) out[i] = py::str(strings[i].data(), strings[i].size());
+// Text observations built straight into Python str objects from per-cell render codes: each code maps to a
+// symbol (a sequence of code points); rows are joined by '\n'. Equal to decoding the UTF-8 render.
+struct SymbolTable {
+  std::u32string cps[256];  // code points per render code
+  Py_UCS4 maxchar[256] = {};
+  Py_UCS4 single[256] = {};  // the code point when every symbol is exactly one
+  bool all_single = true;
+  std::vector<uint8_t> wide_codes;  // codes whose symbol has a code point >= 128 (few: found with memchr)
+
+  explicit SymbolTable(const std::vector<std::u32string>& symbols) {
+    for (size_t k = 0; k < 256; ++k) {
+      cps[k] = k < symbols.size() ? symbols[k] : std::u32string(U"?");
+      for (char32_t c : cps[k]) maxchar[k] = std::max<Py_UCS4>(maxchar[k], c);
+      if (cps[k].size() != 1) all_single = false;
+      single[k] = cps[k].empty() ? 0 : cps[k][0];
+      if (maxchar[k] >= 128) wide_codes.push_back(static_cast<uint8_t>(k));
+    }
+  }
+};
+
+// Decodes valid UTF-8 (as pybind11 produces from Python str) into code points.
+std::u32string decode_utf8(const std::string& s) {
+  std::u32string out;
+  for (size_t i = 0; i < s.size();) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    const int len = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
+    if (i + len > s.size()) throw std::invalid_argument("symbol is not valid UTF-8");
+    char32_t c = len == 1 ? b : len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
+    for (int k = 1; k < len; ++k) c = (c << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+    out.push_back(c);
+    i += len;
+  }
   return out;
+}
+
+template <typename CharT>
+void write_single(CharT* dst, const uint8_t* codes, int rows, int cols, const SymbolTable& t) {
+  for (int r = 0; r < rows; ++r) {
+    if (r > 0) *dst++ = static_cast<CharT>('\n');
+    for (int c = 0; c < cols; ++c) *dst++ = static_cast<CharT>(t.single[*codes++]);
+  }
+}
+
+// codes: n * rows * cols render codes -> list of n str.
+py::list build_observations(const uint8_t* codes, int64_t n, int rows, int cols, const SymbolTable& t) {
+  const int64_t cells = static_cast<int64_t>(rows) * cols;
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+  if (list == nullptr) throw py::error_already_set();
+  py::list out = py::reinterpret_steal<py::list>(list);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* cc = codes + i * cells;
+    // Only the kind matters to PyUnicode_New (ASCII / 1 / 2 / 4 bytes), so an all-ASCII render may claim 127.
+    Py_UCS4 maxchar = 127;
+    for (uint8_t w : t.wide_codes)
+      if (std::memchr(cc, w, static_cast<size_t>(cells)) != nullptr) maxchar = std::max(maxchar, t.maxchar[w]);
+    Py_ssize_t len = rows - 1;
+    if (t.all_single) {
+      len += cells;
+    } else {
+      for (int64_t k = 0; k < cells; ++k) len += static_cast<Py_ssize_t>(t.cps[cc[k]].size());
+    }
+    PyObject* str = PyUnicode_New(len, maxchar);
+    if (str == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), str);  // steals; the list owns it from here
+    const int kind = PyUnicode_KIND(str);
+    if (t.all_single && kind == PyUnicode_1BYTE_KIND) {
+      write_single(PyUnicode_1BYTE_DATA(str), cc, rows, cols, t);
+    } else if (t.all_single && kind == PyUnicode_2BYTE_KIND) {
+      write_single(PyUnicode_2BYTE_DATA(str), cc, rows, cols, t);
+    } else {
+      void* data = PyUnicode_DATA(str);
+      Py_ssize_t pos = 0;
+      for (int r = 0; r < rows; ++r) {
+        if (r > 0) PyUnicode_WRITE(kind, data, pos++, '\n');
+        for (int c = 0; c < cols; ++c)
+          for (char32_t ch : t.cps[*cc++]) PyUnicode_WRITE(kind, data, pos++, ch);
+      }
+    }
+  }
+  return out;
+}
+
+const SymbolTable& frozenlake_symbols() {
+  static const SymbolTable table({U"_", U"O", U"G", U"P", U"X", U"\u221A"});  // see FrozenLakeBatch::render_codes
+  return table;
+}
+
+// The table of the last symbol set seen (every batch of a run usually shares one); guarded by the GIL.
+const SymbolTable& sokoban_symbols(const SokobanBatch& b) {
+  static std::vector<std::string> key;
+  static std::unique_ptr<SymbolTable> table;
+  if (!table || key != b.symbols()) {
+    std::vector<std::u32string> symbols;
+    for (const auto& s : b.symbols()) symbols.push_back(decode_utf8(s));
+    table = std::make_unique<SymbolTable>(symbols);
+    key = b.symbols();
+  }
+  return *table;
+}
+
+// Render codes of every instance (GIL released), then the str objects (GIL held).
+py::list render_observations(FrozenLakeBatch& b) {
+  const int s = b.size();
+  std::vector<uint8_t> codes(static_cast<size_t>(b.num_envs()) * s * s);
+  {
+    py::gil_scoped_release release;
+    b.render_codes(codes.data());
+  }
+  return build_observations(codes.data(), b.num_envs(), s, s, frozenlake_symbols());
+}
+
+py::list render_observations(SokobanBatch& b) {
+  const int rows = b.params().rows, cols = b.params().cols;
+  std::vector<uint8_t> codes(static_cast<size_t>(b.num_envs()) * rows * cols);
+  {
+    py::gil_scoped_release release;
+    b.render_codes(codes.data());
+  }
+  return build_observations(codes.data(), b.num_envs(), rows, cols, sokoban_symbols(b));
 }
 
 template <typename T>
@@ -68,43 +201,38 @@ void require_ready(const Batch& b) {
     throw std::runtime_error("some instances were never reset; call reset() or reset_from_layouts() first");
 }
 
-// step() for either batch: (obs, reward f32[N], terminated, truncated, success, valid, effective bool[N]).
+// step() for either batch: (obs or None when render=False, reward f32[N], terminated, truncated, success, valid, effective bool[N]).
 template <typename Batch>
-py::tuple step_batch(Batch& b, const py::handle& actions_obj) {
+py::tuple step_batch(Batch& b, const py::handle& actions_obj, bool render) {
   const py::ssize_t n = b.num_envs();
-  auto actions = strict_array<int32_t>(actions_obj, {n}, "actions");
+  auto actions = strict_array_1d<int32_t>(actions_obj, n, "actions");
   require_ready(b);
   py::array_t<float> reward(n);
-  py::array_t<bool> flags[5] = {py::array_t<bool>(n), py::array_t<bool>(n), py::array_t<bool>(n),
-                                py::array_t<bool>(n), py::array_t<bool>(n)};
-  uint8_t* ptr[5];
-  for (int k = 0; k < 5; ++k) ptr[k] = reinterpret_cast<uint8_t*>(flags[k].mutable_data());
+  // One allocation for the five flag arrays: bool[5, N], returned as its row views (each owns a reference
+  // to the block, so they stay valid independently).
+  py::array_t<bool> block({py::ssize_t{5}, n});
+  uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());
   const int32_t* a = actions.data();
   float* r = reward.mutable_data();
-  std::vector<std::string> obs;
   {
     py::gil_scoped_release release;
-    b.step(a, r, ptr[0], ptr[1], ptr[2], ptr[3], ptr[4]);
-    b.render(obs);
+    b.step(a, r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
   }
-  return py::make_tuple(to_list(obs), reward, flags[0], flags[1], flags[2], flags[3], flags[4]);
+  auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
+  py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
+  return py::make_tuple(obs_out, reward, row(0), row(1), row(2), row(3), row(4));
 }
 
 template <typename Batch>
 py::list render_batch(Batch& b) {
   require_ready(b);
-  std::vector<std::string> obs;
-  {
-    py::gil_scoped_release release;
-    b.render(obs);
-  }
-  return to_list(obs);
+  return render_observations(b);
 }
 
 template <typename Batch>
 py::list reset_batch(Batch& b, const py::handle& seeds_obj, const py::handle& mask_obj) {
   const py::ssize_t n = b.num_envs();
-  auto seeds = strict_array<int64_t>(seeds_obj, {n}, "seeds");
+  auto seeds = strict_array_1d<int64_t>(seeds_obj, n, "seeds");
   const uint8_t* mask = nullptr;
   CArray<bool> mask_arr;
   if (!mask_obj.is_none()) {
@@ -169,7 +297,7 @@ PYBIND11_MODULE(_C, m) {
             return render_batch(b);
           },
           py::arg("room_fixed"), py::arg("room_state"), "uint8[N, R, C] each -> list of N observations.")
-      .def("step", &step_batch<SokobanBatch>, py::arg("actions"),
+      .def("step", &step_batch<SokobanBatch>, py::arg("actions"), py::arg("render") = true,
            "int32[N] ids (1 Up, 2 Down, 3 Left, 4 Right) -> (obs, reward f32[N], terminated, truncated, success, "
            "action_is_valid, action_is_effective bool[N]).")
       .def("render", &render_batch<SokobanBatch>)
@@ -224,7 +352,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("desc"), py::arg("start"), py::arg("seeds"),
           "desc uint8[N, S, S] ASCII, start int32[N] cells, seeds int64[N] (slip streams) -> observations.")
-      .def("step", &step_batch<FrozenLakeBatch>, py::arg("actions"),
+      .def("step", &step_batch<FrozenLakeBatch>, py::arg("actions"), py::arg("render") = true,
            "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up) -> (obs, reward f32[N], terminated, truncated, success, "
            "action_is_valid, action_is_effective bool[N]).")
       .def("render", &render_batch<FrozenLakeBatch>)

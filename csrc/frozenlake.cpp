@@ -120,7 +120,7 @@ void FrozenLakeBatch::step(const int32_t* actions, float* reward, uint8_t* termi
                            uint8_t* success, uint8_t* valid, uint8_t* effective) {
   std::lock_guard<std::mutex> lock(mu_);
   const int cells = size_ * size_;
-  pool_.parallel_for(n_, 16384, [&](int, int64_t begin, int64_t end) {
+  pool_.run(n_, 16384, [&](int, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* map = &desc[i * cells];
       const int32_t action = actions[i];
@@ -153,25 +153,19 @@ void FrozenLakeBatch::step(const int32_t* actions, float* reward, uint8_t* termi
   });
 }
 
-void FrozenLakeBatch::render(std::vector<std::string>& out) {
+void FrozenLakeBatch::render_codes(uint8_t* out) {
   std::lock_guard<std::mutex> lock(mu_);
   const int cells = size_ * size_;
-  out.resize(n_);
-  pool_.parallel_for(n_, 4096, [&](int, int64_t begin, int64_t end) {
+  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* map = &desc[i * cells];
-      std::string& s = out[i];
-      s.clear();
-      s.reserve(cells + size_ + 2);
+      uint8_t* o = &out[i * cells];
       for (int cell = 0; cell < cells; ++cell) {
-        if (cell > 0 && cell % size_ == 0) s.push_back('\n');
         const uint8_t letter = map[cell];
-        if (cell == position[i]) {
-          s += letter == 'H' ? "X" : letter == 'G' ? "\xE2\x88\x9A" : "P";  // U+221A √ in UTF-8
-        } else {
-          s.push_back(letter == 'H' ? 'O' : letter == 'G' ? 'G' : '_');
-        }
+        o[cell] = letter == 'H' ? 1 : letter == 'G' ? 2 : 0;
       }
+      const uint8_t letter = map[position[i]];
+      o[position[i]] = letter == 'H' ? 4 : letter == 'G' ? 5 : 3;
     }
   });
 }

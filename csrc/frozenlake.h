@@ -36,7 +36,9 @@ class FrozenLakeBatch {
   void set_layouts(const uint8_t* desc_in, const int32_t* start, const int64_t* seeds);
   void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  void render(std::vector<std::string>& out);
+  // Render codes num_envs * size * size: 0 _, 1 O (hole), 2 G, 3 P, 4 X (player in hole),
+  // 5 U+221A (player on goal); the bindings map them to text.
+  void render_codes(uint8_t* out);
   bool all_ready() const;
 
   int num_envs() const { return n_; }

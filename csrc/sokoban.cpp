@@ -419,7 +419,7 @@ void SokobanBatch::step(const int32_t* actions, float* reward, uint8_t* terminat
                         uint8_t* success, uint8_t* valid, uint8_t* effective) {
   std::lock_guard<std::mutex> lock(mu_);
   // Stepping is ~50 ns per instance: threads only pay off for very large batches.
-  pool_.parallel_for(n_, 16384, [&](int, int64_t begin, int64_t end) {
+  pool_.run(n_, 16384, [&](int, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       step_one(static_cast<int>(i), actions[i], reward, success, valid, effective);
       terminated_out[i] = terminated[i];
@@ -428,24 +428,14 @@ void SokobanBatch::step(const int32_t* actions, float* reward, uint8_t* terminat
   });
 }
 
-void SokobanBatch::render(std::vector<std::string>& out) {
+void SokobanBatch::render_codes(uint8_t* out) {
   std::lock_guard<std::mutex> lock(mu_);
-  out.resize(n_);
-  pool_.parallel_for(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* state = &room_state[i * cells_];
-      const uint8_t* fixed = &room_fixed[i * cells_];
-      std::string& s = out[i];
-      s.clear();
-      s.reserve(cells_ * 2 + p_.rows);
-      for (int r = 0; r < p_.rows; ++r) {
-        if (r > 0) s.push_back('\n');
-        for (int c = r * p_.cols; c < (r + 1) * p_.cols; ++c) {
-          const uint8_t code = (state[c] == kPlayer && fixed[c] == kTarget) ? kPlayerOnTarget : state[c];
-          s += symbols_[code];
-        }
-      }
-    }
+  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
+    const size_t lo = static_cast<size_t>(begin) * cells_, hi = static_cast<size_t>(end) * cells_;
+    const uint8_t* state = room_state.data();
+    const uint8_t* fixed = room_fixed.data();
+    for (size_t c = lo; c < hi; ++c)
+      out[c] = (state[c] == kPlayer && fixed[c] == kTarget) ? static_cast<uint8_t>(kPlayerOnTarget) : state[c];
   });
 }
 

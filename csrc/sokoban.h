@@ -110,11 +110,13 @@ class SokobanBatch {
   void set_layouts(const uint8_t* room_fixed, const uint8_t* room_state);
   void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  void render(std::vector<std::string>& out);
+  // Render cell codes 0..6 (6 = player on target), num_envs * rows * cols; the bindings map them to symbols().
+  void render_codes(uint8_t* out);
   bool all_ready() const;
 
   int num_envs() const { return n_; }
   const SokobanParams& params() const { return p_; }
+  const std::vector<std::string>& symbols() const { return symbols_; }
   // Raw state (copied out by the bindings).
   std::vector<uint8_t> room_fixed, room_state;
   std::vector<int32_t> num_steps, boxes_on_target, num_boxes, player;

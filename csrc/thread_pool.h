@@ -2,6 +2,7 @@
 // num_threads = 1 runs everything inline in the calling thread (no threads are created).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -28,6 +29,18 @@ class ThreadPool {
   // Runs fn over [0, n) in chunks of `grain` (dynamic scheduling: generation cost varies per level).
   // The caller works too. The first exception thrown by fn is rethrown here after all workers stop.
   void parallel_for(int64_t n, int64_t grain, const RangeFn& fn);
+
+  // Same as parallel_for, but runs fn inline (no std::function, no pool lock) when one thread would do
+  // all the work anyway: a single-thread pool or n <= grain. The caller's own lock guards its state.
+  template <typename Fn>
+  void run(int64_t n, int64_t grain, Fn&& fn) {
+    if (n <= 0) return;
+    if (threads_.empty() || n <= std::max<int64_t>(grain, 1)) {
+      fn(0, int64_t{0}, n);
+      return;
+    }
+    parallel_for(n, grain, RangeFn(fn));
+  }
 
  private:
   void worker_loop(int worker);

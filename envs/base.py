@@ -49,7 +49,10 @@ class BatchEnv(ABC):
     @abstractmethod
     def step(self, actions: Any) -> StepResult:
         """Apply one action per instance. Returns ``(obs, reward float32[N], terminated bool[N],
-        truncated bool[N], info)`` with ``info`` holding the ``bool[N]`` arrays of ``INFO_KEYS``."""
+        truncated bool[N], info)`` with ``info`` holding the ``bool[N]`` arrays of ``INFO_KEYS``.
+
+        Grid envs (Sokoban, FrozenLake) also take ``render=False``: ``obs`` is then None. A rollout
+        executes several actions per turn and shows the model only the state after the last one."""
 
     @abstractmethod
     def render(self) -> list[str]:
@@ -98,6 +101,13 @@ def check_discrete_actions(actions: Any, num_envs: int) -> np.ndarray:
 
     Out-of-range ids are accepted (they are "no valid action" for the env); the dtype and shape are
     what is checked, and values must fit in int32."""
+    if (
+        type(actions) is np.ndarray
+        and actions.dtype == np.int32
+        and actions.shape == (num_envs,)
+        and actions.flags.c_contiguous
+    ):
+        return actions  # fast path: already exactly what the simulator takes (int32 always fits int32)
     if isinstance(actions, (list, tuple)) and any(isinstance(a, (bool, np.bool_)) for a in actions):
         raise ValueError("actions must be integer ids, got bool values")
     arr = np.asarray(actions)

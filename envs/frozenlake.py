@@ -64,11 +64,11 @@ class FrozenLakeEnv(BatchEnv):
         seeds = check_seeds(np.zeros(self.num_envs, dtype=np.int64) if seeds is None else seeds, self.num_envs)
         return self._batch.set_layouts(desc, start, seeds)
 
-    def step(self, actions: Any) -> StepResult:
+    def step(self, actions: Any, render: bool = True) -> StepResult:
         """``actions``: ``int32[num_envs]`` -> ``(obs, reward float32[N], terminated bool[N], truncated
         bool[N], info)`` with info ``success``, ``action_is_valid``, ``action_is_effective`` (``bool[N]``)."""
         actions = check_discrete_actions(actions, self.num_envs)
-        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions)
+        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions, render)
         info = {"success": success, "action_is_valid": valid, "action_is_effective": effective}
         return obs, reward, terminated, truncated, info
 

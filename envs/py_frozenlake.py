@@ -154,7 +154,7 @@ class PyFrozenLakeEnv(BatchEnv):
         ]
         return self.render()
 
-    def step(self, actions: Any) -> StepResult:
+    def step(self, actions: Any, render: bool = True) -> StepResult:
         """``actions``: ``int32[num_envs]`` ids (1 Left, 2 Down, 3 Right, 4 Up; others are invalid)."""
         actions = check_discrete_actions(actions, self.num_envs)
         games = self._games()
@@ -166,7 +166,7 @@ class PyFrozenLakeEnv(BatchEnv):
             reward[i], info["action_is_valid"][i], info["action_is_effective"][i] = game.step(int(actions[i]))
             terminated[i], truncated[i] = game.terminated, game.truncated
             info["success"][i] = game.letter() == "G"
-        return self.render(), reward, terminated, truncated, info
+        return (self.render() if render else None), reward, terminated, truncated, info
 
     def render(self) -> list[str]:
         return [game.render() for game in self._games()]

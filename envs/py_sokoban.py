@@ -360,7 +360,7 @@ class PySokobanEnv(BatchEnv):
         self.games = [SokobanGame(f, s, self.config.max_steps) for f, s in zip(fixed, state, strict=True)]
         return self.render()
 
-    def step(self, actions: Any) -> StepResult:
+    def step(self, actions: Any, render: bool = True) -> StepResult:
         """``actions``: ``int32[num_envs]`` ids (1 Up, 2 Down, 3 Left, 4 Right; others are invalid)."""
         actions = check_discrete_actions(actions, self.num_envs)
         games = self._games()
@@ -372,7 +372,7 @@ class PySokobanEnv(BatchEnv):
             reward[i], info["action_is_valid"][i], info["action_is_effective"][i] = game.step(int(actions[i]))
             terminated[i], truncated[i] = game.terminated, game.truncated
             info["success"][i] = game.all_boxes_on_target()
-        return self.render(), reward, terminated, truncated, info
+        return (self.render() if render else None), reward, terminated, truncated, info
 
     def render(self) -> list[str]:
         return [game.render(self.symbols) for game in self._games()]

@@ -74,11 +74,11 @@ class SokobanEnv(BatchEnv):
         fixed, state = parse_sokoban_layouts(layouts, self.num_envs, self.config.dim_room)
         return self._batch.set_layouts(fixed, state)
 
-    def step(self, actions: Any) -> StepResult:
+    def step(self, actions: Any, render: bool = True) -> StepResult:
         """``actions``: ``int32[num_envs]`` -> ``(obs, reward float32[N], terminated bool[N], truncated
         bool[N], info)`` with info ``success``, ``action_is_valid``, ``action_is_effective`` (``bool[N]``)."""
         actions = check_discrete_actions(actions, self.num_envs)
-        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions)
+        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions, render)
         info = {"success": success, "action_is_valid": valid, "action_is_effective": effective}
         return obs, reward, terminated, truncated, info
 

@@ -29,6 +29,23 @@ def test_outputs_have_the_documented_types(name, backend):
     assert "The meaning of each symbol in the state is:" in env.instruction()
 
 
+@pytest.mark.parametrize("name,backend", ENVS)
+def test_step_without_render_matches_step_with_render(name, backend):
+    rendered, silent = envs.make(name, 6, backend=backend), envs.make(name, 6, backend=backend)
+    rendered.reset(np.arange(6))
+    silent.reset(np.arange(6))
+    rng = np.random.default_rng(1)
+    for _ in range(8):
+        actions = rng.integers(0, 5, size=6, dtype=np.int32)
+        obs, *rest = rendered.step(actions)
+        none, *rest_silent = silent.step(actions, render=False)
+        assert none is None
+        for a, b in zip(rest[:3], rest_silent[:3]):
+            np.testing.assert_array_equal(a, b)
+        assert all((rest[3][k] == rest_silent[3][k]).all() for k in envs.INFO_KEYS)
+        assert silent.render() == obs
+
+
 def test_action_names_and_aliases():
     assert envs.make("sokoban", 1).action_names == ["Up", "Down", "Left", "Right"]
     assert envs.make("frozenlake", 1).action_names == ["Left", "Down", "Right", "Up"]

@@ -1,0 +1,135 @@
+"""Environment throughput: the C++ batch simulator (fastpo._C) vs its pure-Python twin, side by side.
+
+    OMP_NUM_THREADS=1 python bench/bench_envs.py            # full table (a few minutes on 2 cores)
+    python bench/bench_envs.py --quick                      # small sizes, for a smoke run
+
+Measured per (env, backend, N, threads): env steps/s without rendering, env steps/s with the text render
+of every observation, and Sokoban level generations/s. Steps use random ids 1..4; instances that finish
+are re-generated between timed calls (untimed), so every timed step is a real step, never a no-op on a
+finished episode. Each figure is the median (p20, p80) over repeats. Rows go to bench/results/envs.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import append_rows, quantiles  # noqa: E402
+
+import fastpo.envs  # noqa: E402
+
+NO_BUDGET = 1 << 30  # max_steps large enough that no instance is truncated during a timed run
+
+CONFIGS = {
+    "sokoban-6x6": ("sokoban", {"dim_room": (6, 6), "num_boxes": 1, "search_depth": 300}),
+    "sokoban-8x8": ("sokoban", {"dim_room": (8, 8), "num_boxes": 2, "search_depth": 10}),
+    "frozenlake-4x4": ("frozenlake", {"size": 4, "p": 0.8, "is_slippery": True}),
+}
+
+
+def make(env_key: str, backend: str, n: int, threads: int):
+    name, cfg = CONFIGS[env_key]
+    extra = {"num_threads": threads} if backend == "cpp" else {}
+    return fastpo.envs.make(name, n, backend=backend, max_steps=NO_BUDGET, **cfg, **extra)
+
+
+def time_steps(env, n: int, steps: int, render: bool, rng: np.random.Generator) -> float:
+    """Seconds per batched step call over ``steps`` calls (finished instances reset untimed)."""
+    seed_base = 1_000_000
+    env.reset(np.arange(seed_base, seed_base + n, dtype=np.int64))
+    elapsed = 0.0
+    for k in range(steps):
+        actions = rng.integers(1, 5, size=n, dtype=np.int32)
+        t0 = time.perf_counter()
+        _, _, terminated, truncated, _ = env.step(actions, render=render)
+        elapsed += time.perf_counter() - t0
+        done = terminated | truncated
+        if done.any():
+            seeds = np.arange(n, dtype=np.int64) + seed_base + (k + 1) * n
+            env.reset(seeds, mask=done)
+    return elapsed / steps
+
+
+def time_generation(env, n: int, rep: int) -> float:
+    seeds = np.arange(n, dtype=np.int64) + 10_000_000 * (rep + 1)
+    t0 = time.perf_counter()
+    env.reset(seeds)
+    return time.perf_counter() - t0
+
+
+def run(args) -> list[dict]:
+    rows, table = [], []
+    rng = np.random.default_rng(0)
+    for env_key in args.envs:
+        for n in args.sizes:
+            for backend, threads in [("cpp", t) for t in args.threads] + [("python", 1)]:
+                if backend == "python" and n > args.max_python_n:
+                    continue
+                env = make(env_key, backend, n, threads)
+                # Enough calls that the fastest case still runs for a measurable time.
+                steps = max(5, min(args.steps, 200_000 // n)) if backend == "cpp" else max(3, min(args.steps, 20_000 // n))
+                results = {}
+                for mode, render in (("step", False), ("step+render", True)):
+                    per_call = [time_steps(env, n, steps, render, rng) for _ in range(args.repeats)]
+                    results[mode] = quantiles([n / t for t in per_call])
+                if env_key.startswith("sokoban"):
+                    gen_n = n if backend == "cpp" else min(n, args.max_python_gen)
+                    gen_env = env if gen_n == n else make(env_key, backend, gen_n, threads)
+                    per_call = [time_generation(gen_env, gen_n, r) for r in range(args.repeats)]
+                    results["generate"] = quantiles([gen_n / t for t in per_call])
+                cfg = f"{CONFIGS[env_key][1]} threads={threads} steps/rep={steps} repeats={args.repeats}"
+                for mode, (p50, p20, p80) in results.items():
+                    metric = "levels_per_s" if mode == "generate" else "env_steps_per_s"
+                    rows.append(dict(name=env_key, provider=backend, mode=mode, metric=metric, unit="1/s",
+                                     x_name="num_envs", x_value=n, p50=p50, p20=p20, p80=p80,
+                                     config=cfg.replace(",", ";")))
+                    table.append((env_key, backend, threads, n, mode, p50))
+                print(f"{env_key:15s} {backend:6s} threads={threads} N={n:5d} " +
+                      "  ".join(f"{m}={v[0]:,.0f}/s" for m, v in results.items()), flush=True)
+    return rows, table
+
+
+def print_speedups(table) -> None:
+    """C++ (per thread count) over the Python twin at the same N and mode."""
+    py = {(e, n, m): v for e, b, _, n, m, v in table if b == "python"}
+    print("\nspeedup of C++ over the Python twin (median throughput ratio)")
+    print(f"{'env':15s} {'threads':>7s} {'N':>6s} {'step':>9s} {'step+render':>12s} {'generate':>9s}")
+    keys = sorted({(e, t, n) for e, b, t, n, _, _ in table if b == "cpp"})
+    for e, t, n in keys:
+        cells = []
+        for m in ("step", "step+render", "generate"):
+            c = next((v for e2, b, t2, n2, m2, v in table if (e2, b, t2, n2, m2) == (e, "cpp", t, n, m)), None)
+            p = py.get((e, n, m))
+            cells.append(f"{c / p:,.0f}x" if c and p else "-")
+        print(f"{e:15s} {t:7d} {n:6d} {cells[0]:>9s} {cells[1]:>12s} {cells[2]:>9s}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--envs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--sizes", nargs="+", type=int, default=[1, 64, 1024, 8192])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--steps", type=int, default=50, help="timed step calls per repeat (upper bound)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-python-n", type=int, default=1024, help="largest N run on the Python twin")
+    parser.add_argument("--max-python-gen", type=int, default=1024, help="levels generated per Python repeat")
+    parser.add_argument("--quick", action="store_true", help="small sizes and repeats (smoke run)")
+    parser.add_argument("--no-save", action="store_true", help="print only, append nothing to bench/results")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.repeats, args.steps, args.max_python_gen = [1, 64], 2, 5, 16
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows, table = run(args)
+    print_speedups(table)
+    if not args.no_save:
+        path = append_rows("envs", rows)
+        print(f"\nappended {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Shared benchmark helpers: timing, machine stamping and the CSV row writer (PERF.md conventions).
+
+Usage from another script in bench/::
+
+    from common import append_rows, time_median
+    p50, p20, p80 = time_median(lambda: work(), repeats=5)          # seconds
+    append_rows("envs", [dict(name="sokoban_step", provider="fastpo", mode="forward", metric="time", unit="s",
+                              x_name="num_envs", x_value=1024, p50=p50, p20=p20, p80=p80, config="...")])
+
+``append_rows(subject, rows)`` appends to ``bench/results/<subject>.csv`` (header written once) and stamps each
+row with device, commit, timestamp and versions; missing columns are left empty. Imports only the standard
+library (torch / triton versions are read when already imported, or looked up lazily).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+COLUMNS = ["name", "provider", "mode", "metric", "unit", "x_name", "x_value", "p50", "p20", "p80", "config",
+           "device", "commit", "timestamp", "versions"]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def quantiles(samples: Iterable[float]) -> tuple[float, float, float]:
+    """(p50, p20, p80) of the samples (inclusive method; a single sample gives it three times)."""
+    data = sorted(samples)
+    if len(data) == 1:
+        return data[0], data[0], data[0]
+    q = statistics.quantiles(data, n=10, method="inclusive")
+    return statistics.median(data), q[1], q[7]
+
+
+def time_median(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+                sync: Callable[[], None] | None = None) -> tuple[float, float, float]:
+    """Run ``fn`` warmup + repeats times; (p50, p20, p80) wall seconds of the timed runs. Pass
+    ``sync=torch.cuda.synchronize`` for GPU work (called before starting and stopping each clock)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        samples.append(time.perf_counter() - start)
+    return quantiles(samples)
+
+
+def device_name() -> str:
+    """GPU name when torch sees one, else the CPU model and core count."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return f"{model} x{os.cpu_count()} cores (OMP_NUM_THREADS={threads})"
+
+
+def git_commit() -> str:
+    """Short HEAD hash, '+dirty' when the work tree has changes; 'unknown' outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return (head or "unknown") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> str:
+    parts = [f"python={platform.python_version()}"]
+    for name in ("torch", "triton"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            parts.append(f"{name}={getattr(mod, '__version__', '?')}")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.version.cuda:
+        parts.append(f"cuda={torch.version.cuda}")
+    return " ".join(parts)
+
+
+def append_rows(subject: str, rows: list[dict], results_dir: str | os.PathLike | None = None) -> Path:
+    """Append rows to ``<results_dir or bench/results>/<subject>.csv`` with the PERF.md columns, stamped with
+    device, commit, timestamp (UTC, ISO 8601) and versions. Returns the CSV path."""
+    out_dir = Path(results_dir) if results_dir else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{subject}.csv"
+    stamp = {"device": device_name(), "commit": git_commit(), "versions": versions(),
+             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="raise")
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({**{c: "" for c in COLUMNS}, **stamp, **row})
+    return path
+
+
+def print_table(rows: list[dict], columns=("name", "provider", "mode", "metric", "x_value", "p50", "p20", "p80",
+                                           "unit")) -> None:
+    """Print rows as an aligned text table (floats with 4 significant digits)."""
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
