@@ -1,0 +1,451 @@
+"""fastpo.kernels benchmarks: fused-linear logprob, PPO loss, GAE and GRPO against the baselines users run today.
+
+  python bench/bench_kernels.py                          # CPU targets at Qwen2.5-0.5B shapes (~5-10 min)
+  python bench/bench_kernels.py --quick                  # CPU, small shapes (seconds)
+  python bench/bench_kernels.py --gpu --tokens 8192,32768   # GPU: triton do_bench vs eager / compile / Liger
+  python bench/bench_kernels.py --gpu --dry              # the GPU code path on CPU tensors, tiny shapes
+
+OMP_NUM_THREADS is set to 2 unless the caller sets it (the GAE / GRPO / PPO micro-benchmarks run with one torch
+thread on CPU, noted in the config column: on a shared 2-core machine OpenMP barriers make sub-ms ops erratic).
+Prints a table and appends rows (bench/common.py columns) to bench/results/kernels.csv, or --results-dir.
+Baselines: "naive" = matmul -> log_softmax -> gather; "verl-loop" = verl's multi-turn GAE (a loop over positions,
+vectorised over the batch); "ragen-loop" = RAGEN's GAE (a loop over rows and trained positions on tensors);
+"list-loop" = the same per-position recursion on Python floats; "dict-loop" = verl's GRPO (a dict walk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+if "--dry" in sys.argv:  # the Triton interpreter must be on before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("FASTPO_KERNELS", "triton")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_rows, print_table, quantiles, time_median  # noqa: E402
+
+import fastpo.kernels as K  # noqa: E402
+
+HIDDEN, VOCAB = 896, 151_936  # Qwen2.5-0.5B
+PEAK_TFLOPS = 989.0  # H200 dense bf16
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+def naive_logprob(hidden, weight, ids):
+    """What most trainers do: full logits, log_softmax in fp32, gather."""
+    return torch.log_softmax((hidden @ weight.t()).float(), dim=-1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+def verl_gae(rewards, values, mask, gamma, lam):
+    """verl's multi-turn GAE: one step per position, vectorised over the batch, then masked whitening."""
+    m = mask.float()
+    next_value = torch.zeros_like(rewards[:, 0])
+    last = torch.zeros_like(next_value)
+    out = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * last
+        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last = candidate * m[:, t] + (1 - m[:, t]) * last
+        out.append(last)
+    adv = torch.stack(out[::-1], dim=1)
+    returns = adv + values
+    mean = (adv * m).sum() / m.sum()
+    var = (((adv - mean) ** 2) * m).sum() / (m.sum() - 1)
+    return (adv - mean) * torch.rsqrt(var + 1e-8) * m, returns
+
+
+def ragen_gae_rows(rewards, values, mask, gamma, lam, rows):
+    """RAGEN's multi-turn GAE: for each row, a loop over its trained positions on tensor elements."""
+    adv = torch.zeros_like(rewards)
+    for b in rows:
+        valid = mask[b].nonzero(as_tuple=True)[0]
+        last = 0.0
+        for i in range(len(valid) - 1, -1, -1):
+            pos = valid[i]
+            next_value = values[b, valid[i + 1]] if i < len(valid) - 1 else 0.0
+            delta = rewards[b, pos] + gamma * next_value - values[b, pos]
+            last = delta + gamma * lam * last
+            adv[b, pos] = last
+    return adv
+
+
+def list_gae_rows(rewards, values, mask, gamma, lam, rows):
+    """The per-position recursion (with fastpo's reward crediting) on Python floats, one row at a time."""
+    out = []
+    for b in rows:
+        r, v, m = rewards[b], values[b], mask[b]
+        adv = [0.0] * len(r)
+        last = next_value = carried = 0.0
+        for t in range(len(r) - 1, -1, -1):
+            carried += r[t]
+            if m[t]:
+                last = carried + gamma * next_value - v[t] + gamma * lam * last
+                adv[t], next_value, carried = last, v[t], 0.0
+        out.append(adv)
+    return out
+
+
+def dict_grpo(scores, index, mask, eps=1e-6):
+    """verl's GRPO outcome advantage: a dict of groups, one tensor element at a time."""
+    scores = scores.clone()
+    groups = defaultdict(list)
+    for i in range(scores.shape[0]):
+        groups[index[i]].append(scores[i])
+    mean, std = {}, {}
+    for g, vals in groups.items():
+        if len(vals) == 1:
+            mean[g], std[g] = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            mean[g], std[g] = torch.mean(torch.stack(vals)), torch.std(torch.stack(vals))
+    for i in range(scores.shape[0]):
+        scores[i] = (scores[i] - mean[index[i]]) / (std[index[i]] + eps)
+    return scores[:, None] * mask
+
+
+def eager_ppo(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, clip_c=3.0):
+    """verl's vanilla policy loss with dual clip, token-mean."""
+    ratio = torch.exp((logp - old).clamp(-20, 20))
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    clipped = torch.maximum(pg1, pg2)
+    pg = torch.where(adv < 0, torch.minimum(clipped, -adv * clip_c), clipped)
+    return (pg * mask).sum() / mask.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------------------------------- inputs
+def logprob_inputs(n_tokens, hidden=HIDDEN, vocab=VOCAB, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=gen).mul_(0.02).to(device, dtype).requires_grad_(True)
+    x = torch.randn(n_tokens, hidden, generator=gen).to(device, dtype).requires_grad_(True)
+    ids = torch.randint(0, vocab, (n_tokens,), generator=gen).to(device)
+    grad = torch.randn(n_tokens, generator=gen).to(device)
+    return x, weight, ids, grad
+
+
+def multi_turn_batch(rows, length, device="cpu", seed=0):
+    """A 200-token prompt, then turns: a response block (trained, 50-150 tokens, reward on its last token) and an
+    observation block 1.5x as long (untrained): ~40% trained tokens."""
+    rng = random.Random(seed)
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    rewards = torch.zeros(rows, length)
+    for b in range(rows):
+        pos = 200
+        while pos < length:
+            n = rng.randint(50, 150)
+            end = min(pos + n, length)
+            mask[b, pos:end] = True
+            rewards[b, end - 1] = rng.random()
+            pos += n + int(1.5 * n)
+    values = torch.randn(rows, length, generator=torch.Generator().manual_seed(seed))
+    return rewards.to(device), values.to(device), mask.to(device)
+
+
+def _row(name, provider, mode, metric, unit, x_name, x_value, stats, config):
+    p50, p20, p80 = stats
+    return dict(name=name, provider=provider, mode=mode, metric=metric, unit=unit, x_name=x_name, x_value=x_value,
+                p50=p50, p20=p20, p80=p80, config=config)
+
+
+# ------------------------------------------------------------------------------------------------ CPU mode
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def child_memory(provider: str, n_tokens: int) -> None:
+    """Run in a fresh process: one fwd + bwd; print as JSON the RSS before it and the peak RSS during it (bytes).
+    The peak is the process's VmHWM, reset after the inputs exist (clear_refs 5); ru_maxrss is not usable
+    here since Linux carries it over from the parent across fork + exec."""
+    x, weight, ids, grad = logprob_inputs(n_tokens)
+    fn = naive_logprob if provider == "naive" else K.fused_linear_logprob
+    base = _status_kib("VmRSS") * 1024
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then VmHWM also covers the setup, whose peak is the base
+    (fn(x, weight, ids) * grad).sum().backward()
+    print(json.dumps({"base": base, "peak": _status_kib("VmHWM") * 1024}))
+
+
+def _measure_memory(provider: str, n_tokens: int) -> float:
+    cmd = [sys.executable, __file__, "--child-memory", provider, "--tokens", str(n_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, check=True)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return (data["peak"] - data["base"]) / 2**20
+
+
+def bench_fused_cpu(n_tokens: int, repeats: int, hidden=HIDDEN, vocab=VOCAB, memory=True) -> list[dict]:
+    rows = []
+    providers = {"naive": naive_logprob, "fastpo": K.fused_linear_logprob}
+    if memory:  # first, while this process is small (a child's RSS accounting starts from a fork of it)
+        mem = {p: _measure_memory(p, n_tokens) for p in providers}
+        mconfig = f"H={hidden} V={vocab} fp32 fwd+bwd peak RSS - RSS after inputs, fresh subprocess per provider"
+        rows += [_row("fused_linear_logprob", p, "full", "peak_extra_rss", "MiB", "tokens", n_tokens, (v, v, v),
+                      mconfig) for p, v in mem.items()]
+        r = mem["fastpo"] / mem["naive"]
+        rows.append(_row("fused_linear_logprob", "fastpo/naive", "full", "memory_ratio", "x", "tokens", n_tokens,
+                         (r, r, r), mconfig))
+    x, weight, ids, grad = logprob_inputs(n_tokens, hidden, vocab)
+
+    def run(fn):
+        x.grad = weight.grad = None
+        (fn(x, weight, ids) * grad).sum().backward()
+
+    samples = {p: [] for p in providers}
+    for rep in range(repeats + 1):  # interleaved; the first round is a warm-up
+        for name, fn in providers.items():
+            start = time.perf_counter()
+            run(fn)
+            if rep:
+                samples[name].append(time.perf_counter() - start)
+    config = f"H={hidden} V={vocab} fp32 fwd+bwd threads={torch.get_num_threads()} repeats={repeats} interleaved"
+    rows += [_row("fused_linear_logprob", p, "full", "time", "s", "tokens", n_tokens, quantiles(s), config)
+             for p, s in samples.items()]
+    ratio = [f / n for f, n in zip(samples["fastpo"], samples["naive"], strict=True)]
+    rows.append(_row("fused_linear_logprob", "fastpo/naive", "full", "time_ratio", "x", "tokens", n_tokens,
+                     quantiles(ratio), config + " (per-round ratio)"))
+    return rows
+
+
+def bench_gae_cpu(rows: int, length: int, repeats: int, loop_rows: int) -> list[dict]:
+    rewards, values, mask = multi_turn_batch(rows, length)
+    frac = mask.float().mean().item()
+    out = []
+    r_list, v_list, m_list = rewards.tolist(), values.tolist(), mask.tolist()
+    subset = list(range(loop_rows))
+    scale = rows / loop_rows
+    for name, gamma, lam in [("gae", 1.0, 1.0), ("gae_discounted", 0.99, 0.95)]:
+        base = f"B={rows} T={length} trained={frac:.2f} gamma={gamma} lam={lam} threads=1"
+        fast = time_median(lambda g=gamma, lm=lam: K.gae_advantages(rewards, values, mask, g, lm), repeats)
+        verl = time_median(lambda g=gamma, lm=lam: verl_gae(rewards, values, mask, g, lm), max(3, repeats // 4))
+        lst = time_median(lambda g=gamma, lm=lam: list_gae_rows(r_list, v_list, m_list, g, lm, range(rows)), 3)
+        ragen = time_median(lambda g=gamma, lm=lam: ragen_gae_rows(rewards, values, mask, g, lm, subset), 1, 0)
+        ragen = tuple(t * scale for t in ragen)
+        adv, _ = K.gae_advantages(rewards, values, mask, gamma, lam, whiten=False)
+        err = max(abs(a - b) for a, b in zip(adv[0].tolist(), list_gae_rows(r_list, v_list, m_list, gamma, lam,
+                                                                          [0])[0], strict=True))
+        out.append(_row(name, "fastpo", "forward", "time", "s", "B*T", rows * length, fast,
+                        base + f" whiten=True max|A-loop|={err:.1e}"))
+        out.append(_row(name, "verl-loop", "forward", "time", "s", "B*T", rows * length, verl, base))
+        out.append(_row(name, "list-loop", "forward", "time", "s", "B*T", rows * length, lst,
+                        base + " no whitening"))
+        out.append(_row(name, "ragen-loop", "forward", "time", "s", "B*T", rows * length, ragen,
+                        base + f" no whitening; timed on {loop_rows} rows x{scale:g}"))
+        for baseline, t in (("verl-loop", verl), ("list-loop", lst), ("ragen-loop", ragen)):
+            s = t[0] / fast[0]
+            out.append(_row(name, f"{baseline}/fastpo", "forward", "speedup", "x", "B*T", rows * length, (s, s, s),
+                            base + " ratio of medians"))
+    return out
+
+
+def bench_grpo_cpu(seqs: int, group: int, length: int, repeats: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(seqs, generator=gen)
+    group_ids = torch.arange(seqs) // group
+    mask = torch.rand(seqs, length, generator=gen) < 0.5
+    index = group_ids.tolist()
+    config = f"B={seqs} group={group} T={length} threads=1"
+    fast = time_median(lambda: K.grpo_advantages(scores, group_ids, mask), repeats)
+    loop = time_median(lambda: dict_grpo(scores, index, mask), 3)
+    err = (K.grpo_advantages(scores, group_ids, mask) - dict_grpo(scores, index, mask)).abs().max().item()
+    s = loop[0] / fast[0]
+    return [_row("grpo", "fastpo", "forward", "time", "s", "B", seqs, fast, config + f" max|diff|={err:.1e}"),
+            _row("grpo", "dict-loop", "forward", "time", "s", "B", seqs, loop, config),
+            _row("grpo", "dict-loop/fastpo", "forward", "speedup", "x", "B", seqs, (s, s, s), config)]
+
+
+def bench_ppo_cpu(rows: int, length: int, repeats: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    logp = (torch.randn(rows, length, generator=gen) - 3).requires_grad_(True)
+    old = logp.detach() + 0.1 * torch.randn(rows, length, generator=gen)
+    adv = torch.randn(rows, length, generator=gen)
+    mask = torch.rand(rows, length, generator=gen) < 0.4
+
+    def run(fn):
+        logp.grad = None
+        fn().backward()
+
+    config = f"B={rows} T={length} fwd+bwd token-mean threads=1"
+    fast = time_median(lambda: run(lambda: K.ppo_loss(logp, old, adv, mask)[0]), repeats)
+    eager = time_median(lambda: run(lambda: eager_ppo(logp, old, adv, mask.float())), repeats)
+    return [_row("ppo_loss", "fastpo", "full", "time", "s", "tokens", rows * length, fast, config),
+            _row("ppo_loss", "eager", "full", "time", "s", "tokens", rows * length, eager, config)]
+
+
+# ------------------------------------------------------------------------------------------------ GPU mode
+def _timer(dry: bool):
+    """(fn -> (p50, p20, p80) seconds): triton's do_bench on a GPU, a plain median on CPU (dry runs)."""
+    if dry:
+        return lambda fn: time_median(fn, repeats=3)
+    from triton.testing import do_bench
+
+    return lambda fn: tuple(t / 1e3 for t in do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8]))
+
+
+def _peak_mib(fn, device) -> float:
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _liger_loss():
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    return lambda x, w, ids: -loss(w, x, ids)  # sum of logp (Liger's cross entropy, negated)
+
+
+def _gpu_fused(n, providers, hidden, vocab, dtype, device, timer) -> list[dict]:
+    x, weight, ids, grad = logprob_inputs(n, hidden, vocab, dtype, device)
+    flops = {"forward": 2 * n * hidden * vocab, "full": 8 * n * hidden * vocab}
+    rows = []
+    for name, fn in providers.items():
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn(x, weight, ids)
+
+        def full(fn=fn):
+            x.grad = weight.grad = None
+            (fn(x, weight, ids) * grad).sum().backward()
+
+        for mode, work in (("forward", fwd), ("full", full)):
+            if name == "liger-flce" and mode == "forward":
+                continue  # Liger computes its gradients inside the forward
+            t = timer(work)
+            tflops = flops[mode] / t[0] / 1e12
+            config = f"H={hidden} V={vocab} {dtype} {tflops:.1f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.1f}% of 989"
+            rows.append(_row("fused_linear_logprob", name, mode, "time", "ms", "tokens", n,
+                             tuple(v * 1e3 for v in t), config))
+            mem = _peak_mib(work, device)
+            rows.append(_row("fused_linear_logprob", name, mode, "peak_memory", "MiB", "tokens", n, (mem,) * 3,
+                             f"H={hidden} V={vocab} {dtype} max_memory_allocated - allocated before"))
+    return rows
+
+
+def _gpu_small_ops(dry, device, timer) -> list[dict]:
+    rows = []
+    b, t_len = (4, 64) if dry else (128, 3600)
+    logp = (torch.randn(b, t_len, device=device) - 3).requires_grad_(True)
+    old, adv = logp.detach() + 0.1, torch.randn(b, t_len, device=device)
+    mask = torch.rand(b, t_len, device=device) < 0.4
+    compiled_ppo = torch.compile(eager_ppo)
+    for name, fn in (("fastpo", lambda: K.ppo_loss(logp, old, adv, mask)[0]),
+                     ("eager", lambda: eager_ppo(logp, old, adv, mask.float())),
+                     ("compile", lambda: compiled_ppo(logp, old, adv, mask.float()))):
+        def full(fn=fn):
+            logp.grad = None
+            fn().backward()
+
+        rows.append(_row("ppo_loss", name, "full", "time", "ms", "tokens", b * t_len,
+                         tuple(v * 1e3 for v in timer(full)), f"B={b} T={t_len} fp32 token-mean"))
+        mem = _peak_mib(full, device)
+        rows.append(_row("ppo_loss", name, "full", "peak_memory", "MiB", "tokens", b * t_len, (mem,) * 3, ""))
+    rewards, values, gmask = multi_turn_batch(b, t_len, device)
+    for name, fn in (("fastpo", lambda: K.gae_advantages(rewards, values, gmask, 0.99, 0.95)),
+                     ("verl-loop", lambda: verl_gae(rewards, values, gmask, 0.99, 0.95))):
+        rows.append(_row("gae", name, "forward", "time", "ms", "B*T", b * t_len, tuple(v * 1e3 for v in timer(fn)),
+                         f"B={b} T={t_len} gamma=0.99 lam=0.95"))
+        mem = _peak_mib(fn, device)
+        rows.append(_row("gae", name, "forward", "peak_memory", "MiB", "B*T", b * t_len, (mem,) * 3, ""))
+    seqs = 64 if dry else 4096
+    scores = torch.randn(seqs, device=device)
+    group_ids = torch.arange(seqs, device=device) // 8
+    seq_mask = torch.rand(seqs, 512, device=device) < 0.5
+    index = group_ids.tolist()
+    for name, fn in (("fastpo", lambda: K.grpo_advantages(scores, group_ids, seq_mask)),
+                     ("dict-loop", lambda: dict_grpo(scores, index, seq_mask))):
+        t = time_median(fn, 3) if name == "dict-loop" else timer(fn)
+        rows.append(_row("grpo", name, "forward", "time", "ms", "B", seqs, tuple(v * 1e3 for v in t),
+                         "group=8 T=512"))
+    return rows
+
+
+def bench_gpu(token_counts, dry: bool, emit) -> None:
+    """GPU mode (or its dry run on CPU): fused logprob per token count, then PPO / GAE / GRPO; ``emit(rows)``
+    is called after each section so a timeout keeps what finished."""
+    device = "cpu" if dry else "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    hidden, vocab = (32, 1000) if dry else (HIDDEN, VOCAB)
+    timer = _timer(dry)
+    providers = {"fastpo": K.fused_linear_logprob, "eager": naive_logprob, "compile": torch.compile(naive_logprob)}
+    liger = None if dry else _liger_loss()
+    if liger is not None:
+        providers["liger-flce"] = liger
+    for n in token_counts:
+        emit(_gpu_fused(n, providers, hidden, vocab, dtype, device, timer))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    emit(_gpu_small_ops(dry, device, timer))
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", action="store_true", help="GPU benchmarks (triton do_bench)")
+    ap.add_argument("--dry", action="store_true", help="with --gpu: run the GPU code path on CPU, tiny shapes")
+    ap.add_argument("--quick", action="store_true", help="CPU: small shapes")
+    ap.add_argument("--tokens", default=None, help="fused logprob token counts, comma separated")
+    ap.add_argument("--repeats", type=int, default=3, help="CPU fused logprob repeats (interleaved)")
+    ap.add_argument("--only", default="fused,gae,grpo,ppo", help="CPU sections to run")
+    ap.add_argument("--results-dir", default=None, help="where kernels.csv goes (default bench/results)")
+    ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child_memory:
+        child_memory(args.child_memory, int(args.tokens))
+        return
+    if args.gpu:
+        tokens = [int(t) for t in (args.tokens or ("64" if args.dry else "8192,32768")).split(",")]
+
+        def emit(rows):
+            print_table(rows)
+            print(f"appended {len(rows)} rows to {append_rows('kernels', rows, args.results_dir)}", flush=True)
+
+        bench_gpu(tokens, args.dry, emit)
+        return
+    else:
+        only = set(args.only.split(","))
+        rows = []
+        if "fused" in only:
+            n = int(args.tokens or (256 if args.quick else 4096))
+            shape = dict(hidden=128, vocab=8192) if args.quick else {}
+            rows += bench_fused_cpu(n, 2 if args.quick else args.repeats, memory=not args.quick, **shape)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        if "gae" in only:
+            rows += bench_gae_cpu(16, 600, 5, 4) if args.quick else bench_gae_cpu(128, 3600, 21, 8)
+        if "grpo" in only:
+            rows += bench_grpo_cpu(512, 8, 128, 5) if args.quick else bench_grpo_cpu(4096, 8, 512, 21)
+            if not args.quick:
+                rows += bench_grpo_cpu(128, 16, 3600, 21)
+        if "ppo" in only:
+            rows += bench_ppo_cpu(8, 512, 5) if args.quick else bench_ppo_cpu(128, 3600, 11)
+        torch.set_num_threads(threads)
+    print_table(rows)
+    path = append_rows("kernels", rows, args.results_dir)
+    print(f"appended {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""fastpo.kernels: per-token logprobs, PPO / value losses and advantage estimators for LLM RL.
+
+Triton kernels on CUDA tensors, chunked plain torch (``reference.py``) on CPU ones; ``FASTPO_KERNELS=triton|torch``
+forces a backend. Importing this package needs only torch: triton is imported on first use of the Triton path.
+See docs/KERNELS.md for the API, drop-in use in TRL / a plain PyTorch loop, and benchmark figures.
+"""
+
+from .functional import (
+    bilevel_gae_advantages,
+    fused_linear_logprob,
+    gae_advantages,
+    grpo_advantages,
+    ppo_loss,
+    selective_logprob,
+    value_loss,
+)
+from .modules import FastPOFusedLinearGRPOLoss, FastPOGRPOLoss
+
+__all__ = [
+    "selective_logprob",
+    "fused_linear_logprob",
+    "ppo_loss",
+    "value_loss",
+    "gae_advantages",
+    "bilevel_gae_advantages",
+    "grpo_advantages",
+    "FastPOFusedLinearGRPOLoss",
+    "FastPOGRPOLoss",
+]

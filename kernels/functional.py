@@ -1,0 +1,319 @@
+"""fastpo.kernels public functions: validate inputs, shape them, call the ``fastpo::`` custom ops.
+
+Token tensors are padded ``[B, T]`` or packed ``[N]``; packed inputs pass ``cu_seqlens`` (int ``[B + 1]``,
+``cu_seqlens[0] == 0``) wherever sequences matter (sequence-level loss aggregation, GAE, GRPO). ``mask`` marks
+trained tokens (bool, or any dtype where nonzero = trained). Every function works on CPU (reference torch) and
+CUDA (Triton) tensors, under autograd and under ``torch.compile(fullgraph=True)``; outputs are fp32 whatever
+the input dtype. Bad arguments raise ValueError naming the argument, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import reference as ref
+from .ops import library as lib
+
+LOSS_AGG_MODES = ref.LOSS_AGG_MODES
+KL_TYPES = {"k1": 0, "kl": 0, "k3": 1, "low_var_kl": 1}
+
+
+# -------------------------------------------------------------------------------------------- validation
+def _tensor(x, name: str, kind: str = "float") -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if kind == "float" and not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if kind == "int" and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        raise ValueError(f"{name} must be an integer tensor, got dtype {x.dtype}")
+    return x
+
+
+def _same_shape(x: Tensor, name: str, shape, what: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(x.shape)}")
+
+
+def _same_device(**tensors) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} must be on {first_name}'s device {first.device}, got {t.device}")
+
+
+def _number(value, name: str, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must lie in {bracket}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _choice(value, name: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def _token_layout(mask: Tensor, cu_seqlens, name: str = "mask") -> None:
+    """mask is [B, T] (cu_seqlens None) or [N] (cu_seqlens int [B + 1] on the same device)."""
+    _tensor(mask, name, kind="any")
+    if cu_seqlens is None:
+        if mask.dim() not in (1, 2):
+            raise ValueError(f"{name} must be [B, T] (padded) or [N] (packed), got shape {tuple(mask.shape)}")
+        return
+    _tensor(cu_seqlens, "cu_seqlens", kind="int")
+    if mask.dim() != 1:
+        raise ValueError(f"with cu_seqlens, {name} must be packed [N], got shape {tuple(mask.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [B + 1], got shape {tuple(cu_seqlens.shape)}")
+    _same_device(**{name: mask, "cu_seqlens": cu_seqlens})
+
+
+def _like(tensors: dict, shape, what: str) -> None:
+    for name, t in tensors.items():
+        if t is not None:
+            _tensor(t, name, kind="float" if name != "mask" else "any")
+            _same_shape(t, name, shape, what)
+
+
+def _temperature(temperature) -> float:
+    t = _number(temperature, "temperature", 0.0, math.inf, low_open=True)
+    if math.isinf(t):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- logprob
+def selective_logprob(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) gathered at ``ids``.
+
+    logits ``[..., V]`` (any float dtype; ``[B, T, V]`` slices such as ``logits[:, :-1]`` are read in place),
+    ids ``logits.shape[:-1]`` int in [0, V). Returns fp32 ``ids.shape``; differentiable in logits."""
+    _tensor(logits, "logits")
+    _tensor(ids, "ids", kind="int")
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
+    _same_shape(ids, "ids", logits.shape[:-1], "logits.shape[:-1]")
+    _same_device(logits=logits, ids=ids)
+    t = _temperature(temperature)
+    shape = ids.shape
+    if logits.dim() > 3:
+        logits, ids = logits.flatten(0, -3), ids.flatten(0, -2)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    logp, _ = lib.selective_logprob(logits, ids.contiguous(), t)
+    return logp.view(shape)
+
+
+def fused_linear_logprob(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None = None,
+                         temperature: float = 1.0, return_entropy: bool = False):
+    """Per-token logp (and entropy) of ``ids`` under softmax((hidden @ weight.T + bias) / temperature), without
+    materialising the N x V logits (forward and backward both tile the vocab).
+
+    hidden ``[..., H]``, weight ``[V, H]`` and bias ``[V]`` of hidden's dtype, ids ``hidden.shape[:-1]`` int in
+    [0, V). Returns fp32 ``ids.shape`` logp, or (logp, entropy) with return_entropy; differentiable in hidden,
+    weight and bias, through both outputs."""
+    _tensor(hidden, "hidden")
+    _tensor(weight, "weight")
+    _tensor(ids, "ids", kind="int")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight "
+                         f"shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    _same_shape(ids, "ids", hidden.shape[:-1], "hidden.shape[:-1]")
+    if bias is not None:
+        _tensor(bias, "bias")
+        _same_shape(bias, "bias", (weight.shape[0],), "[V]")
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+    _same_device(hidden=hidden, weight=weight, ids=ids, bias=bias)
+    t = _temperature(temperature)
+    shape = ids.shape
+    logp, entropy, _ = lib.fused_linear_logprob(
+        hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
+        bias.contiguous() if bias is not None else None, ids.reshape(-1).contiguous(), t, bool(return_entropy),
+    )
+    return (logp.view(shape), entropy.view(shape)) if return_entropy else logp.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------- losses
+def _weights(mask: Tensor, loss_agg_mode: str, cu_seqlens, norm_len) -> Tensor:
+    _choice(loss_agg_mode, "loss_agg_mode", LOSS_AGG_MODES)
+    if norm_len is not None:
+        _number(norm_len, "norm_len", 0.0, math.inf, low_open=True)
+    if mask.dim() == 1 and cu_seqlens is None and loss_agg_mode != "token-mean":
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} on a packed [N] mask needs cu_seqlens")
+    return ref.aggregation_weights(mask, loss_agg_mode, cu_seqlens, norm_len)
+
+
+def _per_token(x: Tensor, name: str, shape) -> Tensor:
+    """A [B] per-sequence tensor broadcast over a padded [B, T] layout, or a tensor of the token shape."""
+    _tensor(x, name)
+    if len(shape) == 2 and tuple(x.shape) == (shape[0],):
+        return x[:, None].expand(shape)
+    _same_shape(x, name, shape, "the logp shape, or [B] for a padded layout")
+    return x
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
+                eps_low: float, eps_high: float, clip_c: float, ref_logp: Tensor | None, kl_coef: float,
+                kl_type: str, entropy: Tensor | None, entropy_coef: float):
+    """:func:`ppo_loss` with explicit per-token aggregation weights (fp32, logp's shape): the shared core of
+    ppo_loss and the TRL-style modules. Returns (loss fp32 [], stats fp32 [6], see ``reference.ppo_loss_fwd``)."""
+    _tensor(logp, "logp")
+    shape = logp.shape
+    advantages = _per_token(advantages, "advantages", shape)
+    _like({"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "entropy": entropy}, shape, "logp's shape")
+    _same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
+                 entropy=entropy)
+    _number(eps_low, "eps_low", 0.0, 1.0)
+    _number(eps_high, "eps_high", 0.0)
+    _number(clip_c, "clip_c", 1.0, low_open=True)
+    _number(kl_coef, "kl_coef")
+    _number(entropy_coef, "entropy_coef")
+    _choice(kl_type, "kl_type", KL_TYPES)
+    if kl_coef != 0.0 and ref_logp is None:
+        raise ValueError("ref_logp is required when kl_coef != 0 (it is the reference policy's logp)")
+    detach = lambda t: t.detach() if t is not None else None
+    need_grad = logp.requires_grad and torch.is_grad_enabled()
+    loss, stats, _ = lib.ppo_loss(logp, old_logp.detach(), advantages.detach(), weights, mask, detach(ref_logp),
+                                  entropy, float(eps_low), float(eps_high), float(clip_c), float(kl_coef),
+                                  KL_TYPES[kl_type], float(entropy_coef), need_grad)
+    return loss, stats
+
+
+def ppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_low: float = 0.2,
+             eps_high: float = 0.28, clip_c: float = 3.0, loss_agg_mode: str = "token-mean",
+             ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k1",
+             entropy: Tensor | None = None, entropy_coef: float = 0.0, *, cu_seqlens: Tensor | None = None,
+             norm_len: float | None = None):
+    """PPO clipped policy loss with dual clip, KL to a reference policy and an entropy bonus (StarPO, SPEC 5).
+
+    Per trained token, r = exp(logp - old_logp) (log-ratio clamped to +-20 as verl), l = max(-A r,
+    -A clip(r, 1 - eps_low, 1 + eps_high)), and where A < 0, l = min(l, -A clip_c) (clip_c = inf disables
+    the dual clip). loss = agg(l) + kl_coef * agg(kl) - entropy_coef * agg(entropy), kl = logp - ref_logp (k1)
+    or exp(ref - logp) - (ref - logp) - 1 (k3, alias low_var_kl). agg is loss_agg_mode (see
+    ``reference.aggregation_weights``; seq-mean-token-sum-norm divides by norm_len, default T / the longest
+    packed sequence). A clip branch is taken only strictly beyond its bound.
+
+    logp ``[B, T]`` or packed ``[N]`` (float, differentiable), old_logp / mask / ref_logp / entropy the same
+    shape (entropy differentiable), advantages the same shape or ``[B]`` (padded). Returns (loss fp32 [],
+    metrics): masked token means (fp32 0-dim, detached) clipfrac (clipped branch taken), clipfrac_lower (dual
+    clip taken), approx_kl (mean old_logp - logp), plus entropy when given and kl when ref_logp is given."""
+    _tensor(logp, "logp")
+    _token_layout(mask, cu_seqlens)
+    weights = _weights(mask, loss_agg_mode, cu_seqlens, norm_len)
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, weights, eps_low, eps_high, clip_c, ref_logp,
+                              kl_coef, kl_type, entropy, entropy_coef)
+    return loss, ppo_metrics(stats, entropy is not None, ref_logp is not None)
+
+
+def ppo_metrics(stats: Tensor, has_entropy: bool, has_kl: bool) -> dict[str, Tensor]:
+    """The metrics dict of :func:`ppo_loss` from the op's stats vector."""
+    stats = stats.detach()
+    count = stats[5].clamp(min=1.0)
+    metrics = {"clipfrac": stats[0] / count, "clipfrac_lower": stats[1] / count, "approx_kl": stats[2] / count}
+    if has_entropy:
+        metrics["entropy"] = stats[3] / count
+    if has_kl:
+        metrics["kl"] = stats[4] / count
+    return metrics
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float = 0.5,
+               loss_agg_mode: str = "token-mean", *, cu_seqlens: Tensor | None = None,
+               norm_len: float | None = None):
+    """Clipped critic loss 0.5 * agg(max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)) (verl).
+
+    values ``[B, T]`` or packed ``[N]`` (differentiable), old_values / returns / mask the same shape. Returns
+    (loss fp32 [], {"clipfrac": share of masked tokens where the clipped branch is strictly larger})."""
+    _tensor(values, "values")
+    _token_layout(mask, cu_seqlens)
+    _like({"old_values": old_values, "returns": returns, "mask": mask}, values.shape, "values' shape")
+    _same_device(values=values, old_values=old_values, returns=returns, mask=mask)
+    _number(clip, "clip", 0.0)
+    weights = _weights(mask, loss_agg_mode, cu_seqlens, norm_len)
+    need_grad = values.requires_grad and torch.is_grad_enabled()
+    loss, stats, _ = lib.value_loss(values, old_values.detach(), returns.detach(), weights, mask, float(clip),
+                                    need_grad)
+    stats = stats.detach()
+    return loss, {"clipfrac": stats[0] / stats[1].clamp(min=1.0)}
+
+
+# ------------------------------------------------------------------------------------------- advantages
+def _advantage_inputs(tensors: dict, mask: Tensor, cu_seqlens) -> None:
+    _token_layout(mask, cu_seqlens)
+    for name, t in tensors.items():
+        _tensor(t, name, kind="float" if name in ("rewards", "values") else "any")
+        _same_shape(t, name, mask.shape, "mask's shape")
+    _same_device(mask=mask, cu_seqlens=cu_seqlens, **tensors)
+
+
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0,
+                   whiten: bool = True, *, cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Multi-turn GAE (StarPO default estimator) -> fp32 (advantages, returns), 0 on untrained tokens.
+
+    The recursion runs over trained tokens only: observation tokens (mask 0) are skipped, their values never
+    read, "next value" is the value at the next trained token (0 after the last). A reward placed on an
+    untrained token is credited to the last trained token before it (the action that caused it; rewards before
+    the first trained token go to the first one), so no reward is lost. With gamma = lam = 1, A_t = (sum of
+    rewards from t on) - V_t on trained tokens. Returns = A + V before whitening; whitening = masked mean / unbiased
+    std over the whole batch. rewards / values float, mask any dtype: ``[B, T]`` or packed ``[N]`` + cu_seqlens."""
+    _advantage_inputs({"rewards": rewards, "values": values}, mask, cu_seqlens)
+    _number(gamma, "gamma", 0.0, 1.0)
+    _number(lam, "lam", 0.0, 1.0)
+    return lib.gae_advantages(rewards.detach(), values.detach(), mask, None, cu_seqlens, float(gamma), float(lam),
+                              bool(whiten))
+
+
+def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_end: Tensor, gamma: float = 1.0,
+                           lam: float = 1.0, gamma_high: float = 0.95, lam_high: float | None = None,
+                           whiten: bool = True, *, cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Bi-level GAE (RAGEN): turn-level GAE over turn ends (gamma_high, lam_high, default lam) whose turn
+    returns become the reward of each turn's last token in a token-level GAE within the turn (gamma, lam).
+
+    Turn boundaries are explicit: ``turn_end`` (bool/int, mask's shape) flags the last token of each turn (a
+    flag on position t separates t from t + 1; it may sit on an observation token; the sequence end always
+    closes a turn). Rewards are credited to trained tokens as in :func:`gae_advantages` and summed per turn.
+    Returns fp32 (advantages, returns). The packed layout is padded internally (one host sync)."""
+    _advantage_inputs({"rewards": rewards, "values": values, "turn_end": turn_end}, mask, cu_seqlens)
+    for name, value in (("gamma", gamma), ("lam", lam), ("gamma_high", gamma_high)):
+        _number(value, name, 0.0, 1.0)
+    lam_high = lam if lam_high is None else _number(lam_high, "lam_high", 0.0, 1.0)
+    r, v, m, te = ref._padded_view([rewards.detach(), values.detach(), mask, turn_end], cu_seqlens)
+
+    def scan(rw, vals, msk, g, lm, reset=None):
+        return lib.gae_advantages(rw, vals, msk, reset, None, float(g), float(lm), False)
+
+    adv, ret = ref.bilevel_gae_scan(r, v, m, te, gamma, lam, gamma_high, lam_high, scan=scan)
+    if whiten:
+        adv = ref.masked_whiten(adv, m)
+    return ref._unpad((adv, ret), cu_seqlens, mask.shape[0])
+
+
+def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True, eps: float = 1e-6,
+                    *, cu_seqlens: Tensor | None = None) -> Tensor:
+    """GRPO: A_i = (R_i - mean_group) / (std_group + eps) (unbiased std; a group of one gets 0), or R_i - mean
+    with norm_by_std=False, broadcast to the trained tokens of sequence i.
+
+    scores float ``[B]``, group_ids int ``[B]`` (any labels), mask ``[B, T]`` or packed ``[N]`` + cu_seqlens
+    (``[B + 1]``). Returns fp32 of mask's shape."""
+    _tensor(scores, "scores")
+    _tensor(group_ids, "group_ids", kind="int")
+    _token_layout(mask, cu_seqlens)
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [B] (one score per sequence), got shape {tuple(scores.shape)}")
+    _same_shape(group_ids, "group_ids", scores.shape, "scores' shape [B]")
+    n_seq = mask.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if n_seq != scores.shape[0]:
+        where = "mask.shape[0]" if cu_seqlens is None else "len(cu_seqlens) - 1"
+        raise ValueError(f"scores must have one entry per sequence ({where} = {n_seq}), got {scores.shape[0]}")
+    _same_device(scores=scores, group_ids=group_ids, mask=mask, cu_seqlens=cu_seqlens)
+    _number(eps, "eps", 0.0)
+    return lib.grpo_advantages(scores.detach(), group_ids, mask, cu_seqlens, bool(norm_by_std), float(eps))

@@ -1,0 +1,33 @@
+"""Shared fixtures for the kernel tests: the device under test and a backend switch (FASTPO_KERNELS).
+
+CPU by default (Triton kernels run in the interpreter: TRITON_INTERPRET=1 is set by tests/conftest.py).
+With FASTPO_TEST_GPU=1 and a CUDA device the same tests run on CUDA tensors with compiled Triton kernels."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+ON_GPU = os.environ.get("FASTPO_TEST_GPU") == "1" and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Runs the test once per backend, with FASTPO_KERNELS forcing it."""
+    monkeypatch.setenv("FASTPO_KERNELS", request.param)
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
