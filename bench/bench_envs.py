@@ -72,7 +72,8 @@ def run(args) -> list[dict]:
                     continue
                 env = make(env_key, backend, n, threads)
                 # Enough calls that the fastest case still runs for a measurable time.
-                steps = max(5, min(args.steps, 200_000 // n)) if backend == "cpp" else max(3, min(args.steps, 20_000 // n))
+                budget = 200_000 if backend == "cpp" else 20_000
+                steps = max(5 if backend == "cpp" else 3, min(args.steps, budget // n))
                 results = {}
                 for mode, render in (("step", False), ("step+render", True)):
                     per_call = [time_steps(env, n, steps, render, rng) for _ in range(args.repeats)]

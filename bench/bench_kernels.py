@@ -407,7 +407,7 @@ def main() -> None:
     ap.add_argument("--dry", action="store_true", help="with --gpu: run the GPU code path on CPU, tiny shapes")
     ap.add_argument("--quick", action="store_true", help="CPU: small shapes")
     ap.add_argument("--tokens", default=None, help="fused logprob token counts, comma separated")
-    ap.add_argument("--repeats", type=int, default=3, help="CPU fused logprob repeats (interleaved)")
+    ap.add_argument("--repeats", type=int, default=4, help="CPU fused logprob repeats (interleaved)")
     ap.add_argument("--only", default="fused,gae,grpo,ppo", help="CPU sections to run")
     ap.add_argument("--results-dir", default=None, help="where kernels.csv goes (default bench/results)")
     ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
@@ -424,24 +424,23 @@ def main() -> None:
 
         bench_gpu(tokens, args.dry, emit)
         return
-    else:
-        only = set(args.only.split(","))
-        rows = []
-        if "fused" in only:
-            n = int(args.tokens or (256 if args.quick else 4096))
-            shape = dict(hidden=128, vocab=8192) if args.quick else {}
-            rows += bench_fused_cpu(n, 2 if args.quick else args.repeats, memory=not args.quick, **shape)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        if "gae" in only:
-            rows += bench_gae_cpu(16, 600, 5, 4) if args.quick else bench_gae_cpu(128, 3600, 21, 8)
-        if "grpo" in only:
-            rows += bench_grpo_cpu(512, 8, 128, 5) if args.quick else bench_grpo_cpu(4096, 8, 512, 21)
-            if not args.quick:
-                rows += bench_grpo_cpu(128, 16, 3600, 21)
-        if "ppo" in only:
-            rows += bench_ppo_cpu(8, 512, 5) if args.quick else bench_ppo_cpu(128, 3600, 11)
-        torch.set_num_threads(threads)
+    only = set(args.only.split(","))
+    rows = []
+    if "fused" in only:
+        n = int(args.tokens or (256 if args.quick else 4096))
+        shape = dict(hidden=128, vocab=8192) if args.quick else {}
+        rows += bench_fused_cpu(n, 2 if args.quick else args.repeats, memory=not args.quick, **shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if "gae" in only:
+        rows += bench_gae_cpu(16, 600, 5, 4) if args.quick else bench_gae_cpu(128, 3600, 21, 8)
+    if "grpo" in only:
+        rows += bench_grpo_cpu(512, 8, 128, 5) if args.quick else bench_grpo_cpu(4096, 8, 512, 21)
+        if not args.quick:
+            rows += bench_grpo_cpu(128, 16, 3600, 21)
+    if "ppo" in only:
+        rows += bench_ppo_cpu(8, 512, 5) if args.quick else bench_ppo_cpu(128, 3600, 11)
+    torch.set_num_threads(threads)
     print_table(rows)
     path = append_rows("kernels", rows, args.results_dir)
     print(f"appended {len(rows)} rows to {path}")

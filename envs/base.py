@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ class BatchEnv(ABC):
     def instruction(self) -> str:
         """The env's task description for the first user message (rules, symbol legend)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release resources (nothing to do for most envs)."""
 
 

@@ -286,7 +286,7 @@ def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_e
     for name, value in (("gamma", gamma), ("lam", lam), ("gamma_high", gamma_high)):
         _number(value, name, 0.0, 1.0)
     lam_high = lam if lam_high is None else _number(lam_high, "lam_high", 0.0, 1.0)
-    r, v, m, te = ref._padded_view([rewards.detach(), values.detach(), mask, turn_end], cu_seqlens)
+    r, v, m, te = ref.padded_view([rewards.detach(), values.detach(), mask, turn_end], cu_seqlens)
 
     def scan(rw, vals, msk, g, lm, reset=None):
         return lib.gae_advantages(rw, vals, msk, reset, None, float(g), float(lm), False)
@@ -294,7 +294,7 @@ def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_e
     adv, ret = ref.bilevel_gae_scan(r, v, m, te, gamma, lam, gamma_high, lam_high, scan=scan)
     if whiten:
         adv = ref.masked_whiten(adv, m)
-    return ref._unpad((adv, ret), cu_seqlens, mask.shape[0])
+    return ref.unpad((adv, ret), cu_seqlens, mask.shape[0])
 
 
 def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True, eps: float = 1e-6,

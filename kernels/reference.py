@@ -1,15 +1,15 @@
 """Plain-torch implementations of every fastpo kernel: the test oracle and the CPU path.
 
-Everything here is vectorised torch (no Python loop over tokens, positions or groups) and computes in fp32
-(fp64 for the advantage scans) whatever the input dtype. The logprob functions are chunked so that no
-N x V logits tensor is ever held: only (token chunk) x (vocab chunk) blocks, whose sizes are set by
-``CHUNK_ELEMENTS``. Each differentiable function comes as a ``*_fwd`` / ``*_bwd`` pair (what the custom ops
-in ``ops/library.py`` call on CPU tensors) plus an autograd wrapper of the same name without suffix.
+Everything here is vectorised torch (no Python loop over tokens, positions or groups) and accumulates in fp32
+(fp64 for fp64 inputs, and for the bi-level scan) whatever the input dtype. The logprob functions are chunked so
+that no N x V logits tensor is ever held, only (token chunk) x (vocab chunk) blocks of ``CHUNK_ELEMENTS``; they
+come as ``*_fwd`` / ``*_bwd`` pairs (what the custom ops in ``ops/library.py`` call on CPU tensors) plus an
+autograd wrapper of the same name without suffix. The losses return their per-token derivative from the forward
+(they are weighted token sums), so they need no backward function.
 
 Layouts: token tensors are padded ``[B, T]`` or packed ``[N]`` with ``cu_seqlens`` (int, ``[B + 1]``,
 ``cu_seqlens[0] == 0``, sequence ``b`` owns tokens ``cu_seqlens[b]:cu_seqlens[b + 1]``).
 """
-
 from __future__ import annotations
 
 import math
@@ -22,7 +22,6 @@ CHUNK_ELEMENTS = 1 << 24
 VOCAB_CHUNK = 4096
 # PPO log-ratio clamp (as verl): exp() of a larger log-ratio overflows the loss and carries no useful gradient.
 LOG_RATIO_CLAMP = 20.0
-KL_TYPES = {"k1": 0, "k3": 1}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -473,13 +472,15 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return torch.where(m, (xd - mean) * torch.rsqrt(var + eps), 0.0).float()
 
 
-def _padded_view(tensors, cu_seqlens):
+def padded_view(tensors, cu_seqlens):
+    """The tensors as padded [B, T] (unchanged when cu_seqlens is None); None entries stay None."""
     if cu_seqlens is None:
         return tensors
     return [packed_to_padded(t, cu_seqlens) if t is not None else None for t in tensors]
 
 
-def _unpad(outs, cu_seqlens, n_tokens):
+def unpad(outs, cu_seqlens, n_tokens):
+    """Inverse of :func:`padded_view` for a tuple of outputs."""
     if cu_seqlens is None:
         return outs
     return tuple(padded_to_packed(o, cu_seqlens, n_tokens) for o in outs)
@@ -488,8 +489,8 @@ def _unpad(outs, cu_seqlens, n_tokens):
 def gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_seqlens=None):
     """Multi-turn GAE (see :func:`gae_scan`), then masked whitening over the batch. Padded ``[B, T]`` or packed
     ``[N]`` + cu_seqlens; returns fp32 (advantages, returns)."""
-    r, v, m = _padded_view([rewards, values, mask], cu_seqlens)
-    return _unpad(gae_scan(r, v, m, gamma, lam, whiten=whiten), cu_seqlens, mask.shape[0])
+    r, v, m = padded_view([rewards, values, mask], cu_seqlens)
+    return unpad(gae_scan(r, v, m, gamma, lam, whiten=whiten), cu_seqlens, mask.shape[0])
 
 
 def turn_structure(mask, turn_end):
@@ -537,11 +538,11 @@ def bilevel_gae_scan(rewards, values, mask, turn_end, gamma, lam, gamma_high, la
 def bilevel_gae_advantages(rewards, values, mask, turn_end, gamma=1.0, lam=1.0, gamma_high=0.95, lam_high=None,
                            whiten=True, cu_seqlens=None):
     """Bi-level GAE (see :func:`bilevel_gae_scan`) + masked whitening; padded or packed; fp32 (adv, returns)."""
-    r, v, m, te = _padded_view([rewards, values, mask, turn_end], cu_seqlens)
+    r, v, m, te = padded_view([rewards, values, mask, turn_end], cu_seqlens)
     adv, ret = bilevel_gae_scan(r, v, m, te, gamma, lam, gamma_high, lam if lam_high is None else lam_high)
     if whiten:
         adv = masked_whiten(adv, m)
-    return _unpad((adv, ret), cu_seqlens, mask.shape[0])
+    return unpad((adv, ret), cu_seqlens, mask.shape[0])
 
 
 def grpo_scores(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """``torch.library`` custom ops (namespace ``fastpo``): one per kernel, each with a fake (meta) implementation
-and, where differentiable, an autograd formula that calls a backward custom op. They are opaque to
-``torch.compile`` (``fullgraph=True`` works) and pick a backend at run time:
+and, where differentiable, an autograd formula (the logprob ops call a backward custom op; the losses return
+their per-token derivative from the forward and the backward scales it). They are opaque to ``torch.compile``
+(``fullgraph=True`` works) and pick a backend at run time:
 
 * CUDA tensors -> the Triton kernels in ``logprob.py`` / ``losses.py`` / ``advantages.py``;
 * CPU tensors -> ``fastpo.kernels.reference`` (chunked torch);
@@ -56,6 +57,19 @@ def check_ids(ids: Tensor, vocab: int, name: str = "ids") -> None:
     lo, hi = (int(x) for x in torch.stack(torch.aminmax(ids)).tolist())
     if lo < 0 or hi >= vocab:
         raise ValueError(f"{name} must lie in [0, {vocab}) (the vocab size), got values in [{lo}, {hi}]")
+
+
+def check_cu_seqlens(cu_seqlens: Tensor | None, n_tokens: int) -> None:
+    """ValueError unless cu_seqlens starts at 0, never decreases and ends within the N packed tokens (one sync):
+    the kernels index memory with it."""
+    if cu_seqlens is None or cu_seqlens.numel() == 0:
+        return
+    steps = cu_seqlens[1:] - cu_seqlens[:-1]
+    low = steps.min() if steps.numel() else cu_seqlens[0] * 0
+    first, last, low = (int(x) for x in torch.stack([cu_seqlens[0], cu_seqlens[-1], low]).tolist())
+    if first != 0 or low < 0 or last > n_tokens:
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at most at N = {n_tokens}, got "
+                         f"start {first}, end {last}, smallest step {low}")
 
 
 def _empty(device) -> Tensor:
@@ -251,11 +265,12 @@ value_loss.register_autograd(_value_backward, setup_context=_value_setup)
 def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, reset: Tensor | None,
                    cu_seqlens: Tensor | None, gamma: float, lam: float, whiten: bool) -> tuple[Tensor, Tensor]:
     """Multi-turn GAE (+ optional segment resets) -> fp32 (advantages, returns) of mask's shape."""
+    check_cu_seqlens(cu_seqlens, mask.shape[0])
     if backend_for(mask) == "triton":
         adv, ret = triton_module("advantages").gae_scan(rewards, values, mask, gamma, lam, reset, cu_seqlens)
         return (ref.masked_whiten(adv, mask) if whiten else adv), ret
-    r, v, m, rs = ref._padded_view([rewards, values, mask, reset], cu_seqlens)
-    return ref._unpad(ref.gae_scan(r, v, m, gamma, lam, rs, whiten), cu_seqlens, mask.shape[0])
+    r, v, m, rs = ref.padded_view([rewards, values, mask, reset], cu_seqlens)
+    return ref.unpad(ref.gae_scan(r, v, m, gamma, lam, rs, whiten), cu_seqlens, mask.shape[0])
 
 
 @gae_advantages.register_fake
@@ -267,6 +282,7 @@ def _(rewards, values, mask, reset, cu_seqlens, gamma, lam, whiten):
 def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, cu_seqlens: Tensor | None,
                     norm_by_std: bool, eps: float) -> Tensor:
     """GRPO advantages broadcast to trained tokens -> fp32 of mask's shape."""
+    check_cu_seqlens(cu_seqlens, mask.shape[0])
     if backend_for(mask) == "triton":
         return triton_module("advantages").grpo_advantages(scores, group_ids, mask, norm_by_std, eps, cu_seqlens)[1]
     return ref.grpo_advantages(scores, group_ids, mask, norm_by_std, eps, cu_seqlens)

@@ -1,8 +1,9 @@
 """Bandit: RAGEN's prompt character for character, arm statistics, determinism per seed, names, bad input."""
 
-import fastpo.envs
 import numpy as np
 import pytest
+
+import fastpo.envs
 from fastpo.envs.bandit import bandit_draws
 from fastpo.envs.rng import STREAM_BANDIT, CounterRng
 

@@ -4,9 +4,10 @@ import builtins
 import collections
 import json
 
-import fastpo.envs
 import numpy as np
 import pytest
+
+import fastpo.envs
 from fastpo.envs.countdown import CountdownConfig, generate_instance, ragen_has_solution, score_equation
 from fastpo.envs.expr import ExprError, evaluate, parse
 

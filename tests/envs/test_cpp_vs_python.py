@@ -1,12 +1,12 @@
 """The C++ envs equal their pure-Python twins exactly, and a level depends only on (seed, config)."""
 
-import fastpo.envs as envs
 import numpy as np
 import pytest
+
+import fastpo.envs as envs
+from fastpo import _C
 from fastpo.envs.py_frozenlake import generate_random_map
 from fastpo.envs.py_sokoban import generate_level
-
-from fastpo import _C
 
 SOKOBAN_CONFIGS = [
     {"dim_room": (6, 6), "num_boxes": 1, "search_depth": 300},  # SimpleSokoban

@@ -1,9 +1,9 @@
 """The BatchEnv API of Sokoban and FrozenLake on both backends: types, shapes, and bad-input errors."""
 
-import fastpo.envs as envs
 import numpy as np
 import pytest
 
+import fastpo.envs as envs
 from fastpo import _C
 
 ENVS = [(name, backend) for name in ("sokoban", "frozenlake") for backend in ("cpp", "python")]
@@ -40,7 +40,7 @@ def test_step_without_render_matches_step_with_render(name, backend):
         obs, *rest = rendered.step(actions)
         none, *rest_silent = silent.step(actions, render=False)
         assert none is None
-        for a, b in zip(rest[:3], rest_silent[:3]):
+        for a, b in zip(rest[:3], rest_silent[:3], strict=True):
             np.testing.assert_array_equal(a, b)
         assert all((rest[3][k] == rest_silent[3][k]).all() for k in envs.INFO_KEYS)
         assert silent.render() == obs

@@ -1,13 +1,13 @@
 """FrozenLake rules on hand-written maps (both backends), renders, slip statistics, map generation, solver."""
 
-import fastpo.envs as envs
 import numpy as np
 import pytest
+
+import fastpo.envs as envs
+from fastpo import _C
 from fastpo.envs.py_frozenlake import generate_random_map
 from fastpo.envs.rng import STREAM_FROZENLAKE_SLIP, CounterRng
 from fastpo.envs.solvers import solve_frozenlake
-
-from fastpo import _C
 
 BACKENDS = ["cpp", "python"]
 LEFT, DOWN, RIGHT, UP = 1, 2, 3, 4

@@ -2,9 +2,10 @@
 
 import json
 
-import fastpo.envs
 import numpy as np
 import pytest
+
+import fastpo.envs
 from fastpo.envs.qa import normalize_answer
 from fastpo.envs.rng import STREAM_QA, CounterRng
 

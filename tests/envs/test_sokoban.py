@@ -3,9 +3,10 @@
 import copy
 import itertools
 
-import fastpo.envs as envs
 import numpy as np
 import pytest
+
+import fastpo.envs as envs
 from fastpo.envs.layouts import parse_sokoban_layouts
 from fastpo.envs.py_sokoban import SokobanGame
 from fastpo.envs.solvers import solve_sokoban

@@ -4,9 +4,10 @@ import math
 import re
 from pathlib import Path
 
-import fastpo.envs
 import numpy as np
 import pytest
+
+import fastpo.envs
 from fastpo.envs import _REGISTRY
 from fastpo.envs.text import TextBatchEnv, TextEnv, TextEnvError
 
