@@ -1,0 +1,299 @@
+"""StarPO / StarPO-S algorithm pieces, each selected by a config string from a small registry (verl / TRL style).
+
+    keep, metrics = filter_groups(scores, group_ids, cfg.rollout_filter_ratio, cfg.rollout_filter_type)
+    advantages, returns = compute_advantages(batch, cfg)        # batch: PackedBatch of the kept trajectories
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens=cu)
+    loss, metrics = critic_loss(values, old_values, returns, mask, cfg, cu_seqlens=cu)
+
+Token tensors are packed ``[N]`` (all trajectories concatenated, ``cu_seqlens`` int ``[B + 1]``); per-trajectory
+tensors are ``[B]``. The math runs in ``fastpo.kernels`` (Triton on CUDA, reference torch on CPU); this module
+only picks the variant and its arguments. Add a variant with ``@register_adv_estimator("name")``,
+``@register_rollout_filter("name")`` or ``@register_policy_loss("name")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fastpo import kernels
+from fastpo.config import AlgorithmConfig
+
+
+@dataclass
+class PackedBatch:
+    """The trajectories an update trains on, packed without padding (B trajectories, N tokens in all)."""
+
+    token_rewards: Tensor
+    """fp32 [N]: reward on the token where it was earned (trajectory level: the sum on the last trained token)."""
+    loss_mask: Tensor
+    """bool [N]: the model's own (trained) tokens."""
+    turn_end: Tensor
+    """bool [N]: the last token of each turn (bilevel_gae); the end of a trajectory always closes a turn."""
+    cu_seqlens: Tensor
+    """int [B + 1]: trajectory i spans tokens cu_seqlens[i]:cu_seqlens[i + 1]; cu_seqlens[0] == 0."""
+    scores: Tensor
+    """fp32 [B]: trajectory return (sum of rewards and penalties): what grpo / rloo / the filter compare."""
+    group_ids: Tensor
+    """int [B]: group label (trajectories of one group share an initial state)."""
+    values: Tensor | None = None
+    """fp32 [N]: critic values (old, detached) for gae / bilevel_gae; None otherwise."""
+
+
+AdvantageFn = Callable[[PackedBatch, AlgorithmConfig], "tuple[Tensor, Tensor | None]"]
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+_CRITIC_ESTIMATORS: set[str] = set()
+
+
+def register_adv_estimator(name: str, needs_critic: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: register ``fn(batch, cfg) -> (advantages fp32 [N], returns fp32 [N] or None)`` under ``name``;
+    ``needs_critic`` estimators read ``batch.values`` and return the critic's targets."""
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATORS[name] = fn
+        if needs_critic:
+            _CRITIC_ESTIMATORS.add(name)
+        return fn
+    return deco
+
+
+def needs_critic(cfg: AlgorithmConfig) -> bool:
+    """True when cfg.adv_estimator trains and reads a critic (gae, bilevel_gae)."""
+    _lookup(ADV_ESTIMATORS, cfg.adv_estimator, "algorithm.adv_estimator")
+    return cfg.adv_estimator in _CRITIC_ESTIMATORS
+
+
+def needs_reference(cfg: AlgorithmConfig) -> bool:
+    """True when a reference policy must be loaded and run: only when the KL term is on (kl_coef != 0)."""
+    return cfg.kl_coef != 0.0
+
+
+def _lookup(registry: dict, name: str, field: str):
+    if name not in registry:
+        raise ValueError(f"{field}: unknown {name!r}; choose from {sorted(registry)}")
+    return registry[name]
+
+
+def compute_advantages(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor | None]:
+    """Advantages fp32 [N] (0 on untrained tokens) and returns fp32 [N] (critic estimators) or None."""
+    fn = _lookup(ADV_ESTIMATORS, cfg.adv_estimator, "algorithm.adv_estimator")
+    if needs_critic(cfg) and batch.values is None:
+        raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r} needs batch.values (the critic's)")
+    return fn(batch, cfg)
+
+
+@register_adv_estimator("gae", needs_critic=True)
+def gae(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """Multi-turn GAE over trained tokens (observation tokens skipped), whitened over the batch; with gamma = lam =
+    1, A_t = R - V_t before whitening."""
+    return kernels.gae_advantages(batch.token_rewards, batch.values, batch.loss_mask, cfg.gamma, cfg.lam,
+                                  whiten=True, cu_seqlens=batch.cu_seqlens)
+
+
+@register_adv_estimator("bilevel_gae", needs_critic=True)
+def bilevel_gae(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """RAGEN bi-level GAE: turn-level GAE (gamma_high, lam) over turn ends, token-level GAE (gamma, lam) within
+    each turn, whitened."""
+    return kernels.bilevel_gae_advantages(batch.token_rewards, batch.values, batch.loss_mask, batch.turn_end,
+                                          cfg.gamma, cfg.lam, cfg.gamma_high, whiten=True,
+                                          cu_seqlens=batch.cu_seqlens)
+
+
+@register_adv_estimator("grpo")
+def grpo(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None]:
+    """(R_i - mean_group) / (std_group + 1e-6), unbiased std (or R_i - mean with norm_adv_by_std false), on every
+    trained token of trajectory i."""
+    adv = kernels.grpo_advantages(batch.scores, batch.group_ids, batch.loss_mask, norm_by_std=cfg.norm_adv_by_std,
+                                  cu_seqlens=batch.cu_seqlens)
+    return adv, None
+
+
+@register_adv_estimator("rloo")
+def rloo(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None]:
+    """REINFORCE leave-one-out: R_i - mean of the other members of i's group (0 for a group of one), on every
+    trained token of trajectory i."""
+    scores = batch.scores.float()
+    _, inverse = torch.unique(batch.group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    total = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(0, inverse, scores.double())
+    count = torch.bincount(inverse, minlength=n_groups).to(torch.float64)
+    n = count[inverse]
+    others_mean = (total[inverse] - scores.double()) / (n - 1).clamp(min=1)
+    per_seq = torch.where(n > 1, scores.double() - others_mean, 0.0).float()
+    return _broadcast(per_seq, batch), None
+
+
+@register_adv_estimator("reinforce_pp")
+def reinforce_pp(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None]:
+    """REINFORCE++ (verl): discounted return-to-go (gamma) on every trained token, whitened over the batch
+    (masked mean / unbiased std). Observation tokens are skipped rather than resetting the return (verl resets
+    at every mask 0, which drops rewards earned after an observation in multi-turn data)."""
+    zeros = torch.zeros_like(batch.token_rewards, dtype=torch.float32)
+    adv, _ = kernels.gae_advantages(batch.token_rewards, zeros, batch.loss_mask, cfg.gamma, 1.0, whiten=True,
+                                    cu_seqlens=batch.cu_seqlens)
+    return adv, None
+
+
+def _broadcast(per_seq: Tensor, batch: PackedBatch) -> Tensor:
+    """[B] per-trajectory values -> fp32 [N] on the trained tokens, 0 elsewhere."""
+    lengths = batch.cu_seqlens.diff()
+    tok = per_seq.repeat_interleave(lengths, output_size=batch.loss_mask.shape[0])
+    return torch.where(batch.loss_mask != 0, tok, 0.0).float()
+
+
+# -------------------------------------------------------------------------------------------- rollout filters
+FilterFn = Callable[[Tensor, float], Tensor]
+ROLLOUT_FILTERS: dict[str, FilterFn] = {}
+_FIXED_COUNT_FILTERS: set[str] = set()
+
+
+def register_rollout_filter(name: str, fixed_count: bool = True) -> Callable[[FilterFn], FilterFn]:
+    """Decorator: register ``fn(group_std fp32 [G] in ascending group-id order, ratio) -> keep bool [G]``;
+    ``fixed_count`` filters keep exactly :func:`kept_group_count` groups (checked by config.validate)."""
+    def deco(fn: FilterFn) -> FilterFn:
+        if name in ROLLOUT_FILTERS:
+            raise ValueError(f"rollout filter {name!r} is already registered")
+        ROLLOUT_FILTERS[name] = fn
+        if fixed_count:
+            _FIXED_COUNT_FILTERS.add(name)
+        return fn
+    return deco
+
+
+def kept_group_count(num_groups: int, ratio: float, kind: str) -> int | None:
+    """Groups kept by a fixed-count filter: int(ratio * num_groups) as RAGEN (+1e-9 so 0.29 * 100 keeps 29, not
+    28), all of them at ratio 1; None for filters whose count depends on the data (nonzero)."""
+    if kind not in _FIXED_COUNT_FILTERS:
+        return None
+    return num_groups if ratio >= 1.0 else int(ratio * num_groups + 1e-9)
+
+
+def _top_groups(key: Tensor, ratio: float, kind: str) -> Tensor:
+    """keep bool [G]: the kept_group_count groups with the largest key; ties go to the lower group id."""
+    k = kept_group_count(key.shape[0], ratio, kind)
+    if k < 1:
+        raise ValueError(f"rollout_filter_ratio={ratio} keeps int(ratio * {key.shape[0]} groups) = 0 groups; "
+                         f"raise the ratio or the number of groups")
+    order = torch.sort(key, descending=True, stable=True).indices  # stable: ascending group id among equal keys
+    keep = torch.zeros(key.shape[0], dtype=torch.bool, device=key.device)
+    keep[order[:k]] = True
+    return keep
+
+
+@register_rollout_filter("std")
+def filter_std(group_std: Tensor, ratio: float) -> Tensor:
+    """StarPO-S: keep the int(ratio * G) groups with the highest in-group reward std (the most uncertain)."""
+    return _top_groups(group_std, ratio, "std")
+
+
+@register_rollout_filter("std_rev")
+def filter_std_rev(group_std: Tensor, ratio: float) -> Tensor:
+    """Ablation: keep the int(ratio * G) groups with the lowest in-group reward std."""
+    return _top_groups(-group_std, ratio, "std_rev")
+
+
+@register_rollout_filter("nonzero", fixed_count=False)
+def filter_nonzero(group_std: Tensor, ratio: float) -> Tensor:
+    """Keep every group whose returns are not all equal (std > 0); ratio is not used. May keep no group: the
+    trainer then skips the update."""
+    return group_std > 0
+
+
+def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-group statistics of scores [B] by group_ids [B]: (unique ids [G] ascending, inverse [B] (group index of
+    each trajectory), std fp32 [G] (unbiased; 0 for a group of one), mean fp32 [G], max fp32 [G])."""
+    ids, inverse = torch.unique(group_ids, sorted=True, return_inverse=True)
+    g = ids.shape[0]
+    x = scores.double()
+    count = torch.bincount(inverse, minlength=g).to(torch.float64)
+    mean = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, x) / count
+    sq = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 0.0)
+    gmax = torch.full((g,), -torch.inf, dtype=torch.float64, device=x.device).scatter_reduce_(0, inverse, x, "amax")
+    return ids, inverse, std.float(), mean.float(), gmax.float()
+
+
+def filter_groups(scores: Tensor, group_ids: Tensor, ratio: float, kind: str) -> tuple[Tensor, dict[str, float]]:
+    """StarPO-S uncertainty filter over whole groups.
+
+    scores fp32 [B] (trajectory returns), group_ids int [B] (any labels, any order). Returns keep bool [B] (all
+    members of a kept group) and metrics: ``rollout/in_group_std`` / ``_mean`` / ``_max`` averaged over all
+    groups, ``rollout/chosen_in_group_*`` over the kept ones (0 when none is kept), ``rollout/kept_group_fraction``.
+    kind is a ROLLOUT_FILTERS name; ratio in (0, 1]."""
+    fn = _lookup(ROLLOUT_FILTERS, kind, "rollout_filter_type")
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"rollout_filter_ratio must lie in (0, 1], got {ratio}")
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores and group_ids must both be [B], got {tuple(scores.shape)} and "
+                         f"{tuple(group_ids.shape)}")
+    _, inverse, std, mean, gmax = group_stats(scores, group_ids)
+    keep_group = fn(std, ratio)
+    metrics = {}
+    for name, stat in (("std", std), ("mean", mean), ("max", gmax)):
+        metrics[f"rollout/in_group_{name}"] = float(stat.mean())
+        chosen = stat[keep_group]
+        metrics[f"rollout/chosen_in_group_{name}"] = float(chosen.mean()) if chosen.numel() else 0.0
+    metrics["rollout/kept_group_fraction"] = float(keep_group.float().mean())
+    return keep_group[inverse], metrics
+
+
+# ------------------------------------------------------------------------------------------------- losses
+PolicyLossFn = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register ``fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens) -> (loss,
+    metrics)`` under ``name`` (algorithm.policy_loss)."""
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+    return deco
+
+
+@register_policy_loss("ppo")
+def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor | None,
+        ref_logp: Tensor | None, cfg: AlgorithmConfig, cu_seqlens: Tensor | None) -> tuple[Tensor, dict]:
+    """Clipped ratio with clip-higher (eps_low / eps_high), dual clip (clip_c), KL to the reference (kl_coef,
+    kl_type) and entropy bonus (entropy_coef), aggregated by loss_agg_mode."""
+    return kernels.ppo_loss(logp, old_logp, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                            clip_c=cfg.clip_c, loss_agg_mode=cfg.loss_agg_mode, ref_logp=ref_logp,
+                            kl_coef=cfg.kl_coef, kl_type=cfg.kl_type, entropy=entropy,
+                            entropy_coef=cfg.entropy_coef, cu_seqlens=cu_seqlens)
+
+
+_ACTOR_METRIC_NAMES = {"clipfrac": "actor/pg_clipfrac", "clipfrac_lower": "actor/pg_clipfrac_lower",
+                       "approx_kl": "actor/ppo_kl", "entropy": "actor/entropy", "kl": "actor/kl_loss"}
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor | None,
+                ref_logp: Tensor | None, cfg: AlgorithmConfig, *, cu_seqlens: Tensor | None = None
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor loss of cfg.policy_loss.
+
+    logp fp32 [N] (differentiable), old_logp / advantages / ref_logp fp32 [N], mask bool [N], entropy fp32 [N]
+    (differentiable) or None, cu_seqlens int [B + 1] (needed by the seq-mean aggregation modes). ref_logp is
+    required when cfg.kl_coef != 0. Returns (loss fp32 [], metrics of detached 0-dim tensors: actor/pg_loss (the
+    loss), actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy and actor/kl_loss when given)."""
+    fn = _lookup(POLICY_LOSSES, cfg.policy_loss, "algorithm.policy_loss")
+    loss, raw = fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens)
+    metrics = {_ACTOR_METRIC_NAMES.get(k, f"actor/{k}"): v for k, v in raw.items()}
+    metrics["actor/pg_loss"] = loss.detach()
+    return loss, metrics
+
+
+def critic_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cfg: AlgorithmConfig, *,
+                cu_seqlens: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss 0.5 * agg(max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2)), agg = loss_agg_mode.
+
+    values fp32 [N] (differentiable), old_values / returns fp32 [N], mask bool [N]. Returns (loss fp32 [],
+    {critic/vf_loss, critic/vf_clipfrac})."""
+    loss, raw = kernels.value_loss(values, old_values, returns, mask, clip=cfg.value_clip,
+                                   loss_agg_mode=cfg.loss_agg_mode, cu_seqlens=cu_seqlens)
+    return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": raw["clipfrac"]}

@@ -1,0 +1,733 @@
+"""fastpo configuration: nested dataclasses (a docstring under every field), presets as functions, CLI overrides.
+
+    cfg = parse_args(["--preset", "sokoban", "--config", "my.yaml", "--algorithm.eps_high", "0.3"])
+    validate(cfg, world_size=8)           # raises ConfigError naming every bad field, before any model loads
+    text = to_json(cfg); cfg == from_json(text)
+    config_hash(cfg)                      # over the fields that change the math; checked on resume
+
+Order of precedence: dataclass defaults (RAGEN's StarPO-S Sokoban setting) < ``--preset NAME`` < ``--config
+file.yaml`` (nested ``section: {field: value}``) < dotted CLI overrides (``--section.field value`` or
+``--section.field=value``; a bare ``--section.flag`` sets a bool to true). ``--help`` prints every field with its
+docstring, generated from the dataclasses below: this file is the only place the config is documented.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import hashlib
+import inspect
+import json
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+
+class ConfigError(ValueError):
+    """A bad config value, unknown field or failed cross-field check; the message names the field(s)."""
+
+
+# ------------------------------------------------------------------------------------------------ sections
+@dataclass
+class ModelConfig:
+    path: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Policy weights: a Hugging Face hub id or a local directory. "tiny" names the project's tiny CPU agent, a
+    placeholder the model loader resolves (see TINY_AGENT.md)."""
+    critic_path: str = ""
+    """Critic backbone (a scalar value head is added): hub id or local directory; "" = the same as ``path``. Only
+    used by estimators that need a critic (gae, bilevel_gae)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Parameter / compute dtype of policy and critic (optimizer states stay fp32)."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in backward (less memory, ~30% more compute)."""
+    lora_rank: int = 0
+    """LoRA rank (>= 0); 0 trains all weights."""
+    lora_alpha: int = 16
+    """LoRA scaling alpha (>= 1); unused when lora_rank is 0."""
+
+
+@dataclass
+class EnvConfig:
+    names: tuple[str, ...] = ("sokoban",)
+    """Training env names (``fastpo.envs.available()``, e.g. sokoban, frozenlake, bandit, countdown); env_groups is
+    split equally among them."""
+    env_groups: int = 8
+    """Groups per iteration (>= 1, divisible by world size and by len(names)); all members of a group share a seed."""
+    group_size: int = 16
+    """Rollouts per group (>= 1; >= 2 for grpo / rloo). env_groups x group_size trajectories per iteration."""
+    max_turns: int = 5
+    """Turns per episode (>= 1) [max_turn]."""
+    max_actions_per_turn: int = 5
+    """Actions parsed from one answer at most (>= 1); extra actions are dropped."""
+    max_actions_per_traj: int = 10
+    """Actions per episode at most (>= 1); the episode stops when the budget is spent."""
+    action_sep: str = "||"
+    """Separator between actions inside <answer> (non-empty)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for ``fastpo.envs.make`` (e.g. {"dim_room": [8, 8]}); YAML / JSON on the CLI."""
+    backend: Literal["default", "cpp", "python"] = "default"
+    """Env implementation: default = C++ where it exists, else Python."""
+    train_seed: int = 10000
+    """Seed of the first training group (>= 0); advances by env_groups per iteration."""
+    val_names: tuple[str, ...] = ()
+    """Validation env names; () = the training names. val_groups is split equally among them."""
+    val_groups: int = 256
+    """Validation initial states (>= 1, divisible by world size and by the number of validation names)."""
+    val_group_size: int = 1
+    """Rollouts per validation state (>= 1)."""
+    val_seed: int = 123
+    """Seed of the first validation state (>= 0); fixed for the whole run."""
+
+
+@dataclass
+class RolloutConfig:
+    enable_think: bool = True
+    """Generation starts inside <think> and the answer must be <think>..</think><answer>..</answer>; false:
+    <answer> only."""
+    response_length: int = 400
+    """Generated tokens per turn at most (>= 1)."""
+    max_model_len: int = 3600
+    """Whole-trajectory context cap in tokens (> response_length); the episode ends when it is reached."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (> 0)."""
+    val_temperature: float = 0.5
+    """Sampling temperature for validation (>= 0; 0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1 disables."""
+    top_k: int = -1
+    """Top-k sampling (>= 1), or -1 to disable."""
+    format_penalty: float = -0.1
+    """Reward added once per turn whose answer did not parse, was empty, or named an invalid action (<= 0)."""
+    max_context_window: int = -1
+    """Turns of history kept in the prompt (>= 1), or -1 for the full history."""
+    canonical: bool = False
+    """Train on RAGEN's canonical re-written assistant message instead of the sampled tokens (inexact ratios)."""
+    train_on_observations: bool = False
+    """Also put observation (env / user) tokens in the loss mask (the paper-time setting)."""
+    reward_level: Literal["trajectory", "turn"] = "trajectory"
+    """trajectory: sum of turn rewards on the last trained token; turn: each turn's reward on its last token."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: the built-in HF engine or colocated vLLM."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only: share of GPU memory for weights + KV cache, in (0, 1]."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    """Advantage estimator: gae (critic), grpo, bilevel_gae (critic), rloo, reinforce_pp (fastpo.algorithms)."""
+    gamma: float = 1.0
+    """Token-level discount, in [0, 1]."""
+    lam: float = 1.0
+    """Token-level GAE lambda, in [0, 1]."""
+    gamma_high: float = 0.95
+    """Turn-level discount of bilevel_gae, in [0, 1] [high_level_gamma]."""
+    norm_adv_by_std: bool = True
+    """grpo: divide by the in-group std (false = mean-only, Dr. GRPO style)."""
+    rollout_filter_ratio: float = 0.25
+    """Share of groups kept by the std / std_rev filter, in (0, 1]; int(ratio * env_groups) groups (RAGEN); 1 = keep
+    all."""
+    rollout_filter_type: str = "std"
+    """Rollout filter: std (highest in-group reward std), std_rev (lowest), nonzero (drop zero-std groups)."""
+    eps_low: float = 0.2
+    """PPO clip below: ratio >= 1 - eps_low, in [0, 1) [clip_ratio_low]."""
+    eps_high: float = 0.28
+    """PPO clip above (clip-higher): ratio <= 1 + eps_high, >= 0 [clip_ratio_high]."""
+    clip_c: float = 3.0
+    """Dual-clip constant for negative advantages, > 1 (inf disables) [clip_ratio_c]."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How per-token policy / value losses are aggregated."""
+    entropy_coef: float = 0.001
+    """Entropy bonus weight (>= 0) [entropy_coeff]."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss (>= 0); the reference model is loaded only when > 0 [kl_loss_coef]."""
+    kl_type: Literal["k1", "k3"] = "k1"
+    """KL estimator: k1 = logp - ref_logp, k3 = low-variance exp(ref - logp) - (ref - logp) - 1."""
+    value_clip: float = 0.5
+    """Critic value clip around the old values (>= 0) [cliprange_value]."""
+    policy_loss: str = "ppo"
+    """Policy loss (fastpo.algorithms registry): ppo = clipped ratio with clip-higher and dual clip."""
+
+
+@dataclass
+class OptimConfig:
+    actor_lr: float = 1e-6
+    """Actor AdamW learning rate (> 0), constant after warmup."""
+    critic_lr: float = 1e-5
+    """Critic AdamW learning rate (> 0 when the estimator needs a critic)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay (>= 0)."""
+    grad_clip: float = 1.0
+    """Global grad-norm clip (> 0)."""
+    warmup_steps: int = 0
+    """Linear lr warmup in optimizer steps (>= 0)."""
+    ppo_epochs: int = 1
+    """Passes over each iteration's kept trajectories (>= 1)."""
+    mini_batch_size: int = 32
+    """Trajectories per optimizer step, over all ranks (>= 1, divisible by world size) [ppo_mini_batch_size]."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one forward/backward micro-batch per rank (>= max_model_len: one trajectory must fit)."""
+    max_nonfinite_in_a_row: int = 3
+    """Stop after this many consecutive skipped steps with a non-finite grad norm (>= 1)."""
+
+
+@dataclass
+class TrainerConfig:
+    iterations: int = 200
+    """Training iterations (>= 0): rollout, filter, advantages, update [total_training_steps]."""
+    val_every: int = 10
+    """Validate every N iterations (>= 0; 0 = never) [test_freq]."""
+    val_before_train: bool = True
+    """Validate once before the first iteration."""
+    save_every: int = 50
+    """Checkpoint every N iterations (>= 0; 0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (>= 1); older ones are deleted."""
+    run_dir: str = "runs/default"
+    """Directory for checkpoints, metrics.jsonl, TensorBoard events and the final Hugging Face export."""
+    resume: str = "auto"
+    """auto: continue from the newest checkpoint in run_dir if any; never: start fresh; else a checkpoint path."""
+    seed: int = 42
+    """Global seed (>= 0) for torch / Python RNGs and per-request sampling seeds."""
+    deterministic: bool = False
+    """Deterministic torch algorithms (slower); with fixed seeds a rerun repeats bit for bit."""
+    log_console: bool = True
+    """One rank-0 console line per iteration."""
+    log_jsonl: bool = True
+    """Append every iteration's metrics to <run_dir>/metrics.jsonl."""
+    log_tensorboard: bool = False
+    """Write TensorBoard events to <run_dir>/tb."""
+    log_wandb: bool = False
+    """Log to Weights & Biases (project wandb_project)."""
+    wandb_project: str = "fastpo"
+    """W&B project name."""
+    min_in_group_std: float = 1e-3
+    """Echo-trap warning when the mean in-group reward std falls below this (>= 0; 0 disables)."""
+    entropy_drop_factor: float = 0.5
+    """Echo-trap warning when entropy falls below this factor x its running mean, in [0, 1] (0 disables)."""
+    entropy_jump_factor: float = 2.0
+    """Echo-trap warning when entropy rises above this factor x its running mean (>= 1; inf disables)."""
+    grad_norm_spike_factor: float = 10.0
+    """Echo-trap warning when a grad norm exceeds this factor x its running mean (>= 1; inf disables)."""
+    logprob_gap_max: float = 0.1
+    """Stop when mean |engine logp - trainer logp| over sampled tokens exceeds this right after a weight sync
+    (nats per token, > 0; inf disables): a silent weight-sync failure."""
+
+    _unhashed: ClassVar[frozenset[str]] = frozenset({
+        "iterations", "val_every", "val_before_train", "save_every", "keep_last", "run_dir", "resume",
+        "log_console", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "min_in_group_std",
+        "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
+    })
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy / critic weights."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Environments, groups and seeds."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Multi-turn generation and trajectory format."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, rollout filter, losses."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizers and batching."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, validation, checkpoints, logging, echo-trap alarms."""
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+
+# ------------------------------------------------------------------------------------------------- presets
+PRESETS: dict[str, Callable[[], Config]] = {}
+
+
+def register_preset(name: str) -> Callable[[Callable[[], Config]], Callable[[], Config]]:
+    """Decorator: register a zero-argument function returning a Config under ``name`` (``--preset name``)."""
+    def deco(fn: Callable[[], Config]) -> Callable[[], Config]:
+        if name in PRESETS:
+            raise ValueError(f"preset {name!r} is already registered")
+        PRESETS[name] = fn
+        return fn
+    return deco
+
+
+def get_preset(name: str) -> Config:
+    """A fresh Config of the named preset; unknown names raise ConfigError listing the presets."""
+    if name not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {name!r}; choose from {sorted(PRESETS)}"
+                          f"{_did_you_mean(name, PRESETS)}")
+    return PRESETS[name]()
+
+
+@register_preset("sokoban")
+def sokoban() -> Config:
+    """RAGEN StarPO-S on SimpleSokoban: Qwen2.5-0.5B-Instruct, 8 x 16, std filter 0.25, PPO + critic, clip 0.2 /
+    0.28, dual clip 3, entropy 0.001, no KL, lr 1e-6 / 1e-5, 200 iterations, 256 val seeds at T 0.5 every 10."""
+    return Config()
+
+
+@register_preset("frozenlake")
+def frozenlake() -> Config:
+    """RAGEN StarPO-S on slippery 4x4 FrozenLake (otherwise the sokoban preset)."""
+    cfg = Config()
+    cfg.env.names = ("frozenlake",)
+    return cfg
+
+
+@register_preset("bandit")
+def bandit() -> Config:
+    """RAGEN bi-arm Bandit: one turn, one action, 500-token answers; validated on 256 train-name + 256 test-name
+    (Trader / Librarian) instances."""
+    cfg = Config()
+    cfg.env.names = ("bandit",)
+    cfg.env.max_turns, cfg.env.max_actions_per_turn, cfg.env.max_actions_per_traj = 1, 1, 1
+    cfg.env.val_names, cfg.env.val_groups = ("bandit", "bandit_test"), 512
+    cfg.rollout.response_length = 500
+    return cfg
+
+
+@register_preset("countdown")
+def countdown() -> Config:
+    """RAGEN Countdown: one turn, one equation."""
+    cfg = Config()
+    cfg.env.names = ("countdown",)
+    cfg.env.max_turns, cfg.env.max_actions_per_turn, cfg.env.max_actions_per_traj = 1, 1, 1
+    return cfg
+
+
+@register_preset("starpo-vanilla")
+def starpo_vanilla() -> Config:
+    """Vanilla StarPO (paper baseline) on Sokoban: no rollout filter, KL 0.001 (k1), symmetric clip 0.2."""
+    cfg = Config()
+    cfg.algorithm.rollout_filter_ratio = 1.0
+    cfg.algorithm.kl_coef, cfg.algorithm.kl_type = 0.001, "k1"
+    cfg.algorithm.eps_low = cfg.algorithm.eps_high = 0.2  # mini-batch stays 32 (RAGEN): 4 optimizer steps / iteration
+    return cfg
+
+
+@register_preset("grpo")
+def grpo() -> Config:
+    """StarPO-S with GRPO advantages (no critic) on Sokoban."""
+    cfg = Config()
+    cfg.algorithm.adv_estimator = "grpo"
+    return cfg
+
+
+@register_preset("tiny")
+def tiny() -> Config:
+    """CPU smoke / demo run of a few minutes: the tiny agent ("tiny", resolved by the model loader) on FrozenLake,
+    GRPO 4 x 4 with the std filter keeping 2 groups, fp32, 3 iterations, 16 val states."""
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype, cfg.model.gradient_checkpointing = "tiny", "float32", False
+    cfg.env.names = ("frozenlake",)
+    cfg.env.env_groups, cfg.env.group_size, cfg.env.val_groups = 4, 4, 16
+    cfg.env.max_actions_per_turn = 2
+    cfg.rollout.response_length, cfg.rollout.max_model_len = 32, 512
+    cfg.algorithm.adv_estimator, cfg.algorithm.rollout_filter_ratio = "grpo", 0.5
+    cfg.optim.actor_lr, cfg.optim.mini_batch_size, cfg.optim.micro_batch_tokens = 3e-4, 8, 4096
+    cfg.trainer.iterations, cfg.trainer.val_every, cfg.trainer.save_every = 3, 3, 0
+    cfg.trainer.run_dir = "runs/tiny"
+    return cfg
+
+
+# ------------------------------------------------------------------------------------- field introspection
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal right below each field) of a dataclass."""
+    cached = _DOC_CACHE.get(cls)
+    if cached is None:
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        cached = {}
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                cached[node.target.id] = " ".join(nxt.value.value.split())
+        _DOC_CACHE[cls] = cached
+    return cached
+
+
+_DOC_CACHE: dict[type, dict[str, str]] = {}
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """Resolved type of every dataclass field (ClassVars excluded)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "{" + ",".join(str(a) for a in args) + "}"
+    if origin is tuple:
+        return "tuple[" + ", ".join("..." if a is Ellipsis else _type_name(a) for a in args) + "]"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is dict:
+        return "dict"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def all_fields() -> list[str]:
+    """Every dotted field name, ``section.field``."""
+    return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(_section_cls(s))]
+
+
+def _section_cls(section: str) -> type:
+    return typing.get_type_hints(Config)[section]
+
+
+# ------------------------------------------------------------------------------------------------ coercion
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert ``value`` (a CLI string, or a YAML / JSON native value) to the field type ``tp``."""
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{name}: expected {expected}, got {value!r}")
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        return _coerce(value, next(a for a in args if a is not type(None)), name)
+    if origin is Literal:
+        for choice in args:
+            if value == choice or (isinstance(value, str) and str(choice) == value):
+                return choice
+        raise ConfigError(f"{name}: expected one of {list(args)}, got {value!r}{_did_you_mean(str(value), args)}")
+    if origin is tuple:
+        if isinstance(value, str):
+            text = value.strip()
+            if text[:1] in "([" and text[-1:] in ")]":
+                text = text[1:-1]
+            value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise bad(_type_name(tp))
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{name}: expected {len(args)} values ({_type_name(tp)}), got {value!r}")
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if origin is dict or tp is dict:
+        if isinstance(value, str):
+            import yaml
+
+            try:
+                value = yaml.safe_load(value) if value.strip() else {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{name}: expected a YAML / JSON mapping, got {value!r} ({e})") from None
+        if not isinstance(value, dict):
+            raise bad("a mapping such as {\"key\": 1}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad("bool (true/false/1/0/yes/no/on/off)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise bad("int")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise bad("float")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad("str")
+    raise ConfigError(f"{name}: unsupported field type {tp!r}")
+
+
+def _resolve(dotted: str) -> tuple[str, str, Any]:
+    """``section.field`` -> (section, field, type); unknown names raise ConfigError with close matches."""
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS or not key or key not in _field_types(_section_cls(section)):
+        raise ConfigError(f"unknown config field {dotted!r}{_did_you_mean(dotted, all_fields())} "
+                          f"(--help lists all fields)")
+    return section, key, _field_types(_section_cls(section))[key]
+
+
+def set_field(cfg: Config, dotted: str, value: Any) -> None:
+    """Set ``section.field`` on cfg from a CLI string or a native value, type-checked."""
+    section, key, tp = _resolve(dotted)
+    setattr(getattr(cfg, section), key, _coerce(value, tp, dotted))
+
+
+def merge(cfg: Config, data: dict[str, Any], source: str = "config") -> Config:
+    """Apply a nested ``{section: {field: value}}`` mapping (YAML / JSON) onto cfg in place; returns cfg."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections {list(SECTIONS)}, got {type(data).__name__}")
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section {section!r}{_did_you_mean(str(section), SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping of fields, got {values!r}")
+        for key, value in values.items():
+            set_field(cfg, f"{section}.{key}", value)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- serialise
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Nested plain dict (tuples stay tuples; to_json writes them as lists)."""
+    return {s: {f.name: getattr(getattr(cfg, s), f.name) for f in dataclasses.fields(getattr(cfg, s))}
+            for s in SECTIONS}
+
+
+def to_json(cfg: Config) -> str:
+    """The full config as indented, key-sorted JSON (non-finite floats as Infinity / NaN)."""
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+def from_json(text: str) -> Config:
+    """Inverse of :func:`to_json`; missing fields keep their defaults, unknown fields raise ConfigError."""
+    return merge(Config(), json.loads(text), source="json")
+
+
+def config_hash(cfg: Config) -> str:
+    """16-hex-digit SHA-256 over the fields that change the training math (logging, run_dir, resume, iteration
+    count, validation / checkpoint cadence and echo-trap alarms excluded). Stored in checkpoints; resume refuses
+    a different hash."""
+    data = to_dict(cfg)
+    data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in TrainerConfig._unhashed}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def help_text() -> str:
+    """``--help`` output: usage, presets, and every field with type, default and docstring."""
+    lines = ["usage: python -m fastpo.train [--preset NAME] [--config FILE.yaml] [--section.field VALUE ...]", "",
+             "Precedence: defaults < --preset < --config < --section.field overrides.", "", "presets:"]
+    for name, fn in PRESETS.items():
+        lines.append(f"  {name:16s} {' '.join((fn.__doc__ or '').split())}")
+    defaults, top_docs = Config(), _field_docs(Config)
+    for section in SECTIONS:
+        cls = _section_cls(section)
+        lines += ["", f"{section}: {top_docs.get(section, '')}"]
+        docs, hints = _field_docs(cls), _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            lines.append(f"  --{section}.{f.name} {_type_name(hints[f.name])} (default: {default!r})")
+            lines.append(f"      {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Build a Config from command-line arguments (``sys.argv[1:]`` when None); see the module docstring.
+    ``--help`` / ``-h`` prints :func:`help_text` and exits 0; every bad argument raises ConfigError."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        raise SystemExit(0)
+    preset, yaml_path, overrides = None, None, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.field VALUE")
+        name, has_eq, value = arg[2:].partition("=")
+        if not has_eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if name in ("preset", "config") or nxt is None or not nxt.startswith("--"):
+                if nxt is None:
+                    value = None
+                else:
+                    value, i = nxt, i + 1
+            else:
+                value = None
+        if name in ("preset", "config"):
+            if value is None:
+                raise ConfigError(f"--{name} needs a value")
+            preset, yaml_path = (value, yaml_path) if name == "preset" else (preset, value)
+        else:
+            if value is None:  # a bare flag: only bools may omit the value
+                tp = _resolve(name)[2]
+                if tp is not bool:
+                    raise ConfigError(f"{name}: missing value (expected {_type_name(tp)})")
+                value = "true"
+            overrides.append((name, value))
+        i += 1
+    cfg = get_preset(preset) if preset is not None else Config()
+    if yaml_path is not None:
+        cfg = merge(cfg, _load_yaml(yaml_path), source=yaml_path)
+    for name, value in overrides:
+        set_field(cfg, name, value)
+    return cfg
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path!r} is not valid YAML: {e}") from None
+    return data or {}
+
+
+# ----------------------------------------------------------------------------------------------- validate
+def validate(cfg: Config, world_size: int = 1) -> Config:
+    """Cross-field checks before any model loads; raises one ConfigError listing every problem, each line naming
+    its field(s). Returns cfg."""
+    from fastpo import algorithms, envs
+
+    errors: list[str] = []
+
+    def check(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    for section in SECTIONS:  # types and Literal choices, for configs built in code rather than parsed
+        for key, tp in _field_types(_section_cls(section)).items():
+            value = getattr(getattr(cfg, section), key)
+            try:
+                _coerce(value, tp, f"{section}.{key}")
+                if isinstance(value, str) and not (tp is str or typing.get_origin(tp) is Literal):
+                    raise ConfigError(f"{section}.{key}: expected {_type_name(tp)}, got {value!r}")
+            except ConfigError as err:
+                errors.append(str(err))
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    m, e, r, a, o, t = cfg.model, cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
+    check(isinstance(world_size, int) and world_size >= 1, f"world_size must be an int >= 1, got {world_size!r}")
+    world_size = max(int(world_size), 1) if isinstance(world_size, int) else 1
+    # model
+    check(bool(m.path), "model.path must be a hub id or a local directory, got ''")
+    check(m.lora_rank >= 0, f"model.lora_rank must be >= 0, got {m.lora_rank}")
+    check(m.lora_alpha >= 1, f"model.lora_alpha must be >= 1, got {m.lora_alpha}")
+    # env
+    known = envs.available()
+    for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
+        for n in names:
+            check(n.lower() in known, f"{field_name}: unknown env {n!r}; choose from {known}"
+                                      f"{_did_you_mean(n.lower(), known)}")
+    check(len(e.names) >= 1, "env.names must name at least one env")
+    for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
+                "val_groups", "val_group_size"):
+        check(getattr(e, key) >= 1, f"env.{key} must be >= 1, got {getattr(e, key)}")
+    check(e.env_groups % world_size == 0,
+          f"env.env_groups ({e.env_groups}) must be divisible by the world size ({world_size})")
+    check(e.val_groups % world_size == 0,
+          f"env.val_groups ({e.val_groups}) must be divisible by the world size ({world_size})")
+    check(not e.names or e.env_groups % len(e.names) == 0,
+          f"env.env_groups ({e.env_groups}) must be divisible by len(env.names) ({len(e.names)})")
+    val_names = e.val_names or e.names
+    check(not val_names or e.val_groups % len(val_names) == 0,
+          f"env.val_groups ({e.val_groups}) must be divisible by the number of validation envs ({len(val_names)})")
+    check(bool(e.action_sep), "env.action_sep must be non-empty")
+    check(e.train_seed >= 0 and e.val_seed >= 0,
+          f"env.train_seed / env.val_seed must be >= 0, got {e.train_seed} / {e.val_seed}")
+    # rollout
+    check(r.response_length >= 1, f"rollout.response_length must be >= 1, got {r.response_length}")
+    check(r.max_model_len > r.response_length,
+          f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.response_length ({r.response_length})")
+    check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    check(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
+    check(0 < r.top_p <= 1, f"rollout.top_p must lie in (0, 1], got {r.top_p}")
+    check(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {r.top_k}")
+    check(r.format_penalty <= 0, f"rollout.format_penalty must be <= 0, got {r.format_penalty}")
+    check(r.max_context_window == -1 or r.max_context_window >= 1,
+          f"rollout.max_context_window must be -1 or >= 1, got {r.max_context_window}")
+    check(0 < r.gpu_memory_utilization <= 1,
+          f"rollout.gpu_memory_utilization must lie in (0, 1], got {r.gpu_memory_utilization}")
+    # algorithm
+    check(a.adv_estimator in algorithms.ADV_ESTIMATORS, f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; "
+          f"choose from {sorted(algorithms.ADV_ESTIMATORS)}{_did_you_mean(a.adv_estimator, algorithms.ADV_ESTIMATORS)}")
+    check(a.rollout_filter_type in algorithms.ROLLOUT_FILTERS,
+          f"algorithm.rollout_filter_type: unknown {a.rollout_filter_type!r}; choose from "
+          f"{sorted(algorithms.ROLLOUT_FILTERS)}{_did_you_mean(a.rollout_filter_type, algorithms.ROLLOUT_FILTERS)}")
+    check(a.policy_loss in algorithms.POLICY_LOSSES, f"algorithm.policy_loss: unknown {a.policy_loss!r}; choose "
+          f"from {sorted(algorithms.POLICY_LOSSES)}")
+    for key in ("gamma", "lam", "gamma_high"):
+        check(0 <= getattr(a, key) <= 1, f"algorithm.{key} must lie in [0, 1], got {getattr(a, key)}")
+    check(0 < a.rollout_filter_ratio <= 1,
+          f"algorithm.rollout_filter_ratio must lie in (0, 1], got {a.rollout_filter_ratio}")
+    kept = algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
+    if kept is not None and 0 < a.rollout_filter_ratio <= 1:
+        check(kept >= 1, f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
+                         f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
+        check(kept < 1 or kept * e.group_size >= o.mini_batch_size,
+              f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps {kept} groups x env.group_size "
+              f"{e.group_size} = {kept * e.group_size} trajectories, fewer than optim.mini_batch_size "
+              f"({o.mini_batch_size})")
+    check(0 <= a.eps_low < 1, f"algorithm.eps_low must lie in [0, 1), got {a.eps_low}")
+    check(a.eps_high >= 0, f"algorithm.eps_high must be >= 0, got {a.eps_high}")
+    check(a.clip_c > 1, f"algorithm.clip_c must be > 1 (inf disables the dual clip), got {a.clip_c}")
+    check(a.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0, got {a.entropy_coef}")
+    check(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
+    check(a.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {a.value_clip}")
+    if a.adv_estimator in ("grpo", "rloo"):
+        check(e.group_size >= 2, f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} "
+                                 f"(a group of one has zero advantage), got {e.group_size}")
+    if a.adv_estimator in algorithms.ADV_ESTIMATORS:
+        if algorithms.needs_critic(a):
+            check(o.critic_lr > 0, f"optim.critic_lr must be > 0: algorithm.adv_estimator={a.adv_estimator!r} "
+                                   f"trains a critic, got {o.critic_lr}")
+        else:
+            check(not m.critic_path, f"model.critic_path is set ({m.critic_path!r}) but algorithm.adv_estimator="
+                                     f"{a.adv_estimator!r} uses no critic")
+    # optim
+    check(o.actor_lr > 0, f"optim.actor_lr must be > 0, got {o.actor_lr}")
+    check(o.critic_lr >= 0, f"optim.critic_lr must be >= 0, got {o.critic_lr}")
+    check(all(0 <= b < 1 for b in o.betas), f"optim.betas must each lie in [0, 1), got {o.betas}")
+    check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    check(o.grad_clip > 0, f"optim.grad_clip must be > 0, got {o.grad_clip}")
+    check(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    check(o.ppo_epochs >= 1, f"optim.ppo_epochs must be >= 1, got {o.ppo_epochs}")
+    check(o.mini_batch_size >= 1, f"optim.mini_batch_size must be >= 1, got {o.mini_batch_size}")
+    check(o.mini_batch_size % world_size == 0,
+          f"optim.mini_batch_size ({o.mini_batch_size}) must be divisible by the world size ({world_size})")
+    check(o.micro_batch_tokens >= r.max_model_len, f"optim.micro_batch_tokens ({o.micro_batch_tokens}) must be >= "
+          f"rollout.max_model_len ({r.max_model_len}) so one trajectory fits")
+    check(o.max_nonfinite_in_a_row >= 1, f"optim.max_nonfinite_in_a_row must be >= 1, got {o.max_nonfinite_in_a_row}")
+    # trainer
+    for key in ("iterations", "val_every", "save_every", "seed"):
+        check(getattr(t, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(t, key)}")
+    check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
+    check(bool(t.run_dir), "trainer.run_dir must be non-empty")
+    check(bool(t.resume), "trainer.resume must be 'auto', 'never' or a checkpoint path, got ''")
+    check(t.min_in_group_std >= 0, f"trainer.min_in_group_std must be >= 0, got {t.min_in_group_std}")
+    check(0 <= t.entropy_drop_factor <= 1, f"trainer.entropy_drop_factor must lie in [0, 1], got "
+                                           f"{t.entropy_drop_factor}")
+    check(t.entropy_jump_factor >= 1, f"trainer.entropy_jump_factor must be >= 1, got {t.entropy_jump_factor}")
+    check(t.grad_norm_spike_factor >= 1, f"trainer.grad_norm_spike_factor must be >= 1, got "
+                                         f"{t.grad_norm_spike_factor}")
+    check(t.logprob_gap_max > 0, f"trainer.logprob_gap_max must be > 0, got {t.logprob_gap_max}")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return cfg

@@ -1,0 +1,219 @@
+"""fastpo.config: defaults, presets, CLI / YAML parsing, JSON round trip, hash and validation messages."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from fastpo import config as C
+from fastpo.config import Config, ConfigError, parse_args, validate
+
+
+def test_defaults_are_ragen_starpo_s():
+    cfg = Config()
+    assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert (cfg.env.env_groups, cfg.env.group_size, cfg.env.max_turns) == (8, 16, 5)
+    assert (cfg.env.max_actions_per_turn, cfg.env.max_actions_per_traj) == (5, 10)
+    assert (cfg.env.val_groups, cfg.env.val_seed, cfg.rollout.val_temperature) == (256, 123, 0.5)
+    assert (cfg.rollout.response_length, cfg.rollout.max_model_len, cfg.rollout.format_penalty) == (400, 3600, -0.1)
+    a = cfg.algorithm
+    assert (a.adv_estimator, a.gamma, a.lam, a.gamma_high) == ("gae", 1.0, 1.0, 0.95)
+    assert (a.rollout_filter_ratio, a.rollout_filter_type, a.eps_low, a.eps_high, a.clip_c) == (0.25, "std", 0.2,
+                                                                                               0.28, 3.0)
+    assert (a.entropy_coef, a.kl_coef, a.kl_type, a.value_clip, a.loss_agg_mode) == (0.001, 0.0, "k1", 0.5,
+                                                                                    "token-mean")
+    o = cfg.optim
+    assert (o.actor_lr, o.critic_lr, o.betas, o.weight_decay, o.grad_clip, o.ppo_epochs) == (1e-6, 1e-5, (0.9, 0.999),
+                                                                                          0.01, 1.0, 1)
+    assert (cfg.trainer.iterations, cfg.trainer.val_every, cfg.trainer.val_before_train) == (200, 10, True)
+    assert C.get_preset("sokoban") == cfg
+
+
+def test_every_field_has_a_docstring():
+    for section in C.SECTIONS:
+        cls = C._section_cls(section)
+        docs = C._field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert len(docs.get(f.name, "")) > 10, f"{section}.{f.name} has no docstring"
+
+
+@pytest.mark.parametrize("name", sorted(C.PRESETS))
+def test_presets_validate_and_round_trip(name):
+    cfg = C.get_preset(name)
+    validate(cfg, world_size=1)
+    assert C.from_json(C.to_json(cfg)) == cfg
+
+
+def test_preset_contents():
+    v = C.get_preset("starpo-vanilla").algorithm
+    assert (v.rollout_filter_ratio, v.kl_coef, v.kl_type, v.eps_low, v.eps_high) == (1.0, 0.001, "k1", 0.2, 0.2)
+    assert C.get_preset("grpo").algorithm.adv_estimator == "grpo"
+    assert C.get_preset("bandit").env.max_turns == 1
+    tiny = C.get_preset("tiny")
+    assert tiny.model.path == "tiny" and tiny.trainer.iterations <= 5
+    assert tiny.env.env_groups * tiny.env.group_size <= 32
+    validate(tiny, world_size=2)
+    validate(C.get_preset("sokoban"), world_size=8)
+    with pytest.raises(ConfigError, match="--preset.*'sokobn'.*did you mean sokoban"):
+        parse_args(["--preset", "sokobn"])
+
+
+def test_presets_are_fresh_objects():
+    a = C.get_preset("sokoban")
+    a.env.names = ("bandit",)
+    assert C.get_preset("sokoban").env.names == ("sokoban",)
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def test_cli_overrides_every_type():
+    cfg = parse_args([
+        "--algorithm.eps_high", "0.3", "--optim.actor_lr=2e-6", "--env.group_size", "4",
+        "--trainer.log_wandb", "--model.gradient_checkpointing=false", "--optim.betas", "0.8,0.95",
+        "--env.names", "[sokoban, frozenlake]", "--algorithm.kl_type", "k3", "--env.kwargs", "{dim_room: [8, 8]}",
+        "--rollout.format_penalty", "-0.2", "--algorithm.clip_c", "inf", "--trainer.run_dir", "runs/x",
+    ])
+    assert cfg.algorithm.eps_high == 0.3 and cfg.optim.actor_lr == 2e-6 and cfg.env.group_size == 4
+    assert cfg.trainer.log_wandb is True and cfg.model.gradient_checkpointing is False
+    assert cfg.optim.betas == (0.8, 0.95) and cfg.env.names == ("sokoban", "frozenlake")
+    assert cfg.algorithm.kl_type == "k3" and cfg.env.kwargs == {"dim_room": [8, 8]}
+    assert cfg.rollout.format_penalty == -0.2 and math.isinf(cfg.algorithm.clip_c)
+    assert cfg.trainer.run_dir == "runs/x"
+    assert C.from_json(C.to_json(cfg)) == cfg  # inf survives JSON
+
+
+@pytest.mark.parametrize("argv,pieces", [
+    (["--algorithm.eps_high", "abc"], ["algorithm.eps_high", "float", "'abc'"]),
+    (["--env.group_size", "2.5"], ["env.group_size", "int", "'2.5'"]),
+    (["--trainer.log_wandb=maybe"], ["trainer.log_wandb", "bool", "'maybe'"]),
+    (["--algorithm.loss_agg_mode", "mean"], ["algorithm.loss_agg_mode", "token-mean", "'mean'"]),
+    (["--rollout.engine", "vlm"], ["rollout.engine", "'vlm'", "did you mean vllm"]),
+    (["--optim.betas", "0.9"], ["optim.betas", "2 values"]),
+    (["--env.kwargs", "[1, 2]"], ["env.kwargs", "mapping"]),
+    (["--algorithm.eps_hgh", "0.3"], ["algorithm.eps_hgh", "did you mean algorithm.eps_high"]),
+    (["--algorithm.adv_estimatr=gae"], ["did you mean algorithm.adv_estimator"]),
+    (["--env.group_size"], ["env.group_size", "missing value", "int"]),
+    (["algorithm.eps_high=0.3"], ["unexpected argument"]),
+    (["--config", "/nonexistent/x.yaml"], ["--config", "/nonexistent/x.yaml"]),
+])
+def test_cli_errors_name_field_value_and_type(argv, pieces):
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    for piece in pieces:
+        assert piece in str(err.value)
+
+
+def test_help_lists_every_field_with_its_docstring(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for dotted in C.all_fields():
+        assert f"--{dotted} " in out
+    assert "Share of groups kept by the std / std_rev filter" in out
+    assert "starpo-vanilla" in out
+
+
+def test_yaml_merge_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  iterations: 7\nalgorithm:\n  eps_high: 0.25\n  clip_c: .inf\n"
+                    "optim:\n  betas: [0.5, 0.6]\n")
+    cfg = parse_args(["--algorithm.eps_high", "0.3", "--config", str(path), "--preset", "tiny"])
+    assert cfg.model.path == "tiny"  # preset
+    assert cfg.trainer.iterations == 7 and cfg.optim.betas == (0.5, 0.6)  # yaml over preset
+    assert math.isinf(cfg.algorithm.clip_c)
+    assert cfg.algorithm.eps_high == 0.3  # CLI over yaml, wherever it stands
+
+
+@pytest.mark.parametrize("text,pieces", [
+    ("algoritm:\n  eps_high: 0.3\n", ["unknown section 'algoritm'", "did you mean algorithm"]),
+    ("algorithm:\n  eps_hi: 0.3\n", ["algorithm.eps_hi", "did you mean algorithm.eps_high"]),
+    ("algorithm:\n  eps_high: high\n", ["algorithm.eps_high", "float", "'high'"]),
+    ("algorithm: 3\n", ["section 'algorithm' must be a mapping"]),
+])
+def test_yaml_errors(tmp_path, text, pieces):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(path)])
+    for piece in pieces:
+        assert piece in str(err.value)
+
+
+def test_json_round_trip_and_partial_json():
+    cfg = parse_args(["--preset", "bandit", "--env.kwargs", "{a: 1}"])
+    text = C.to_json(cfg)
+    assert C.from_json(text) == cfg
+    assert json.loads(text)["env"]["val_names"] == ["bandit", "bandit_test"]
+    assert C.from_json('{"algorithm": {"eps_high": 0.3}}').algorithm.eps_high == 0.3
+    with pytest.raises(ConfigError, match="model.nope"):
+        C.from_json('{"model": {"nope": 1}}')
+
+
+def test_config_hash_covers_math_only():
+    base = Config()
+    h = C.config_hash(base)
+    assert len(h) == 16 and h == C.config_hash(Config()) == C.config_hash(C.from_json(C.to_json(base)))
+    same = parse_args(["--trainer.run_dir", "elsewhere", "--trainer.log_wandb", "--trainer.iterations", "400",
+                       "--trainer.val_every", "5", "--trainer.resume", "never", "--trainer.keep_last", "9"])
+    assert C.config_hash(same) == h
+    for override in (["--algorithm.eps_high", "0.3"], ["--env.group_size", "8"], ["--trainer.seed", "1"],
+                     ["--model.path", "other"], ["--optim.betas", "0.9,0.99"]):
+        assert C.config_hash(parse_args(override)) != h, override
+
+
+# ------------------------------------------------------------------------------------------------ validate
+def _set(**changes):
+    cfg = Config()
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("cfg,world_size,fields", [
+    (_set(env__env_groups=6), 4, ["env.env_groups", "world size (4)"]),
+    (_set(algorithm__rollout_filter_ratio=0.1), 1, ["algorithm.rollout_filter_ratio", "at least 1"]),
+    (_set(algorithm__rollout_filter_ratio=0.125), 1, ["algorithm.rollout_filter_ratio", "optim.mini_batch_size"]),
+    (_set(algorithm__rollout_filter_ratio=1.5), 1, ["algorithm.rollout_filter_ratio", "(0, 1]"]),
+    (_set(algorithm__adv_estimator="ppo"), 1, ["algorithm.adv_estimator", "'ppo'", "grpo"]),
+    (_set(algorithm__rollout_filter_type="max_mean"), 1, ["algorithm.rollout_filter_type", "'max_mean'"]),
+    (_set(algorithm__loss_agg_mode="mean"), 1, ["algorithm.loss_agg_mode", "'mean'"]),
+    (_set(algorithm__kl_type="k2"), 1, ["algorithm.kl_type", "'k2'"]),
+    (_set(algorithm__policy_loss="gspo"), 1, ["algorithm.policy_loss", "'gspo'"]),
+    (_set(optim__critic_lr=0.0), 1, ["optim.critic_lr", "critic"]),
+    (_set(algorithm__adv_estimator="grpo", model__critic_path="x"), 1, ["model.critic_path", "no critic"]),
+    (_set(optim__actor_lr=-1e-6), 1, ["optim.actor_lr"]),
+    (_set(optim__critic_lr=-1.0), 1, ["optim.critic_lr"]),
+    (_set(env__names=("sokobann",)), 1, ["env.names", "'sokobann'", "did you mean sokoban"]),
+    (_set(env__names="sokoban"), 1, ["env.names", "tuple"]),
+    (_set(env__group_size=1, algorithm__adv_estimator="grpo"), 1, ["env.group_size", "grpo"]),
+    (_set(optim__mini_batch_size=30), 4, ["optim.mini_batch_size", "world size"]),
+    (_set(optim__micro_batch_tokens=1024), 1, ["optim.micro_batch_tokens", "rollout.max_model_len"]),
+    (_set(rollout__max_model_len=300), 1, ["rollout.max_model_len", "rollout.response_length"]),
+    (_set(rollout__top_p=0.0), 1, ["rollout.top_p"]),
+    (_set(algorithm__clip_c=1.0), 1, ["algorithm.clip_c"]),
+    (_set(algorithm__eps_low=1.0), 1, ["algorithm.eps_low"]),
+    (_set(algorithm__gamma=1.5), 1, ["algorithm.gamma"]),
+    (_set(trainer__keep_last=0), 1, ["trainer.keep_last"]),
+    (_set(env__val_groups=100), 3, ["env.val_groups"]),
+    (_set(optim__betas=(0.9, 1.0)), 1, ["optim.betas"]),
+    (Config(), 0, ["world_size"]),
+])
+def test_validate_errors_name_their_fields(cfg, world_size, fields):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size)
+    for piece in fields:
+        assert piece in str(err.value)
+
+
+def test_validate_lists_every_problem_at_once():
+    cfg = _set(optim__actor_lr=-1.0, trainer__keep_last=0, rollout__temperature=0.0)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    text = str(err.value)
+    assert "optim.actor_lr" in text and "trainer.keep_last" in text and "rollout.temperature" in text
+
+
+def test_nonzero_filter_skips_group_count_checks():
+    validate(_set(algorithm__rollout_filter_type="nonzero", algorithm__rollout_filter_ratio=0.01))
