@@ -161,8 +161,12 @@ class TextBatchEnv(BatchEnv):
             self.last_infos[i] = {}
         return list(self._obs)
 
-    def step(self, actions: Sequence[str]) -> StepResult:
+    def step(self, actions: Sequence[str], active: np.ndarray | None = None) -> StepResult:
+        """Apply one text action per instance. ``active``: optional ``bool[num_envs]``; instances where it
+        is False are left exactly as they are (no step, reward 0, flags False except ``success``, their
+        ``last_infos`` kept), which is how a rollout steps only the instances that still have actions."""
         actions = check_text_actions(actions, self.num_envs)
+        active = check_mask(active, self.num_envs) if active is not None else None
         if not self._started.all():
             never = np.flatnonzero(~self._started).tolist()
             raise RuntimeError(f"instances {never[:10]} of env {self.name!r} were never reset; call reset(seeds) first")
@@ -170,6 +174,9 @@ class TextBatchEnv(BatchEnv):
         reward = np.zeros(n, dtype=np.float32)
         info = empty_info(n)
         for i, text in enumerate(actions):
+            if active is not None and not active[i]:
+                info["success"][i] = self._success[i]
+                continue
             if self._terminated[i] or self._truncated[i]:
                 info["success"][i] = self._success[i]
                 self.last_infos[i] = {}

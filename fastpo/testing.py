@@ -173,3 +173,63 @@ def build_tiny_model(
     Path(path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
+
+
+class ScriptedEngine:
+    """An ``Engine`` (session API and stateless ``generate``) that returns fixed texts, for rollout tests.
+
+    ``script[i][t]`` is instance i's answer at turn t: a str (tokenized with `tokenizer`, then the EOS id
+    appended, finish "stop"), or ``("length", text)`` (the first ``max_new_tokens`` tokens, finish "length").
+    The instance and turn are recovered from the request seed ``request_seeds[i] * 1_000_003 + turn`` that
+    ``fastpo.rollout.run_rollout`` passes, so call it with ``request_seeds = range(N)``. Every sampled token gets
+    logprob ``logprob``. ``prompts`` records ``(instance, turn, context_ids)`` of each request.
+    """
+
+    def __init__(self, tokenizer: Any, script: list[list[Any]], logprob: float = -1.0):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.logprob = logprob
+        self.eos_token_ids = (tokenizer.convert_tokens_to_ids(EOS_TOKEN),)
+        self.weight_version = 0
+        self.sessions: dict[int, list[int]] = {}
+        self.prompts: list[tuple[int, int, list[int]]] = []
+        self._next = 0
+
+    def _sample(self, seed: int, context: list[int], params: Any) -> Any:
+        from .engine.base import GenerationResult
+
+        instance, turn = divmod(int(seed), 1_000_003)
+        self.prompts.append((instance, turn, list(context)))
+        entry = self.script[instance][turn]
+        if isinstance(entry, tuple):
+            ids = self.tokenizer.encode(entry[1], add_special_tokens=False)[: params.max_new_tokens]
+            finish = "length"
+        else:
+            ids = self.tokenizer.encode(entry, add_special_tokens=False)[: params.max_new_tokens - 1]
+            ids, finish = ids + [self.eos_token_ids[0]], "stop"
+        return GenerationResult(list(ids), [self.logprob] * len(ids), finish)
+
+    def generate(self, prompts, params, seeds=None):
+        return [self._sample(s, list(p), params) for p, s in zip(prompts, seeds, strict=True)]
+
+    def open_sessions(self, n: int) -> list[int]:
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        self.sessions.update({i: [] for i in ids})
+        return ids
+
+    def extend(self, session_ids, new_token_ids) -> None:
+        for sid, new in zip(session_ids, new_token_ids, strict=True):
+            self.sessions[sid].extend(new)
+
+    def generate_sessions(self, session_ids, params, seeds=None):
+        results = [self._sample(s, self.sessions[sid], params) for sid, s in zip(session_ids, seeds, strict=True)]
+        for sid, res in zip(session_ids, results, strict=True):
+            self.sessions[sid].extend(res.token_ids)
+        return results
+
+    def close_sessions(self, session_ids) -> None:
+        self.closed = list(session_ids)
+
+    def session_token_ids(self, session_id: int) -> list[int]:
+        return list(self.sessions[session_id])

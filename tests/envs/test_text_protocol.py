@@ -292,3 +292,15 @@ def test_docs_example_runs():
         s = secrets[i]
         assert namespace["obs"][i] == ("Correct!" if s == guess else "Higher." if guess < s else "Lower.")
     assert reward.tolist() == [float(o == "Correct!") for o in namespace["obs"]]
+
+
+def test_inactive_instances_are_left_untouched():
+    env = fastpo.envs.make("countdown", 3)
+    env.reset(np.arange(3))
+    before = env.render()
+    obs, reward, terminated, truncated, info = env.step(["1 + 2", "x", "y"], active=np.array([False, True, False]))
+    assert obs[0] == before[0] and obs[2] == before[2] and obs[1] != before[1]
+    assert reward[0] == reward[2] == 0 and not terminated[0] and not terminated[2] and terminated[1]
+    assert not info["action_is_valid"][0] and info["action_is_valid"][1]
+    with pytest.raises(ValueError, match="mask"):
+        env.step(["a", "b", "c"], active=np.array([1, 0, 1]))
