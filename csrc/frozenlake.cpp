@@ -71,9 +71,17 @@ FrozenLakeBatch::FrozenLakeBatch(int num_envs, int size, double p, bool is_slipp
   truncated.assign(n_, 0);
   ready.assign(n_, 0);
   scratch_.resize(pool_.size());
+  move_.resize(static_cast<size_t>(size_) * size_ * 4);
+  for (int cell = 0; cell < size_ * size_; ++cell)
+    for (int a = 0; a < 4; ++a) {
+      const int r = std::min(std::max(cell / size_ + kMoveRow[a], 0), size_ - 1);
+      const int c = std::min(std::max(cell % size_ + kMoveCol[a], 0), size_ - 1);
+      move_[cell * 4 + a] = r * size_ + c;
+    }
 }
 
 bool FrozenLakeBatch::all_ready() const {
+  if (all_ready_.load(std::memory_order_relaxed)) return true;
   return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
 }
 
@@ -97,6 +105,7 @@ void FrozenLakeBatch::reset(const int64_t* seeds, const uint8_t* mask) {
       start_episode(static_cast<int>(i), start, seeds[i]);
     }
   });
+  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
 }
 
 void FrozenLakeBatch::set_layouts(const uint8_t* desc_in, const int32_t* start, const int64_t* seeds) {
@@ -114,41 +123,61 @@ void FrozenLakeBatch::set_layouts(const uint8_t* desc_in, const int32_t* start, 
   }
   std::copy(desc_in, desc_in + static_cast<size_t>(n_) * cells, desc.begin());
   for (int i = 0; i < n_; ++i) start_episode(i, start[i], seeds[i]);
+  all_ready_.store(true);
 }
 
 void FrozenLakeBatch::step(const int32_t* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
                            uint8_t* success, uint8_t* valid, uint8_t* effective) {
   std::lock_guard<std::mutex> lock(mu_);
-  const int cells = size_ * size_;
+  const size_t cells = static_cast<size_t>(size_) * size_;
   pool_.run(n_, 16384, [&](int, int64_t begin, int64_t end) {
+    // Local copies: the uint8_t output stores may alias anything, so members would be reloaded every instance.
+    const uint8_t* const maps = desc.data();
+    int32_t* const positions = position.data();
+    int32_t* const steps = num_steps.data();
+    const uint64_t* const keys = slip_key.data();
+    uint64_t* const counters = slip_counter.data();
+    uint8_t* const term = terminated.data();
+    uint8_t* const trunc = truncated.data();
+    const int32_t* const moves = move_.data();
+    const bool slippery = is_slippery_;
+    const int32_t max_steps = max_steps_;
+    // Flags that need no game logic come from vectorizable passes: valid before, the copies after.
+    for (int64_t i = begin; i < end; ++i)
+      valid[i] = (term[i] | trunc[i]) == 0 && static_cast<uint32_t>(actions[i] - 1) <= 3u;
     for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* map = &desc[i * cells];
-      const int32_t action = actions[i];
-      reward[i] = 0.0f;
-      valid[i] = effective[i] = 0;
-      if (!terminated[i] && !truncated[i] && action >= 1 && action <= 4) {
-        ++num_steps[i];
-        int gym_action = action - 1;
-        if (is_slippery_) {
+      const uint8_t* const map = maps + static_cast<size_t>(i) * cells;
+      int32_t pos = positions[i];
+      if (valid[i]) {
+        const int32_t num = steps[i] + 1;
+        steps[i] = num;
+        int gym_action = actions[i] - 1;
+        if (slippery) {
           // [(a - 1) % 4, a, (a + 1) % 4][randint(3)], one draw of the episode's slip stream.
-          CounterRng slip = CounterRng::resume(slip_key[i], slip_counter[i]);
-          gym_action = (gym_action + 3 + static_cast<int>(slip.randint(3))) % 4;
-          slip_counter[i] = slip.counter;
+          CounterRng slip = CounterRng::resume(keys[i], counters[i]);
+          gym_action = (gym_action + 3 + static_cast<int>(slip.randint(3))) & 3;
+          counters[i] = slip.counter;
         }
-        const int r = std::min(std::max(position[i] / size_ + kMoveRow[gym_action], 0), size_ - 1);
-        const int c = std::min(std::max(position[i] % size_ + kMoveCol[gym_action], 0), size_ - 1);
-        const int old = position[i];
-        position[i] = r * size_ + c;
-        const uint8_t letter = map[position[i]];
-        reward[i] = letter == 'G' ? 1.0f : 0.0f;
-        terminated[i] = letter == 'G' || letter == 'H';
-        truncated[i] = !terminated[i] && num_steps[i] >= max_steps_;
-        valid[i] = 1;
-        effective[i] = position[i] != old;
+        const int32_t old = pos;
+        pos = moves[pos * 4 + gym_action];
+        positions[i] = pos;
+        const uint8_t letter = map[pos];
+        const bool goal = letter == 'G';
+        const bool done = goal || letter == 'H';
+        reward[i] = goal ? 1.0f : 0.0f;
+        term[i] = done;
+        trunc[i] = !done && num >= max_steps;
+        effective[i] = pos != old;
+        success[i] = goal;
+      } else {
+        reward[i] = 0.0f;
+        effective[i] = 0;
+        success[i] = map[pos] == 'G';
       }
-      success[i] = map[position[i]] == 'G';
-      terminated_out[i] = terminated[i];
-      truncated_out[i] = truncated[i];
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      terminated_out[i] = term[i];
+      truncated_out[i] = trunc[i];
     }
   });
 }

@@ -3,6 +3,7 @@
 // codes of 'S' 'F' 'H' 'G'; the player cell is row * size + col.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -60,6 +61,8 @@ class FrozenLakeBatch {
   ThreadPool pool_;
   std::vector<FrozenLakeScratch> scratch_;  // one per worker
   std::mutex mu_;
+  std::vector<int32_t> move_;  // move_[cell * 4 + gym_action]: the cell reached (clamped to the map)
+  std::atomic<bool> all_ready_{false};  // cached: ready flags only ever go 0 -> 1
 };
 
 }  // namespace fastpo

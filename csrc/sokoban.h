@@ -3,6 +3,7 @@
 // envs/py_sokoban.py is the specification; every draw comes from CounterRng(seed, kStreamSokobanGen, attempt).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -124,6 +125,9 @@ class SokobanBatch {
 
  private:
   void step_one(int i, int32_t action, float* reward, uint8_t* success, uint8_t* valid, uint8_t* effective);
+  void step_range(int64_t begin, int64_t end, const int32_t* actions, float* reward, uint8_t* terminated_out,
+                  uint8_t* truncated_out, uint8_t* success, uint8_t* valid, uint8_t* effective);
+  void update_walled(int i);
 
   int n_;
   SokobanParams p_;
@@ -133,6 +137,12 @@ class SokobanBatch {
   ThreadPool pool_;
   std::vector<std::unique_ptr<SokobanGenerator>> generators_;  // one per worker
   std::mutex mu_;  // one public call at a time (the GIL is released inside)
+  // Fast step path: walled[i] = 1 when every border cell of room_state[i] is a wall (always so for generated
+  // levels; walls never move), so the player is always inside and no grid-bounds check is needed.
+  std::vector<uint8_t> walled_;
+  int delta_[4] = {};            // cell offset per action 1..4 (up, down, left, right)
+  float reward_table_[6] = {};   // [(sign of box-on-target change + 1) * 2 + won], as step_one computes it
+  std::atomic<bool> all_ready_{false};  // cached: ready flags only ever go 0 -> 1
 };
 
 }  // namespace fastpo
