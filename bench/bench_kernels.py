@@ -241,15 +241,16 @@ def bench_gae_cpu(rows: int, length: int, repeats: int, loop_rows: int) -> list[
                                                                           [0])[0], strict=True))
         out.append(_row(name, "fastpo", "forward", "time", "s", "B*T", rows * length, fast,
                         base + f" whiten=True max|A-loop|={err:.1e}"))
-        out.append(_row(name, "verl-loop", "forward", "time", "s", "B*T", rows * length, verl, base))
+        out.append(_row(name, "verl-loop", "forward", "time", "s", "B*T", rows * length, verl, base + " whiten=True"))
         out.append(_row(name, "list-loop", "forward", "time", "s", "B*T", rows * length, lst,
                         base + " no whitening"))
         out.append(_row(name, "ragen-loop", "forward", "time", "s", "B*T", rows * length, ragen,
                         base + f" no whitening; timed on {loop_rows} rows x{scale:g}"))
         for baseline, t in (("verl-loop", verl), ("list-loop", lst), ("ragen-loop", ragen)):
             s = t[0] / fast[0]
+            same = " both whitened" if baseline == "verl-loop" else " baseline not whitened"
             out.append(_row(name, f"{baseline}/fastpo", "forward", "speedup", "x", "B*T", rows * length, (s, s, s),
-                            base + " ratio of medians"))
+                            base + same + "; ratio of medians"))
     return out
 
 

@@ -380,21 +380,23 @@ def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, whiten
     the next value and the carried advantage are 0 (used by the bi-level estimator). Returns = A + V (before
     whitening); ``whiten`` applies :func:`masked_whiten` to the advantages.
 
-    Vectorised: trained tokens are compacted per row into ``[B, K_max]`` (one host sync for K_max), the
-    constant-coefficient recursion is a blocked Toeplitz GEMM (:func:`_geometric_suffix_sum`), results are
-    scattered back. fp32 (fp64 with resets, whose formula subtracts suffix sums)."""
+    Vectorised: without resets, for fp32 / fp16 / bf16 inputs and gamma * lam > 0, a scan in position space
+    (:func:`_position_gae`, no index tensors). Otherwise trained tokens are compacted per row into ``[B, K_max]``
+    (one host sync for K_max), the constant-coefficient recursion is a blocked Toeplitz GEMM
+    (:func:`_geometric_suffix_sum`), results are scattered back. fp32 (fp64 with resets, whose formula subtracts
+    suffix sums)."""
     m = mask if mask.dtype == torch.bool else mask != 0
     rows, t_len = m.shape
     dev = rewards.device
     cd = torch.float64 if reset is not None or rewards.dtype == torch.float64 else torch.float32
+    if reset is None and cd == torch.float32 and gamma * lam > 0.0 and rows and 0 < t_len < 2**24:
+        return _position_gae(rewards, values, m, gamma, lam, whiten)
     counts = m.sum(1)
     k_max = int(counts.max()) if rows and t_len else 0
     adv = torch.zeros(rows, t_len, dtype=torch.float32, device=dev)
     ret = torch.zeros_like(adv)
     if k_max == 0:
         return adv, ret
-    if gamma == 1.0 and lam == 1.0 and reset is None and cd == torch.float32:
-        return _undiscounted_gae(rewards, values, m, counts, whiten)
     pos = m.view(-1).nonzero().squeeze(1)  # flat positions of trained tokens, row-major
     row_start = torch.cumsum(counts, 0) - counts  # index in pos of each row's first trained token
     row = torch.div(pos, t_len, rounding_mode="floor")
@@ -435,23 +437,85 @@ def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, whiten
     return adv, ret
 
 
-def _undiscounted_gae(rewards, values, m, counts, whiten):
-    """gamma = lam = 1 (the StarPO default): A_t = (rewards at positions >= t) - V_t on trained tokens, plus the
-    rewards before the first trained token on that token; a suffix sum, no compaction."""
-    rows = m.shape[0]
-    suffix = rewards.float().flip(1).cumsum(1).flip(1)
-    first = m.to(torch.uint8).argmax(1)
-    has = counts > 0
-    pre = (suffix[:, 0] - suffix.gather(1, first[:, None]).squeeze(1)) * has
-    ret = torch.where(m, suffix, 0.0)
-    ret[torch.arange(rows, device=m.device), first] += pre
-    adv = torch.where(m, ret - values.float(), 0.0)
+def _position_gae(rewards, values, m, gamma: float, lam: float, whiten: bool):
+    """fp32 multi-turn GAE in position space (no compaction, no index tensors), c = gamma * lam > 0.
+
+    With N_j the number of trained tokens at or before j, the rule of :func:`gae_scan` unrolls to
+    A_t = sum_{j >= t} c^(N_j - N_t) z_j - V_t / lam on trained t, z_j = r_j + k * m_j * V_j, k = (1 - lam) / lam
+    (the next-value terms telescope; a reward on an untrained token u has N_u = N of its owner). That is a
+    reversed scan with coefficient f = c on trained and 1 on untrained tokens: on the time-reversed rows, cut
+    into blocks short enough that c^L stays in fp32 range (c^L >= e^-50), g = cumprod(f) and
+    A + V / lam = g * cumsum(z * f / (c * g)) within a block (m * V * f = c * m * V); the few block carries are a
+    loop over blocks vectorised over rows. gamma = lam = 1 reduces to a suffix sum of the rewards. Rewards before
+    the first trained token are added to it separately. Then whitening over trained tokens (masked mean, unbiased
+    std)."""
+    rows, t_len = m.shape
+    dev = m.device
+    r = rewards.float()
+    # fresh buffers are few and reused in place: on CPU, allocating a new [B, T] tensor per step costs more than
+    # the arithmetic
+    mf = m.view(torch.uint8).to(torch.float32)
+    mv = torch.mul(values.float(), mf)
+    if not math.isfinite(mv.sum()):  # inf / nan values on untrained tokens are never read
+        mv = torch.where(m, values.float(), 0.0)
+    ret = torch.empty(rows, t_len, dtype=torch.float32, device=dev)
+    # first trained position p1 (T - p1 is the largest of mask * (T - t); 0 for a row with none)
+    top = torch.mul(mf, torch.arange(t_len, 0, -1, dtype=torch.float32, device=dev), out=ret).amax(1)
+    has = top > 0
+    p1 = (t_len - top).long().clamp(max=t_len - 1)
+    if gamma == 1.0 and lam == 1.0:
+        adv = _flip_into(r, torch.empty_like(ret)).cumsum_(1)
+        _flip_into(adv, ret).mul_(mf)  # suffix sums of the rewards
+    else:
+        c = gamma * lam
+        k = (1.0 - lam) / lam
+        block_max = max(1, int(50.0 / -math.log(c))) if c < 1.0 else t_len
+        n_blocks = -(-t_len // min(block_max, t_len))
+        block = -(-t_len // n_blocks)
+        t_pad = n_blocks * block
+        # time-reversed rows padded to whole blocks: f = c on trained, 1 on untrained tokens; y = z * f / c with
+        # z = r + k * m * V (since m * V * f = c * m * V)
+        padded = t_pad > t_len
+        f = torch.ones(rows, t_pad, dtype=torch.float32, device=dev) if padded else ret
+        y = torch.zeros(rows, t_pad, dtype=torch.float32, device=dev) if padded else torch.empty_like(ret)
+        f[:, :t_len].copy_(m.flip(1).view(torch.uint8)).mul_(c - 1.0).add_(1.0)  # uint8: bool copies are slow
+        adv = torch.mul(r, 1.0 / c, out=torch.empty_like(ret)).add_(mv, alpha=k / c)
+        _flip_into(adv, y[:, :t_len]).mul_(f[:, :t_len])
+        g = f.view(rows, n_blocks, block).cumprod_(2)  # c^(trained tokens so far in the block)
+        acc = y.view(rows, n_blocks, block).div_(g).cumsum_(2)
+        if n_blocks > 1:
+            carry = torch.empty(rows, n_blocks, dtype=torch.float32, device=dev)
+            last_acc, last_g = acc[:, :, -1], g[:, :, -1]
+            h = torch.zeros(rows, dtype=torch.float32, device=dev)
+            for b in range(n_blocks):
+                carry[:, b] = h
+                h = (last_acc[:, b] + h) * last_g[:, b]
+            acc.add_(carry[:, :, None])
+        acc.mul_(g)
+        ret = _flip_into(y[:, :t_len], ret).mul_(mf).sub_(mv, alpha=k)  # A + V (ret held g, now dead)
+    if bool(has.any()):
+        f_max = int(torch.where(has, p1, 0).max()) + 1
+        before = (torch.arange(f_max, device=dev)[None, :] < p1[:, None]).to(torch.float32)
+        pre = (r[:, :f_max] * before).sum(1) * has
+        ret[torch.arange(rows, device=dev), p1] += pre
+    adv = torch.sub(ret, mv, out=adv)
     if whiten:
-        n = counts.sum()
-        mean = adv.sum() / n
-        var = torch.where(m, adv - mean, 0.0).square_().sum() / (n - 1).clamp(min=1)
-        adv = torch.where(m, (adv - mean) * torch.rsqrt(var + 1e-8), 0.0)
+        n = mf.sum()
+        mean = float(adv.sum()) / max(float(n), 1.0)
+        adv.add_(mf, alpha=-mean)  # centred, still 0 off the mask
+        var = torch.dot(adv.view(-1), adv.view(-1)) / (n - 1).clamp(min=1)
+        adv.mul_(torch.rsqrt(var + 1e-8))
     return adv, ret
+
+
+def _flip_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = x reversed along dim 1, without a temporary where torch has flip.out."""
+    if _FLIP_OUT:
+        return torch.ops.aten.flip.out(x, [1], out=out)
+    return out.copy_(x.flip(1))
+
+
+_FLIP_OUT = hasattr(torch.ops.aten.flip, "out")
 
 
 def _whiten_values(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
