@@ -1,0 +1,215 @@
+"""One code path for a single process and for torchrun: process group, rank helpers, seeding, RNG state.
+
+    python -m fastpo.train ...                                   # 1 process: no process group at all
+    torchrun --standalone --nproc_per_node=2 -m fastpo.train ... # gloo on CPU, nccl on CUDA
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=host:29500 -m fastpo.train ...
+
+    from fastpo import distributed as dist_utils
+    info = dist_utils.init()                # DistInfo(rank, world_size, local_rank, device)
+    dist_utils.seed_everything(cfg.seed, info.rank)
+    groups = dist_utils.shard_groups(cfg.env_groups, info.world_size, info.rank)
+    dist_utils.print0(f"{info.world_size} ranks")
+    ...
+    dist_utils.shutdown()
+
+Single process (no RANK/WORLD_SIZE in the environment): no process group is created. Every helper here
+works without one (barrier is a no-op, all_reduce_mean returns a copy, broadcast_object returns its
+argument), torch.distributed.checkpoint runs in its no-process-group mode, and nothing binds a port. The
+one thing that needs a process group is FSDP2 ``fully_shard``: the trainer only shards when
+``is_distributed()``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+#: Per-rank seed offset: rank r seeds torch/numpy/random with ``seed + r * RANK_SEED_STRIDE`` (mod 2**32).
+#: A large prime so that runs with adjacent seeds do not share streams between ranks.
+RANK_SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, number of processes, rank on this node, and its torch device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def is_distributed() -> bool:
+    """True when a torch.distributed process group is initialised (torchrun), False for a plain process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def init(backend: str | None = None) -> DistInfo:
+    """Initialise the process group when launched by torchrun, else stay a plain single process.
+
+    Args:
+        backend: "gloo" or "nccl"; default nccl when CUDA is available, gloo otherwise. Ignored for a
+            single process. Calling init again returns the same DistInfo.
+
+    Returns:
+        DistInfo; ``device`` is ``cuda:<local_rank>`` (made current) when CUDA is available, else cpu.
+    """
+    if _launched_by_torchrun():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        if not is_distributed():
+            dist.init_process_group(backend=backend)
+    else:
+        local_rank = 0
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return DistInfo(rank=get_rank(), world_size=get_world_size(), local_rank=local_rank, device=device)
+
+
+def shutdown() -> None:
+    """Destroy the process group if there is one (safe to call for a single process or twice)."""
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    return get_rank() == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only."""
+    if is_main():
+        print(*args, **kwargs)
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean of `tensor` over ranks, returned as a new tensor (gloo has no AVG op, so SUM / world size).
+
+    A single process gets a copy. Integer tensors are averaged in float32. Under nccl a CPU tensor is reduced
+    on the current CUDA device and returned on the CPU.
+    """
+    out = tensor.detach().clone()
+    if not out.is_floating_point():
+        out = out.float()
+    if not is_distributed():
+        return out
+    on_cpu_with_nccl = out.device.type == "cpu" and dist.get_backend() == "nccl"
+    if on_cpu_with_nccl:  # nccl only reduces CUDA tensors
+        out = out.cuda()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    out /= get_world_size()
+    return out.cpu() if on_cpu_with_nccl else out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable `obj` on every rank (other ranks' argument is ignored)."""
+    if not is_distributed():
+        return obj
+    holder = [obj if get_rank() == src else None]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def seed_everything(seed: int, rank: int = 0) -> int:
+    """Seed python `random`, numpy's global RNG and torch (CPU and all CUDA devices) for this rank.
+
+    Rank r uses ``(seed + r * RANK_SEED_STRIDE) % 2**32`` so ranks draw different samples. Models that are
+    randomly initialised (not loaded) must be built under a rank-independent seed, e.g. inside
+    ``torch.random.fork_rng`` with ``torch.manual_seed(seed)``. Returns the seed used.
+    """
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    rank_seed = (seed + rank * RANK_SEED_STRIDE) % 2**32
+    random.seed(rank_seed)
+    np.random.seed(rank_seed)
+    torch.manual_seed(rank_seed)  # also seeds every CUDA device
+    return rank_seed
+
+
+def set_deterministic(enabled: bool = True) -> None:
+    """Turn deterministic algorithms on or off: torch.use_deterministic_algorithms, cuDNN flags, and
+    CUBLAS_WORKSPACE_CONFIG (which cuBLAS reads at first use, so call this before any CUDA matmul)."""
+    if enabled:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = not enabled
+
+
+def shard_groups(env_groups: int, world_size: int, rank: int) -> range:
+    """The consecutive env groups rank `rank` owns: ``env_groups / world_size`` of them.
+
+    >>> shard_groups(8, 2, 1)
+    range(4, 8)
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if env_groups < 1 or env_groups % world_size:
+        raise ValueError(
+            f"env_groups ({env_groups}) must be a positive multiple of world_size ({world_size}): "
+            f"each rank owns env_groups / world_size groups"
+        )
+    per_rank = env_groups // world_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's python `random`, numpy global and torch (CPU, and CUDA when initialised) RNG states,
+    as a JSON-serialisable dict. Per rank: each rank saves and restores its own.
+
+    numpy ``Generator`` objects (``np.random.default_rng``) are not global and are not captured.
+    """
+    version, internal, gauss_next = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss_next],
+        "numpy": [np_kind, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the RNG states captured by :func:`rng_state` (exact: the next draws repeat)."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((np_kind, np.asarray(np_keys, dtype=np.uint32), np_pos, np_has_gauss, np_gauss))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
