@@ -1,0 +1,86 @@
+"""FSDP2 wrapping of the actor / critic, mixed precision, activation checkpointing, full state dicts.
+
+    model = shard_model(model, mixed_precision=torch.bfloat16, activation_checkpointing=True)
+    state = full_state_dict(model)          # {name: full CPU tensor}: weight sync to the engine, HF export
+
+Layout: every decoder layer (``model.<...>.layers[i]``) is its own ``fully_shard`` unit and the root module is
+the last unit (embeddings, final norm, lm head / value head: tied weights stay in one unit). Always run the
+ROOT module's forward (the trainer gets hidden states with ``logits_to_keep=1`` and a hook on the decoder,
+``fastpo.trainer.lm_head_inputs``): FSDP2 keeps the root's parameters unsharded after its forward, so the
+lm-head weight read after the forward is the gathered full weight, and its gradient is reduce-scattered by the
+root's post-backward like any other. Calling the decoder alone would skip the root's hooks.
+
+Without a process group (``python -m fastpo.train``) :func:`shard_model` only applies activation checkpointing:
+one code path, no sharding. Mixed precision (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``) is
+applied only on CUDA; on CPU the model runs in the dtype it was loaded in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from .. import distributed as du
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM or a ``CriticModel`` (the first ``nn.ModuleList`` named ``layers``)."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(module, nn.ModuleList):
+            return list(module)
+    raise ValueError(f"{type(model).__name__} has no ModuleList named 'layers'; cannot shard it per decoder layer")
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (transformers' non-reentrant gradient checkpointing)."""
+    target = getattr(model, "backbone", model)  # CriticModel keeps the transformer in .backbone
+    if not hasattr(target, "gradient_checkpointing_enable"):
+        raise ValueError(f"{type(target).__name__} does not support gradient checkpointing")
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    target.config.use_cache = False
+
+
+def shard_model(
+    model: nn.Module,
+    mixed_precision: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Wrap `model` in place with FSDP2 when a process group exists (no-op sharding for a single process).
+
+    Args:
+        model: a transformers causal LM or a ``fastpo.model.CriticModel`` (fp32 master weights recommended
+            with mixed precision).
+        mixed_precision: compute dtype of the all-gathered parameters (gradients are reduced in fp32); used only
+            on CUDA, ignored (None) on CPU.
+        activation_checkpointing: recompute decoder layers in backward.
+        reshard_after_forward: free the gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
+
+    Returns:
+        the same module object (its parameters become DTensors when sharded).
+    """
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if not du.is_distributed():
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {}
+    if mixed_precision is not None and torch.cuda.is_available():
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of `model`; collective under FSDP2 (every rank must call it), on CPU.
+
+    Names are those of the unwrapped module (what ``HFEngine.sync_weights`` and ``save_pretrained`` expect). Every
+    rank gets the full tensors on the parameters' device (``cpu_offload`` would leave ranks > 0 empty)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return get_model_state_dict(model, options=options)

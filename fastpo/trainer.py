@@ -1,0 +1,639 @@
+"""The StarPO / StarPO-S training loop (SPEC sections 4-8). One iteration:
+
+    rollout (this rank's env groups) -> all-gather the trajectories -> StarPO-S filter (same decision on every
+    rank) -> old logprobs (+ values) with the trainer -> advantages -> critic update -> actor update ->
+    weight sync into the engine -> validation every val_every -> checkpoint every save_every -> metrics line
+
+    trainer = Trainer(cfg, dist_info)       # loads models, envs, engine; resumes per cfg.trainer.resume
+    trainer.train()                         # raises TrainingAborted on a logprob-gap / non-finite-loss stop
+    trainer.close()                         # final checkpoint + Hugging Face export (<run_dir>/hf)
+
+Data parallelism. Rank r owns the consecutive env groups ``shard_groups(env_groups, world, r)``; global group g
+uses env ``names[g % len(names)]`` and, at the iteration whose seed counter is c, env seed ``c + g`` (a group
+shares a seed; c starts at env.train_seed and advances by env_groups per iteration). Per-request sampling seeds
+depend on (trainer.seed, step, global trajectory index) only, so 1 and N ranks sample the same trajectories.
+After the rollout every rank all-gathers the (small) token lists of all trajectories, so the filter, the
+advantages (GAE whitening is over the whole batch) and the mini-batch split are computed identically everywhere;
+rank r trains trajectories ``mini_batch[r::world]``. Ranks run the same number of micro-batches (a rank short of
+data repeats one with loss scale 0), as FSDP2's collectives require.
+
+Micro-batches are PACKED: trajectories concatenated into one row of at most ``optim.micro_batch_tokens`` tokens,
+``position_ids`` restarting at 0 for each trajectory and no attention mask; transformers then builds a
+block-diagonal causal mask from the position ids (checked on CPU with sdpa: equal to separate forwards within
+5e-7 in fp32). Logprobs come from ``fastpo.kernels.fused_linear_logprob`` on the last hidden states of the
+trained positions and the lm-head weight (never full logits). The hidden states are read through the ROOT
+module's forward with ``logits_to_keep=1`` and a hook on the decoder (see ``fastpo.engine.fsdp``), not with
+``model.policy_hidden_states``, which calls the decoder alone and would bypass FSDP2's root unit.
+
+Loss scaling: each micro-batch's loss (aggregated over the micro-batch by loss_agg_mode) is multiplied by its
+share of the mini-batch (trained tokens for token-mean, trajectories for the seq-mean modes) times the world size
+(FSDP2 averages gradients over ranks), so the accumulated gradient equals one loss over the whole mini-batch.
+
+Stops: (1) the mean |engine logp - trainer logp| over sampled trained tokens right after a weight sync exceeds
+trainer.logprob_gap_max; (2) optim.max_nonfinite_in_a_row consecutive actor steps with a non-finite loss or grad
+norm (each is skipped and counted in ``actor/nonfinite_skips``). Both raise :class:`TrainingAborted` on every rank;
+the last checkpoint is left as it was. Test hook: ``FASTPO_INJECT_NAN_AT=2,3`` multiplies the actor loss by NaN
+at those iterations (1-based step numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import algorithms, checkpoint, envs, kernels
+from . import distributed as du
+from .config import Config, config_hash, to_json
+from .engine.base import SamplingParams
+from .engine.fsdp import full_state_dict, shard_model
+from .engine.hf import HFEngine
+from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
+from .model import load_critic, load_policy, load_tokenizer
+from .prompts import prompt_spec
+from .rollout import RolloutConfig, run_rollout
+
+#: ``model.path`` placeholder of the tiny CPU agent (the ``tiny`` preset).
+TINY_MODEL = "tiny"
+#: Env var of the NaN-injection test hook: comma-separated 1-based iteration numbers.
+INJECT_NAN_ENV = "FASTPO_INJECT_NAN_AT"
+
+
+class TrainingAborted(RuntimeError):
+    """A deliberate stop (weight-sync logprob gap, too many non-finite steps); the message says why."""
+
+
+@dataclass
+class Sample:
+    """One trajectory as the trainer sees it (numpy, picklable for the all-gather); token arrays are [T]."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    sample_logprobs: np.ndarray
+    token_rewards: np.ndarray
+    turn_end: np.ndarray
+    score: float
+    group: int
+    exact: bool
+    old_logp: np.ndarray | None = None
+    """fp32 [T], filled by Trainer._score: the trainer's logp of each trained token (0 elsewhere)."""
+    ref_logp: np.ndarray | None = None
+    values: np.ndarray | None = None
+    advantages: np.ndarray | None = None
+    returns: np.ndarray | None = None
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def resolve_model_path(path: str, run_dir: str | os.PathLike) -> str:
+    """``"tiny"`` -> ``<run_dir>/tiny-model``, built once by rank 0 with ``fastpo.testing`` (deterministic:
+    the tokenizer is trained on fixed texts, the model initialised with seed 0) while the real trained tiny agent
+    is not shipped; any other path is returned as is."""
+    if path != TINY_MODEL:
+        return path
+    out = Path(run_dir) / "tiny-model"
+    if du.is_main() and not (out / "config.json").is_file():
+        from .testing import build_tiny_model, build_tiny_tokenizer
+
+        tmp = out.with_name(f"tiny-model.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(tmp, build_tiny_tokenizer(tmp))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    du.barrier()
+    return str(out)
+
+
+def request_seed(seed: int, kind: int, step: int, index: int) -> int:
+    """Sampling seed of trajectory `index` (global) at `step`: a function of these numbers only (not of the
+    world size). kind 0 = training, 1 = validation."""
+    return int(np.random.SeedSequence([seed, kind, step, index]).generate_state(1, np.uint32)[0])
+
+
+def injected_nan_steps() -> set[int]:
+    """Iterations (1-based) whose actor loss the ``FASTPO_INJECT_NAN_AT`` test hook makes NaN."""
+    raw = os.environ.get(INJECT_NAN_ENV, "").strip()
+    try:
+        return {int(s) for s in raw.split(",") if s.strip()}
+    except ValueError:
+        raise ValueError(f"{INJECT_NAN_ENV} must be comma-separated iteration numbers, got {raw!r}") from None
+
+
+def all_gather_list(items: list) -> list:
+    """Concatenation over ranks (in rank order) of every rank's picklable list; the list itself alone."""
+    if not du.is_distributed():
+        return list(items)
+    out: list[Any] = [None] * du.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Per-key mean over the ranks that report the key (keys may differ between ranks)."""
+    parts = all_gather_list([metrics])
+    keys = sorted({k for p in parts for k in p})
+    return {k: float(np.mean([p[k] for p in parts if k in p])) for k in keys}
+
+
+def all_reduce_max(value: float) -> float:
+    """Maximum of a scalar over ranks (on the current CUDA device when there is one: NCCL needs it)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    if du.is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def lm_head_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Last hidden states [B, T, H] (after the final norm), lm-head weight [V, H] and bias of a causal LM, from
+    the ROOT forward with ``logits_to_keep=1`` (FSDP2-safe; see the module docstring)."""
+    captured: list[Tensor] = []
+    decoder = model.get_decoder()
+    handle = decoder.register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    head = model.get_output_embeddings()
+    return captured[0], head.weight, getattr(head, "bias", None)
+
+
+@dataclass
+class MicroBatch:
+    """Packed trajectories: ids / position_ids [1, N], cu_seqlens int64 [B + 1], indices into the sample list."""
+
+    indices: list[int]
+    input_ids: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    scale: float = 1.0
+
+
+def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: torch.device) -> list[MicroBatch]:
+    """Greedy packing in order: consecutive trajectories while the row stays within `max_tokens` tokens."""
+    groups: list[list[int]] = []
+    used = max_tokens + 1
+    for i in indices:
+        n = len(samples[i].input_ids)
+        if used + n > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    out = []
+    for g in groups:
+        lens = [len(samples[i].input_ids) for i in g]
+        ids = torch.from_numpy(np.concatenate([samples[i].input_ids for i in g])).to(device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+        cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64, device=device)
+        out.append(MicroBatch(g, ids[None], pos[None], cu))
+    return out
+
+
+def cat_tokens(samples: list[Sample], indices: list[int], field: str, device: torch.device) -> Tensor:
+    """Packed [N] tensor of one per-token field over the given trajectories."""
+    return torch.from_numpy(np.concatenate([getattr(samples[i], field) for i in indices])).to(device)
+
+
+def split_tokens(values: Tensor, cu_seqlens: Tensor) -> list[np.ndarray]:
+    """Packed [N] -> one numpy array per trajectory."""
+    cu = cu_seqlens.tolist()
+    flat = values.detach().float().cpu().numpy()
+    return [flat[cu[i]:cu[i + 1]].copy() for i in range(len(cu) - 1)]
+
+
+# ----------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    """StarPO / StarPO-S trainer. Its checkpointed state: models, optimisers, schedulers and :meth:`state_dict`
+    (step, env seed counter, non-finite counters, echo-trap history) plus per-rank RNG states."""
+
+    def __init__(self, cfg: Config, info: du.DistInfo | None = None):
+        self.cfg = cfg
+        self.info = info or du.init()
+        self.rank, self.world = self.info.rank, self.info.world_size
+        self.device = self.info.device
+        self.run_dir = Path(cfg.trainer.run_dir)
+        if du.is_main():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(to_json(cfg) + "\n")
+        du.barrier()
+        du.seed_everything(cfg.trainer.seed, self.rank)
+        if cfg.trainer.deterministic:
+            du.set_deterministic(True)
+        self.config_hash = config_hash(cfg)
+        self.model_path = resolve_model_path(cfg.model.path, self.run_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._build_models()
+        self._build_envs()
+        self.step = 0
+        self.train_seed = cfg.env.train_seed
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        self.critic_nonfinite_total = 0
+        self.nan_steps = injected_nan_steps()
+        t = cfg.trainer
+        # the monitor's entropy check is symmetric: use the drop factor (the early signal, SPEC section 7)
+        self.trap = EchoTrapMonitor(EchoTrapThresholds(std_floor=t.min_in_group_std,
+                                                       entropy_rel_change=1.0 - t.entropy_drop_factor,
+                                                       grad_spike_k=t.grad_norm_spike_factor))
+        self.logger = MetricsLogger(self.run_dir, self.rank, console=t.log_console, jsonl=t.log_jsonl,
+                                    tensorboard=t.log_tensorboard, wandb=t.log_wandb, project=t.wandb_project,
+                                    total_steps=t.iterations)
+        self.timer = PhaseTimer(synchronize=self.device.type == "cuda")
+        self.resumed_from = self._resume()
+        self._sync_engine()
+
+    # ---- setup ----------------------------------------------------------------------------------------------
+    def _build_models(self) -> None:
+        cfg = self.cfg
+        on_gpu = self.device.type == "cuda" and du.is_distributed()
+        # FSDP2 on GPU keeps fp32 master weights and computes in cfg.model.dtype; otherwise load in that dtype
+        dtype = torch.float32 if on_gpu else cfg.model.dtype
+        mp = getattr(torch, cfg.model.dtype) if on_gpu else None
+        if cfg.model.lora_rank:
+            raise NotImplementedError("model.lora_rank > 0 is not supported by the trainer yet")
+        if cfg.rollout.engine != "hf":
+            raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r}: only the hf engine is wired in yet")
+        self.actor = load_policy(self.model_path, dtype=dtype).to(self.device)
+        shard_model(self.actor, mixed_precision=mp, activation_checkpointing=cfg.model.gradient_checkpointing)
+        o = cfg.optim
+        self.actor_optim = torch.optim.AdamW(self.actor.parameters(), lr=o.actor_lr, betas=o.betas,
+                                             weight_decay=o.weight_decay)
+        self.actor_sched = self._scheduler(self.actor_optim)
+        self.critic = self.critic_optim = self.critic_sched = None
+        if algorithms.needs_critic(cfg.algorithm):
+            path = resolve_model_path(cfg.model.critic_path, self.run_dir) if cfg.model.critic_path else self.model_path
+            self.critic = load_critic(path, dtype=dtype, head_seed=cfg.trainer.seed).to(self.device)
+            shard_model(self.critic, mixed_precision=mp, activation_checkpointing=cfg.model.gradient_checkpointing)
+            self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr, betas=o.betas,
+                                                  weight_decay=o.weight_decay)
+            self.critic_sched = self._scheduler(self.critic_optim)
+        self.ref = None
+        if algorithms.needs_reference(cfg.algorithm):
+            self.ref = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
+            self.ref.requires_grad_(False)
+        # the engine samples with its own full copy of the policy; weights are pushed after every update
+        engine_model = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
+        engine_model.requires_grad_(False)
+        self.engine = HFEngine(engine_model, self.tokenizer, seed=cfg.trainer.seed + self.rank)
+
+    def _scheduler(self, optim: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        warmup = self.cfg.optim.warmup_steps
+        return torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+
+    def _env_parts(self, names: tuple[str, ...], groups: range, group_size: int, prefix: str) -> list[dict]:
+        """One batch env per env name for this rank's groups (global group g uses names[g % len(names)])."""
+        cfg = self.cfg
+        parts = []
+        for k, name in enumerate(names):
+            mine = [g for g in groups if g % len(names) == k]
+            if not mine:
+                continue
+            parts.append({
+                "name": name, "groups": mine, "group_size": group_size,
+                "env": envs.make(name, len(mine) * group_size, backend=cfg.env.backend, **cfg.env.kwargs),
+                "spec": prompt_spec(name, enable_think=cfg.rollout.enable_think, action_sep=cfg.env.action_sep,
+                                    max_actions_per_traj=cfg.env.max_actions_per_traj),
+                "rollout": RolloutConfig(
+                    max_turns=cfg.env.max_turns, max_actions_per_turn=cfg.env.max_actions_per_turn,
+                    format_penalty=cfg.rollout.format_penalty, max_model_len=cfg.rollout.max_model_len,
+                    max_context_window=cfg.rollout.max_context_window, canonical=cfg.rollout.canonical,
+                    train_on_observations=cfg.rollout.train_on_observations,
+                    use_turn_scores=cfg.rollout.reward_level == "turn", env_metric_prefix=prefix),
+            })
+        return parts
+
+    def _build_envs(self) -> None:
+        e = self.cfg.env
+        self.train_parts = self._env_parts(e.names, du.shard_groups(e.env_groups, self.world, self.rank),
+                                           e.group_size, "env")
+        self.val_parts = self._env_parts(e.val_names or e.names, du.shard_groups(e.val_groups, self.world, self.rank),
+                                         e.val_group_size, "val-env")
+
+    # ---- checkpoint state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own resumable state (JSON-serialisable)."""
+        return {
+            "step": self.step, "train_seed": self.train_seed, "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_total": self.nonfinite_total, "critic_nonfinite_total": self.critic_nonfinite_total,
+            "weight_version": self.engine.weight_version,
+            "echo_trap": {"history": {k: list(v) for k, v in self.trap.history.items()},
+                          "counts": dict(self.trap.counts), "iteration": self.trap.iteration},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from collections import Counter, deque
+
+        self.step, self.train_seed = int(state["step"]), int(state["train_seed"])
+        self.nonfinite_in_a_row, self.nonfinite_total = int(state["nonfinite_in_a_row"]), int(state["nonfinite_total"])
+        self.critic_nonfinite_total = int(state["critic_nonfinite_total"])
+        trap = state["echo_trap"]
+        self.trap.history = {k: deque(v, maxlen=self.trap.t.window) for k, v in trap["history"].items()}
+        self.trap.counts, self.trap.iteration = Counter(trap["counts"]), int(trap["iteration"])
+
+    def _stateful(self) -> dict[str, Any]:
+        objs: dict[str, Any] = {"actor": self.actor, "actor_optim": self.actor_optim, "actor_sched": self.actor_sched}
+        if self.critic is not None:
+            objs.update(critic=self.critic, critic_optim=self.critic_optim, critic_sched=self.critic_sched)
+        return objs
+
+    def _resume(self) -> str | None:
+        state = checkpoint.resume(self.run_dir, self._stateful(), mode=self.cfg.trainer.resume,
+                                  config_hash=self.config_hash)
+        if state is None:
+            return None
+        self.load_state_dict(state)
+        du.print0(f"resumed from step {self.step} ({self.run_dir})")
+        return str(self.step)
+
+    def save(self) -> Path:
+        """Checkpoint the current step (collective)."""
+        return checkpoint.save(self.run_dir, self.step, self._stateful(), self.state_dict(),
+                               keep_last=self.cfg.trainer.keep_last, config_hash=self.config_hash)
+
+    def _sync_engine(self) -> None:
+        with self.timer("sync"):
+            self.engine.sync_weights(full_state_dict(self.actor))
+
+    # ---- rollout --------------------------------------------------------------------------------------------
+    def _rollout(self, parts: list[dict], seed_base: int, kind: int, temperature: float,
+                 step: int) -> tuple[list, dict]:
+        """Run every env part; returns (this rank's Samples, rank-averaged metrics). `step` feeds the request
+        seeds (validation passes 0: the same sampling seeds every time)."""
+        r = self.cfg.rollout
+        sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_new_tokens=r.response_length)
+        samples, metrics = [], {}
+        for part in parts:
+            gs = part["group_size"]
+            seeds = np.repeat([seed_base + g for g in part["groups"]], gs)
+            group_ids = np.repeat(part["groups"], gs)
+            idx = [g * gs + j for g in part["groups"] for j in range(gs)]
+            req = [request_seed(self.cfg.trainer.seed, kind, step, i) for i in idx]
+            batch = run_rollout(part["env"], self.engine, self.tokenizer, part["spec"], seeds, group_ids,
+                                part["rollout"], sampling, req)
+            for t in batch.trajectories:
+                samples.append(Sample(np.asarray(t.input_ids, np.int64), np.asarray(t.loss_mask, bool),
+                                      np.asarray(t.sample_logprobs, np.float32),
+                                      np.asarray(t.token_rewards, np.float32), np.asarray(t.turn_end, bool),
+                                      float(t.reward), int(t.group), bool(t.logprobs_exact)))
+            metrics.update(batch.metrics)
+        return samples, mean_over_ranks(metrics)
+
+    def validate(self) -> dict[str, float]:
+        """Fixed-seed validation (env.val_seed, rollout.val_temperature): ``val-env/<Env>/...`` metrics."""
+        with self.timer("validate"):
+            _, metrics = self._rollout(self.val_parts, self.cfg.env.val_seed, 1, self.cfg.rollout.val_temperature, 0)
+        return {k: v for k, v in metrics.items() if k.startswith("val-env/")}
+
+    # ---- forward passes -------------------------------------------------------------------------------------
+    def _actor_logp(self, model: nn.Module, mb: MicroBatch, mask: Tensor, entropy: bool):
+        """logp (and entropy) fp32 [N] of every token under `model` at the sampling temperature (0 where
+        mask is 0: only trained positions are computed)."""
+        hidden, weight, bias = lm_head_inputs(model, mb.input_ids, mb.position_ids)
+        tgt = mask.nonzero().squeeze(-1)
+        out = kernels.fused_linear_logprob(hidden[0, tgt - 1], weight, mb.input_ids[0, tgt], bias,
+                                           temperature=self.cfg.rollout.temperature, return_entropy=entropy)
+        n = mask.shape[0]
+        vals = out if isinstance(out, tuple) else (out,)
+        full = tuple(torch.zeros(n, dtype=torch.float32, device=mask.device).index_copy(0, tgt, v) for v in vals)
+        return full if entropy else full[0]
+
+    def _values(self, mb: MicroBatch, mask: Tensor) -> Tensor:
+        """Critic values fp32 [N]: V_t from the hidden state before token t (verl's alignment), 0 off the mask."""
+        v = self.critic(mb.input_ids, position_ids=mb.position_ids)[0]
+        tgt = mask.nonzero().squeeze(-1)
+        return torch.zeros_like(v, dtype=torch.float32).index_copy(0, tgt, v[tgt - 1].float())
+
+    @torch.no_grad()
+    def _score(self, samples: list[Sample], kept: list[int]) -> None:
+        """Old logprobs (and ref logprobs / values) of the kept trajectories: each rank computes kept[r::world],
+        then all ranks exchange them, so every Sample in `kept` gets old_logp (ref_logp, values) arrays."""
+        mine = kept[self.rank::self.world]
+        results = []
+        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device)
+        n_micro = int(all_reduce_max(len(micro)))
+        for k in range(n_micro):
+            mb = micro[k] if k < len(micro) else pack(samples, kept[:1], 10**9, self.device)[0]
+            mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
+            out = {"old_logp": split_tokens(self._actor_logp(self.actor, mb, mask, False), mb.cu_seqlens)}
+            if self.ref is not None:
+                out["ref_logp"] = split_tokens(self._actor_logp(self.ref, mb, mask, False), mb.cu_seqlens)
+            if self.critic is not None:
+                out["values"] = split_tokens(self._values(mb, mask), mb.cu_seqlens)
+            if k < len(micro):
+                results += [(i, {f: out[f][j] for f in out}) for j, i in enumerate(mb.indices)]
+        for i, fields in all_gather_list(results):
+            for f, v in fields.items():
+                setattr(samples[i], f, v)
+
+    def _logprob_gap(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
+        """|engine logp - trainer logp| over trained tokens of trajectories with exact sample logprobs."""
+        gaps = [np.abs(samples[i].sample_logprobs - samples[i].old_logp)[samples[i].loss_mask]
+                for i in kept if samples[i].exact and not self.cfg.rollout.train_on_observations]
+        gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+        if not gaps.size:
+            return {}
+        return {"rollout/logprob_gap_mean": float(gaps.mean()), "rollout/logprob_gap_max": float(gaps.max())}
+
+    # ---- update ---------------------------------------------------------------------------------------------
+    def _mini_batches(self, kept: list[int]) -> list[list[int]]:
+        size = self.cfg.optim.mini_batch_size
+        return [kept[i:i + size] for i in range(0, len(kept), size)]
+
+    def _micro_plan(self, samples: list[Sample], mb_indices: list[int]) -> list[MicroBatch]:
+        """This rank's packed micro-batches of one mini-batch, each with its loss scale; padded with scale-0
+        repeats to the same count on every rank."""
+        a = self.cfg.algorithm
+        mine = mb_indices[self.rank::self.world]
+        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device)
+        token_mean = a.loss_agg_mode == "token-mean"
+        total = sum(int(samples[i].loss_mask.sum()) for i in mb_indices) if token_mean else len(mb_indices)
+        for mb in micro:
+            part = sum(int(samples[i].loss_mask.sum()) for i in mb.indices) if token_mean else len(mb.indices)
+            mb.scale = part / max(total, 1) * self.world
+        n_micro = int(all_reduce_max(len(micro)))
+        while len(micro) < n_micro:
+            filler = pack(samples, (mine or mb_indices)[:1], 10**9, self.device)[0]
+            filler.scale = 0.0
+            micro.append(filler)
+        return micro
+
+    def _step(self, model: nn.Module, optim: torch.optim.Optimizer, sched: Any, loss_sum: float) -> tuple[float, bool]:
+        """Clip, check and step; returns (grad norm, stepped). A non-finite loss or grad norm skips the step."""
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.optim.grad_clip)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        ok = math.isfinite(norm) and math.isfinite(loss_sum)
+        ok = all_reduce_max(0.0 if ok else 1.0) == 0.0
+        if ok:
+            optim.step()
+            sched.step()
+        optim.zero_grad(set_to_none=True)
+        return norm, ok
+
+    def _reduce_sums(self, sums: dict[str, float], kept: list[int]) -> dict[str, float]:
+        """Share-weighted per-rank metric sums -> mini-batch means, averaged over mini-batches and epochs."""
+        n = self.cfg.optim.ppo_epochs * len(self._mini_batches(kept))
+        return {k: v * self.world / n for k, v in mean_over_ranks(sums).items()}
+
+    def _update_critic(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
+        a, sums = self.cfg.algorithm, {}
+        norms = []
+        for _ in range(self.cfg.optim.ppo_epochs):
+            for mbi in self._mini_batches(kept):
+                loss_sum = 0.0
+                for mb in self._micro_plan(samples, mbi):
+                    mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
+                    values = self._values(mb, mask)
+                    old = cat_tokens(samples, mb.indices, "values", self.device)
+                    ret = cat_tokens(samples, mb.indices, "returns", self.device)
+                    loss, m = algorithms.critic_loss(values, old, ret, mask, a, cu_seqlens=mb.cu_seqlens)
+                    (loss * mb.scale).backward()
+                    loss_sum += float(loss.detach()) * mb.scale
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * mb.scale / self.world
+                norm, ok = self._step(self.critic, self.critic_optim, self.critic_sched, loss_sum)
+                norms.append(norm)
+                self.critic_nonfinite_total += not ok
+        out = self._reduce_sums(sums, kept)
+        out.update({"critic/grad_norm": float(np.mean(norms)), "critic/nonfinite_skips": self.critic_nonfinite_total})
+        return out
+
+    def _update_actor(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
+        a, sums = self.cfg.algorithm, {}
+        norms, inject = [], self.step in self.nan_steps
+        for _ in range(self.cfg.optim.ppo_epochs):
+            for mbi in self._mini_batches(kept):
+                loss_sum = 0.0
+                for mb in self._micro_plan(samples, mbi):
+                    mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
+                    logp, ent = self._actor_logp(self.actor, mb, mask, True)
+                    old = cat_tokens(samples, mb.indices, "old_logp", self.device)
+                    adv = cat_tokens(samples, mb.indices, "advantages", self.device)
+                    ref = cat_tokens(samples, mb.indices, "ref_logp", self.device) if self.ref is not None else None
+                    loss, m = algorithms.policy_loss(logp, old, adv, mask, ent, ref, a, cu_seqlens=mb.cu_seqlens)
+                    if inject:
+                        loss = loss * float("nan")
+                    (loss * mb.scale).backward()
+                    loss_sum += float(loss.detach()) * mb.scale
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * mb.scale / self.world
+                norm, ok = self._step(self.actor, self.actor_optim, self.actor_sched, loss_sum)
+                norms.append(norm)
+                if ok:
+                    self.nonfinite_in_a_row = 0
+                else:
+                    self.nonfinite_in_a_row += 1
+                    self.nonfinite_total += 1
+                    du.print0(f"step {self.step}: non-finite actor loss / grad norm ({loss_sum}, {norm}); "
+                              f"optimiser step skipped ({self.nonfinite_in_a_row} in a row)")
+                    if self.nonfinite_in_a_row >= self.cfg.optim.max_nonfinite_in_a_row:
+                        last = checkpoint.latest(self.run_dir)
+                        raise TrainingAborted(
+                            f"{self.nonfinite_in_a_row} consecutive optimiser steps with a non-finite loss or grad "
+                            f"norm (optim.max_nonfinite_in_a_row={self.cfg.optim.max_nonfinite_in_a_row}) at step "
+                            f"{self.step}; stopping. Last checkpoint: {last if last else 'none'} (left intact)")
+        out = self._reduce_sums(sums, kept)
+        out.update({"actor/grad_norm": float(np.mean(norms)), "actor/nonfinite_skips": self.nonfinite_total,
+                    "actor/lr": self.actor_sched.get_last_lr()[0]})
+        return out
+
+    def _advantages(self, samples: list[Sample], kept: list[int]) -> None:
+        """algorithms.compute_advantages over the whole kept batch (identical on every rank)."""
+        cpu = torch.device("cpu")
+        lens = [len(samples[i].input_ids) for i in kept]
+        cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64)
+        batch = algorithms.PackedBatch(
+            token_rewards=cat_tokens(samples, kept, "token_rewards", cpu),
+            loss_mask=cat_tokens(samples, kept, "loss_mask", cpu), turn_end=cat_tokens(samples, kept, "turn_end", cpu),
+            cu_seqlens=cu, scores=torch.tensor([samples[i].score for i in kept], dtype=torch.float32),
+            group_ids=torch.tensor([samples[i].group for i in kept], dtype=torch.int64),
+            values=cat_tokens(samples, kept, "values", cpu) if self.critic is not None else None)
+        adv, ret = algorithms.compute_advantages(batch, self.cfg.algorithm)
+        for i, a in zip(kept, split_tokens(adv, cu), strict=True):
+            samples[i].advantages = a
+        if ret is not None:
+            for i, r in zip(kept, split_tokens(ret, cu), strict=True):
+                samples[i].returns = r
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def iteration(self) -> dict[str, float]:
+        """One training iteration (self.step is the 1-based number of the iteration being run)."""
+        cfg = self.cfg
+        with self.timer("generate"):
+            local, metrics = self._rollout(self.train_parts, self.train_seed, 0, cfg.rollout.temperature, self.step)
+            samples = all_gather_list(local)
+        self.train_seed += cfg.env.env_groups
+        scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group for s in samples], dtype=torch.int64)
+        keep, fmetrics = algorithms.filter_groups(scores, groups, cfg.algorithm.rollout_filter_ratio,
+                                                  cfg.algorithm.rollout_filter_type)
+        metrics.update(fmetrics)
+        kept = keep.nonzero().squeeze(-1).tolist()
+        metrics["rollout/kept_trajectories"] = float(len(kept))
+        if not kept:
+            du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
+            return metrics
+        with self.timer("score"):
+            self._score(samples, kept)
+        gap = self._logprob_gap(samples, kept)
+        metrics.update(gap)
+        if gap and gap["rollout/logprob_gap_mean"] > cfg.trainer.logprob_gap_max:
+            raise TrainingAborted(
+                f"step {self.step}: mean |engine logp - trainer logp| = {gap['rollout/logprob_gap_mean']:.4g} right "
+                f"after weight sync {self.engine.weight_version} exceeds trainer.logprob_gap_max="
+                f"{cfg.trainer.logprob_gap_max}: the engine is not sampling from the trained weights")
+        with self.timer("update"):
+            self._advantages(samples, kept)
+            if self.critic is not None:
+                metrics.update(self._update_critic(samples, kept))
+            metrics.update(self._update_actor(samples, kept))
+        self._sync_engine()
+        metrics["perf/rollout_tokens"] = float(sum(len(s.input_ids) for s in samples))
+        metrics["perf/trained_seq_tokens"] = float(sum(len(samples[i].input_ids) for i in kept))
+        return metrics
+
+    def train(self) -> None:
+        """Run until trainer.iterations; validation, checkpoints and metrics as configured."""
+        t = self.cfg.trainer
+        if t.val_before_train and self.step == 0:
+            self.logger.log(0, self.validate())
+        while self.step < t.iterations:
+            self.step += 1
+            start = time.perf_counter()
+            metrics = self.iteration()
+            if t.val_every and self.step % t.val_every == 0:
+                metrics.update(self.validate())
+            if t.save_every and self.step % t.save_every == 0:
+                with self.timer("save"):
+                    self.save()
+            metrics.update(self.timer.pop())
+            metrics["timing/iteration"] = time.perf_counter() - start
+            metrics["perf/tokens_per_s"] = metrics.get("perf/rollout_tokens", 0.0) / metrics["timing/iteration"]
+            metrics.update(memory_metrics(self.device))
+            for warning in self.trap.update(metrics):
+                self.logger.warn(warning)
+            metrics.update(self.trap.metrics())
+            self.logger.log(self.step, metrics)
+
+    def close(self, export: bool = True) -> None:
+        """Final checkpoint (unless this step is saved already) and Hugging Face export to <run_dir>/hf."""
+        if export:
+            latest = checkpoint.latest(self.run_dir)
+            if latest is None or checkpoint.read_meta(latest)["step"] != self.step:
+                self.save()
+            checkpoint.export_hf(self.actor, self.tokenizer, self.run_dir / "hf")
+            if du.is_main():
+                (self.run_dir / "hf" / "fastpo_config.json").write_text(
+                    json.dumps({"config_hash": self.config_hash, "step": self.step}) + "\n")
+        self.logger.close()
+        self.engine.close()

@@ -1,0 +1,246 @@
+"""fastpo.trainer / fastpo.train: the real entry point in subprocesses (1 process and torchrun with 2 ranks),
+exact resume, non-finite skipping and abort, 1 rank vs 2 ranks; plus in-process checks of packing and logprobs.
+
+Every run uses the tiny preset (model "tiny": built into <run_dir>/tiny-model) shrunk by CLI overrides: 2 turns,
+16-token responses, 4 x 4 groups. GAE (critic) runs make the advantages non-zero even though the untrained tiny
+model earns the same reward everywhere.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
+         "--optim.micro_batch_tokens", "800"]
+GAE = ["--algorithm.adv_estimator", "gae", "--trainer.val_before_train", "false", "--trainer.val_every", "0"]
+
+
+def _run(args: list[str], run_dir: Path, nproc: int = 1, timeout: float = 180, env: dict | None = None):
+    """Run fastpo.train (python -m, or torchrun --standalone); kill the whole process group on timeout."""
+    launcher = [sys.executable, "-m", "fastpo.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+        "fastpo.train"]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                **(env or {})}
+    # cwd is NOT the repo root: there, transformers' probe for the HF `kernels` package imports ./kernels as a
+    # top-level package, registering fastpo's custom ops twice (a segfault in deterministic mode)
+    proc = subprocess.Popen([*launcher, *args, "--trainer.run_dir", str(run_dir)], cwd=run_dir.parent, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"training timed out after {timeout}s:\n{err.decode()[-3000:]}")
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _ok(args, run_dir, **kw) -> str:
+    rc, out, err = _run(args, run_dir, **kw)
+    assert rc == 0, f"exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------ in-process units
+def test_packed_logprobs_equal_full_logits(tmp_path):
+    """pack + lm_head_inputs + fused_linear_logprob == log_softmax(HF logits / T) of each sequence alone."""
+    from fastpo.config import get_preset
+    from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+    from fastpo.trainer import Sample, Trainer, pack
+
+    tok = build_tiny_tokenizer(tmp_path)
+    model = build_tiny_model(tmp_path, tok)
+    rng = np.random.default_rng(0)
+    samples = []
+    for n in (7, 12, 5):
+        ids = rng.integers(0, len(tok), n)
+        mask = np.arange(n) >= 2
+        samples.append(Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool),
+                              0.0, 0, True))
+    micro = pack(samples, [0, 1, 2], 20, torch.device("cpu"))
+    assert [m.indices for m in micro] == [[0, 1], [2]]
+    assert micro[0].position_ids[0].tolist() == list(range(7)) + list(range(12))
+    cfg = get_preset("tiny")
+    cfg.rollout.temperature = 0.7
+    fake = type("T", (), {"cfg": cfg})()
+    for mb in micro:
+        mask = torch.from_numpy(np.concatenate([samples[i].loss_mask for i in mb.indices]))
+        logp, ent = Trainer._actor_logp(fake, model, mb, mask, True)
+        cu = mb.cu_seqlens.tolist()
+        for j, i in enumerate(mb.indices):
+            ids = torch.from_numpy(samples[i].input_ids)[None]
+            ref = torch.log_softmax(model(ids).logits[0, :-1] / 0.7, -1)
+            ref_lp = ref.gather(-1, ids[0, 1:, None])[:, 0]
+            ref_ent = -(ref.exp() * ref).sum(-1)
+            m = torch.from_numpy(samples[i].loss_mask[1:])
+            got, got_ent = logp[cu[j] + 1:cu[j + 1]], ent[cu[j] + 1:cu[j + 1]]
+            torch.testing.assert_close(got[m], ref_lp[m], atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(got_ent[m], ref_ent[m], atol=2e-5, rtol=1e-5)
+            assert (got[~m] == 0).all() and logp[cu[j]] == 0
+    # the critic on the same packed rows: V_t = head(h_{t-1}) of each sequence alone
+    from fastpo.model import load_critic
+
+    fake.critic = load_critic(tmp_path)
+    for mb in micro:
+        mask = torch.from_numpy(np.concatenate([samples[i].loss_mask for i in mb.indices]))
+        values = Trainer._values(fake, mb, mask)
+        cu = mb.cu_seqlens.tolist()
+        for j, i in enumerate(mb.indices):
+            ref = fake.critic(torch.from_numpy(samples[i].input_ids)[None])[0, :-1]
+            m = torch.from_numpy(samples[i].loss_mask[1:])
+            torch.testing.assert_close(values[cu[j] + 1:cu[j + 1]][m], ref[m], atol=2e-5, rtol=1e-5)
+
+
+def test_request_seeds_and_nan_hook(monkeypatch):
+    from fastpo.trainer import INJECT_NAN_ENV, injected_nan_steps, request_seed
+
+    assert request_seed(1, 0, 3, 5) == request_seed(1, 0, 3, 5)
+    assert len({request_seed(1, k, s, i) for k in (0, 1) for s in range(3) for i in range(20)}) == 120
+    monkeypatch.setenv(INJECT_NAN_ENV, "2, 3")
+    assert injected_nan_steps() == {2, 3}
+    monkeypatch.setenv(INJECT_NAN_ENV, "x")
+    with pytest.raises(ValueError, match=INJECT_NAN_ENV):
+        injected_nan_steps()
+
+
+def test_bad_config_exits_2(tmp_path):
+    rc, _, err = _run([*SMALL, "--optim.grad_clip", "0"], tmp_path / "run")
+    assert rc == 2 and "optim.grad_clip must be > 0" in err
+    assert not (tmp_path / "run").exists()  # validated before anything is loaded or written
+
+
+# ------------------------------------------------------------------------------------ the real entry point
+def test_torchrun_two_ranks_smoke(tmp_path):
+    """torchrun --nproc_per_node=2 -m fastpo.train: exit 0, finite metrics, parameters changed, HF export loads."""
+    run = tmp_path / "run"
+    _ok([*SMALL, "--trainer.iterations", "2", "--trainer.val_every", "2"], run, nproc=2)
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "val-env/FrozenLake/success" in rows[0] and "val-env/FrozenLake/success" in rows[2]
+    for r in rows[1:]:
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/logprob_gap_mean"):
+            assert r[key] is not None and np.isfinite(r[key]), (key, r)
+        assert r["rollout/logprob_gap_mean"] < 1e-3 and r["actor/nonfinite_skips"] == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["trainer"]["iterations"] == 2 and cfg["model"]["path"] == "tiny"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf")
+    AutoTokenizer.from_pretrained(run / "hf")
+    init = _weights(run / "tiny-model")
+    trained = {k: v for k, v in model.state_dict().items()}
+    assert set(init) <= set(trained)
+    assert max((trained[k] - init[k]).abs().max().item() for k in init) > 1e-5
+    assert (run / "checkpoints" / "step-000002" / "COMPLETE").is_file()
+
+
+def test_exact_resume_single_process(tmp_path):
+    """3 iterations straight == 1 iteration + checkpoint + resume to 3 in a new process, bit for bit."""
+    args = [*SMALL, *GAE, "--trainer.deterministic", "true"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _ok([*args, "--trainer.iterations", "3"], straight)
+    _ok([*args, "--trainer.iterations", "1"], split)
+    out = _ok([*args, "--trainer.iterations", "3"], split)
+    assert "resumed from step 1" in out
+    a, b = _metrics(straight), _metrics(split)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    keys = [k for k in a[0] if k.startswith(("actor/", "critic/", "rollout/reward", "rollout/logprob_gap"))]
+    assert "critic/vf_loss" in keys and "actor/pg_loss" in keys
+    for ra, rb in zip(a, b, strict=True):
+        assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}
+    wa, wb = _weights(straight / "hf"), _weights(split / "hf")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
+    run = tmp_path / "run"
+    _ok([*SMALL, *GAE, "--trainer.iterations", "2"], run, env={"FASTPO_INJECT_NAN_AT": "1"})
+    rows = _metrics(run)
+    assert [r["actor/nonfinite_skips"] for r in rows] == [1, 1]
+    assert rows[0]["actor/grad_norm"] is None  # nan, logged as null
+    assert np.isfinite(rows[1]["actor/grad_norm"])
+
+
+def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
+    from fastpo import checkpoint
+    from fastpo.model import load_policy
+
+    run = tmp_path / "run"
+    rc, out, err = _run([*SMALL, *GAE, "--trainer.iterations", "5", "--trainer.save_every", "1",
+                         "--trainer.keep_last", "3", "--optim.max_nonfinite_in_a_row", "2"], run,
+                        env={"FASTPO_INJECT_NAN_AT": "2,3"})
+    assert rc == 1, err[-3000:]
+    assert "training stopped: 2 consecutive optimiser steps with a non-finite" in err
+    assert "step-000002" in err  # the message names the last checkpoint
+    assert not (run / "hf").exists()
+    last = checkpoint.latest(run)
+    assert last is not None and last.name == "step-000002"
+    meta = checkpoint.read_meta(last)
+    assert meta["trainer_state"]["nonfinite_total"] == 1 and meta["trainer_state"]["nonfinite_in_a_row"] == 1
+    params = {}
+    for step in (1, 2):
+        model = load_policy(run / "tiny-model")
+        checkpoint.load(run / "checkpoints" / f"step-{step:06d}", {"actor": model}, restore_rng=False)
+        params[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.isfinite(v).all() for v in params[2].values())
+    # step 2 was skipped: its checkpoint holds step 1's weights
+    assert all(torch.equal(params[1][k], params[2][k]) for k in params[1])
+
+
+def test_logprob_gap_after_weight_sync_aborts(tmp_path):
+    """A threshold below the fp32 engine/trainer gap (~1e-7) trips the weight-sync check at the first rollout."""
+    rc, _, err = _run([*SMALL, *GAE, "--trainer.iterations", "2", "--trainer.logprob_gap_max", "1e-12"],
+                      tmp_path / "run")
+    assert rc == 1, err[-3000:]
+    assert "training stopped: step 1: mean |engine logp - trainer logp|" in err
+    assert "exceeds trainer.logprob_gap_max=1e-12" in err
+
+
+@pytest.mark.slow
+def test_exact_resume_two_ranks(tmp_path):
+    """torchrun, 2 ranks (FSDP2-sharded actor, critic and optimisers): 2 straight == 1 + resume to 2, bit for bit."""
+    args = [*SMALL, *GAE, "--trainer.deterministic", "true"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _ok([*args, "--trainer.iterations", "2"], straight, nproc=2)
+    _ok([*args, "--trainer.iterations", "1"], split, nproc=2)
+    _ok([*args, "--trainer.iterations", "2"], split, nproc=2)
+    a, b = _metrics(straight), _metrics(split)
+    keys = [k for k in a[0] if k.startswith(("actor/", "critic/", "rollout/reward"))]
+    for ra, rb in zip(a, b, strict=True):
+        assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}
+    wa, wb = _weights(straight / "hf"), _weights(split / "hf")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_one_rank_equals_two_ranks_first_update(tmp_path):
+    """The first update (GAE + critic, several micro-batches) on 1 rank and on 2 FSDP2 ranks agree."""
+    args = [*SMALL, *GAE, "--trainer.iterations", "1"]
+    _ok(args, tmp_path / "one")
+    _ok(args, tmp_path / "two", nproc=2)
+    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm",
+                "rollout/reward"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    wa, wb, w0 = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "two" / "hf"), _weights(tmp_path / "one" /
+                                                                                                  "tiny-model")
+    assert max((wa[k] - w0[k]).abs().max().item() for k in wa) > 1e-4  # the update moved the weights
+    for k in wa:  # Adam's first step is ~lr * sign(grad): allow a tenth of lr where a grad is ~0
+        torch.testing.assert_close(wa[k], wb[k], atol=3e-5, rtol=0)
