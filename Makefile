@@ -1,12 +1,12 @@
 # The two commands of the README:
 #   make test   - create .venv, install pinned dependencies, build the C++ core, run the test suite
-#   make demo   - (arrives with the trainer issue)
+#   make demo   - the same setup, then the main training job (StarPO-S, tiny preset) on CPU with 2 ranks
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build test test-fast lint bench-envs clean
+.PHONY: setup build test test-fast lint bench-envs demo clean
 
 # torch is installed first, pinned, on its own: anything that pulls torch in unpinned downloads a CUDA build.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -29,6 +29,10 @@ test: build
 
 test-fast: build
 	$(BIN)/python -m pytest -m "not gpu and not slow and not asan" $(PYTEST_ARGS)
+
+DEMO_ARGS ?=
+demo: build
+	$(BIN)/torchrun --standalone --nproc_per_node=2 -m fastpo.train --preset tiny --trainer.run_dir runs/demo $(DEMO_ARGS)
 
 lint: setup
 	$(BIN)/ruff check fastpo kernels envs tests bench
