@@ -1,0 +1,453 @@
+"""Supervised fine-tuning on solver trajectories, rendered in exactly RAGEN's multi-turn chat format.
+
+    # the tiny CPU agent (shared/design/TINY_AGENT.md): 4,000 expert episodes with 30% random actions
+    python -m fastpo.sft --model /tmp/tiny --env frozenlake --episodes 4000 --noise 0.3 --steps 300 --lr 2e-3 \\
+        --batch-size 32 --out runs/sft_frozenlake
+    # RAGEN's SFT baseline (paper section 9: 1,000 BFS trajectories on Sokoban), Qwen2.5-0.5B-Instruct on a GPU
+    python -m fastpo.sft --model Qwen/Qwen2.5-0.5B-Instruct --env sokoban --episodes 1000 --noise 0 --steps 500 \\
+        --lr 1e-5 --batch-size 16 --micro-batch-size 4 --dtype bfloat16 --out runs/sft_sokoban
+    # non-slippery FrozenLake (any fastpo.envs.make keyword through --env-kwargs), then evaluate the result
+    python -m fastpo.sft --model /tmp/tiny --env frozenlake --env-kwargs '{"is_slippery": false}' --out runs/fl
+    python -m fastpo.eval --model runs/fl --env frozenlake --env-kwargs '{"is_slippery": false}'
+
+    from fastpo.sft import build_sft_dataset, train_sft
+    data = build_sft_dataset("sokoban", n=1000, seed=100_000, noise=0.3, tokenizer=tok)   # [(input_ids, loss_mask)]
+    losses = train_sft(model, data, steps=300, lr=2e-3, batch_size=32, pad_token_id=tok.pad_token_id)
+
+Data (``generate_episodes``): one batch env of ``n`` instances with seeds ``seed, seed + 1, ...`` (the default
+100000 keeps clear of the validation seeds 123..378). Each turn, per instance: plan from the current state
+(Sokoban BFS / FrozenLake shortest path via ``env.solve()``; Bandit the high-risk arm; Countdown the
+generated solution), draw the turn's action count uniformly in ``1..max_actions_per_turn`` (raised to what
+the remaining turns need to finish the plan, cut to the episode budget), and take the plan's actions in order,
+except that each action is replaced with probability ``noise`` by a uniformly drawn different action (a random
+equation for Countdown); a random action ends the turn, so the next turn re-plans from wherever it led (on
+slippery ice the plan is likewise only followed within a turn, and re-planned from the state the slips
+produced). The actions run in the env as the rollout runs them (one at a time, stop at done). The episode
+ends when the env is done, the budget is spent, ``max_turns`` turns were answered, or no plan exists (a box
+pushed into a corner).
+The assistant message of a turn is RAGEN's canonical rewrite: ``<think>{thought}</think><answer>A || B</answer>``
+(``<answer>..</answer>`` without thinking), the thought a short fixed sentence per env (``THOUGHTS``).
+
+Sequences: ``render_chat(tok, build_messages(spec, turns, for_update=True), for_update=True)`` tokenised in
+chunks (``rollout._chat_sequence``, the canonical mode's code), so the loss mask is 1 on exactly the assistant
+contents plus the template's end-of-turn token after each, 0 on system / user / template text.
+
+Training (``train_sft``): AdamW (0.9, 0.999), weight decay 0.01, cosine (default) or constant lr with optional
+linear warmup, grad-norm clip 1.0, token-mean cross entropy over the trained tokens of each batch, gradient
+accumulation over micro-batches. Single process only (torchrun is refused); everything is deterministic given
+``--seed``. The output folder is a Hugging Face model dir (``save_pretrained`` + tokenizer) plus
+``sft_args.json`` and ``sft_log.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import distributed as dist_utils
+from .prompts import EnvPromptSpec, Turn, build_messages, prompt_spec, turn_reward
+from .rollout import _chat_sequence, _step_subset
+
+#: The thought written in every assistant message, per env kind.
+THOUGHTS = {
+    "sokoban": "I should push the box onto the target.",
+    "frozenlake": "I should avoid the holes and go to the goal.",
+    "bandit": "The arm whose name suggests bigger risks can pay more.",
+    "countdown": "Let me combine the numbers to reach the target.",
+}
+#: Seed of the first SFT instance by default: clear of the validation seeds (123..378) and RL's train seeds.
+DEFAULT_SFT_SEED = 100_000
+_OPS = ("+", "-", "*", "/")
+
+
+@dataclass
+class SFTEpisode:
+    """One generated expert episode.
+
+    Attributes:
+        seed: the env seed of the instance.
+        messages: ``build_messages(spec, turns, for_update=True)``: the chat the sequence renders.
+        actions: per answered turn, the actions written (ids for grid envs and Bandit, equations for Countdown).
+        random: per answered turn, which of those actions were the random (non-plan) ones.
+        success: the env's success flag at the end; reward: the sum of the turn rewards.
+    """
+
+    seed: int
+    messages: list[dict[str, str]]
+    actions: list[list[Any]] = field(default_factory=list)
+    random: list[list[bool]] = field(default_factory=list)
+    success: bool = False
+    reward: float = 0.0
+
+
+def _kind(env: Any) -> str:
+    kind = getattr(env, "name", "")
+    if kind not in THOUGHTS:
+        raise ValueError(f"SFT data needs a solver; env kind {kind!r} has none; accepted: {sorted(THOUGHTS)}")
+    return kind
+
+
+def _plans(env: Any, kind: str) -> list[list[Any] | None]:
+    """The expert's action list per instance from the current state (None: no solution)."""
+    if kind in ("sokoban", "frozenlake"):
+        return env.solve()
+    if kind == "bandit":
+        return [[2]] * env.num_envs  # 2 = the high-risk arm (fastpo.envs.bandit.ACTION_HI)
+    return [[s] if s is not None else None for s in env.solutions()]
+
+
+def _random_action(rng: np.random.Generator, kind: str, env: Any, i: int, planned: Any) -> Any:
+    """A uniformly drawn action other than ``planned`` (Countdown: a random equation over the numbers)."""
+    if kind == "countdown":
+        nums = [int(x) for x in env.envs[i].nums]
+        order = rng.permutation(len(nums))
+        text = str(nums[order[0]])
+        for j in order[1:]:
+            text += f" {_OPS[int(rng.integers(len(_OPS)))]} {nums[j]}"
+        return text
+    others = [a for a in range(1, len(env.action_names) + 1) if a != planned]
+    return others[int(rng.integers(len(others)))]
+
+
+def _response(kind: str, env: Any, actions: list[Any], spec: EnvPromptSpec, thought: str | None) -> str:
+    names = [a if isinstance(a, str) else env.action_names[a - 1] for a in actions]
+    answer = f"<answer>{f' {spec.action_sep} '.join(names)}</answer>"
+    if not spec.enable_think:
+        return answer
+    return f"<think>{THOUGHTS[kind] if thought is None else thought}</think>{answer}"
+
+
+def generate_episodes(
+    env_name: str,
+    n: int,
+    seed: int = DEFAULT_SFT_SEED,
+    noise: float = 0.0,
+    max_actions_per_turn: int = 5,
+    max_turns: int = 5,
+    enable_think: bool = True,
+    thought: str | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    backend: str = "default",
+) -> list[SFTEpisode]:
+    """Run ``n`` expert episodes (see the module docstring) and return them in seed order.
+
+    Args:
+        env_name: a ``fastpo.envs.available()`` name whose kind has a solver (sokoban*, frozenlake, bandit*,
+            countdown).
+        n: episodes (>= 1); instance i uses env seed ``seed + i``.
+        seed: first env seed; also seeds the noise / action-count draws (deterministic).
+        noise: probability, per written action, of a random non-plan action, in [0, 1].
+        max_actions_per_turn: actions written per turn are drawn uniformly from 1..this (Bandit / Countdown: 1).
+        max_turns: turns per episode at most.
+        enable_think: write ``<think>..</think>`` before the answer.
+        thought: the think text; None uses ``THOUGHTS[kind]``.
+        env_kwargs: keywords for ``fastpo.envs.make`` (e.g. ``{"is_slippery": False}``).
+        backend: env backend ("default", "cpp", "python").
+    """
+    from fastpo import envs
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n (episodes) must be an int >= 1, got {n!r}")
+    if not 0.0 <= float(noise) <= 1.0:
+        raise ValueError(f"noise must be in [0, 1], got {noise!r}")
+    if max_actions_per_turn < 1 or max_turns < 1:
+        raise ValueError(f"need max_actions_per_turn >= 1 and max_turns >= 1, got {max_actions_per_turn}, {max_turns}")
+    if not isinstance(env_name, str) or env_name.lower() not in envs.available():
+        raise ValueError(f"unknown env name {env_name!r}; accepted: {envs.available()}")
+    env = envs.make(env_name, n, backend=backend, **(env_kwargs or {}))
+    kind = _kind(env)
+    spec = prompt_spec(env_name, enable_think=enable_think)
+    per_turn = max(1, min(max_actions_per_turn, int(getattr(env, "max_actions_per_turn", max_actions_per_turn))))
+    budget = spec.max_actions_per_traj
+    rng = np.random.default_rng([int(seed), 0x5F7])
+    seeds = np.arange(seed, seed + n, dtype=np.int64)
+    render_kw = {"render": False} if kind in ("sokoban", "frozenlake") else {}
+
+    obs = env.reset(seeds)
+    turns = [[Turn(o, actions_left=budget)] for o in obs]
+    episodes = [SFTEpisode(seed=int(s), messages=[]) for s in seeds]
+    active = [True] * n
+    used = [0] * n
+    for turn in range(max_turns):
+        plans = _plans(env, kind)
+        written: dict[int, list[Any]] = {}
+        for i in range(n):
+            plan = plans[i]
+            if not active[i] or not plan:
+                active[i] = False
+                continue
+            # at least the share of the plan that still lets the remaining turns finish it
+            least = -(-len(plan) // (max_turns - turn))
+            k = min(max(int(rng.integers(1, per_turn + 1)), least), per_turn, budget - used[i])
+            acts, rand = [], []
+            for planned in plan[:k]:
+                if rng.random() < noise:
+                    acts.append(_random_action(rng, kind, env, i, planned))
+                    rand.append(True)
+                    break
+                acts.append(planned)
+                rand.append(False)
+            written[i] = acts
+            episodes[i].actions.append(acts)
+            episodes[i].random.append(rand)
+            turns[i][-1].response = _response(kind, env, acts, spec, thought)
+        if not written:
+            break
+        rewards: dict[int, list[float]] = {i: [] for i in written}
+        stopped: set[int] = set()
+        for j in range(max(len(a) for a in written.values())):
+            step = {i: a[j] for i, a in written.items() if len(a) > j and i not in stopped}
+            if not step:
+                break
+            _, reward, terminated, truncated, info = _step_subset(env, step, render_kw)
+            for i in step:
+                rewards[i].append(float(reward[i]))
+                episodes[i].success = bool(info["success"][i])
+                if terminated[i] or truncated[i]:
+                    stopped.add(i)
+        obs = env.render()
+        for i in written:
+            used[i] += len(rewards[i])
+            turns[i][-1].reward = turn_reward(rewards[i])
+            episodes[i].reward += float(turns[i][-1].reward)
+            turns[i].append(Turn(obs[i], actions_left=budget - used[i]))
+            if i in stopped or used[i] >= budget:
+                active[i] = False
+    for ep, history in zip(episodes, turns, strict=True):
+        ep.messages = build_messages(spec, history, for_update=True)
+    return [ep for ep in episodes if ep.actions]
+
+
+def tokenize_episode(tokenizer: Any, episode: SFTEpisode, enable_think: bool = True) -> tuple[list[int], list[int]]:
+    """``(input_ids [T], loss_mask [T])`` of one episode; the ids decode to ``render_chat(..., for_update=True)``
+    and the mask is 1 on each assistant content and the end-of-turn token after it."""
+    n_assistant = sum(m["role"] == "assistant" for m in episode.messages)
+    ids, mask, _, _ = _chat_sequence(tokenizer, episode.messages, [None] * n_assistant, enable_think)
+    return ids, mask
+
+
+def build_sft_dataset(
+    env_name: str, n: int, seed: int, noise: float, tokenizer: Any, enable_think: bool = True, **kwargs: Any
+) -> list[tuple[list[int], list[int]]]:
+    """``n`` expert episodes (``generate_episodes``; ``kwargs`` go there) as ``(input_ids, loss_mask)`` pairs of
+    python int lists. Episodes with no answered turn (already solved / unsolvable at the start) are skipped."""
+    episodes = generate_episodes(env_name, n, seed, noise, enable_think=enable_think, **kwargs)
+    return [tokenize_episode(tokenizer, ep, enable_think) for ep in episodes]
+
+
+def lr_at(step: int, steps: int, lr: float, schedule: str = "cosine", warmup_steps: int = 0) -> float:
+    """Learning rate of optimiser step ``step`` (0-based): linear warmup, then constant or cosine to 0."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"unknown lr schedule {schedule!r}; accepted: ['constant', 'cosine']")
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _collate(batch: Sequence[tuple[list[int], list[int]]], pad_id: int, device: torch.device) -> tuple:
+    """Right-padded ``input_ids, attention_mask, loss_mask`` (``int64 [B, T]``)."""
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, (x, m) in enumerate(batch):
+        ids[r, : len(x)] = torch.tensor(x)
+        attn[r, : len(x)] = 1
+        mask[r, : len(m)] = torch.tensor(m)
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+def train_sft(
+    model: Any,
+    dataset: Sequence[tuple[list[int], list[int]]],
+    steps: int,
+    lr: float = 2e-3,
+    batch_size: int = 32,
+    micro_batch_size: int | None = None,
+    pad_token_id: int = 0,
+    seed: int = 0,
+    schedule: str = "cosine",
+    warmup_steps: int = 0,
+    weight_decay: float = 0.01,
+    grad_clip: float = 1.0,
+    log_every: int = 10,
+    log: Callable[[dict[str, float]], None] | None = None,
+) -> list[float]:
+    """Train ``model`` (any causal LM, on its own device) on ``dataset`` in place.
+
+    Each step draws ``batch_size`` sequences (epoch-wise shuffles from ``seed``), splits them into micro-batches
+    of ``micro_batch_size`` (default: all at once) and minimises the cross entropy of every trained token
+    (``loss_mask[t] == 1``: token t predicted from the tokens before it), averaged over the batch's trained tokens.
+
+    Returns:
+        the loss of every step (float, before that step's update).
+    """
+    if not dataset:
+        raise ValueError("dataset is empty; generate episodes first (build_sft_dataset)")
+    if steps < 1 or batch_size < 1 or lr <= 0:
+        raise ValueError(f"need steps >= 1, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}")
+    micro = micro_batch_size or batch_size
+    device = next(model.parameters()).device
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.999),
+    )
+    rng = np.random.default_rng([int(seed), 0x5F7])
+    order: list[int] = []
+    losses: list[float] = []
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        while len(order) < batch_size:
+            order.extend(rng.permutation(len(dataset)).tolist())
+        batch = [dataset[j] for j in order[:batch_size]]
+        del order[:batch_size]
+        total = sum(sum(m[1:]) for _, m in batch)
+        if total == 0:
+            raise ValueError("a batch has no trained token; check the loss masks")
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, schedule, warmup_steps)
+        opt.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for k in range(0, batch_size, micro):
+            ids, attn, mask = _collate(batch[k : k + micro], pad_token_id, device)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            loss = (nll * mask[:, 1:]).sum() / total
+            loss.backward()
+            step_loss += float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if torch.isfinite(grad_norm):
+            opt.step()
+        losses.append(step_loss)
+        if log is not None and (step % log_every == 0 or step == steps - 1):
+            log(
+                {
+                    "step": step,
+                    "loss": step_loss,
+                    "grad_norm": float(grad_norm),
+                    "lr": opt.param_groups[0]["lr"],
+                    "trained_tokens": float(total),
+                    "elapsed_s": time.perf_counter() - t0,
+                }
+            )
+    model.eval()
+    return losses
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fastpo.sft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model dir or hub id (its tokenizer must have a chat template)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: --model)")
+    p.add_argument("--env", default="sokoban", help="env name (fastpo.envs.available() with a solver)")
+    p.add_argument("--env-kwargs", default="{}", help='JSON keywords for fastpo.envs.make, e.g. {"is_slippery": false}')
+    p.add_argument("--episodes", type=int, default=4000)
+    p.add_argument("--noise", type=float, default=0.3, help="share of random (non-plan) actions")
+    p.add_argument("--max-actions-per-turn", type=int, default=5)
+    p.add_argument("--max-turns", type=int, default=5)
+    p.add_argument("--no-think", action="store_true", help="answer-only format (RAGEN enable_think=False)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=None)
+    p.add_argument("--dtype", default="float32", help="float32 / bfloat16 / float16")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--seed", type=int, default=DEFAULT_SFT_SEED, help="first env seed; also the shuffle seed")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--out", required=True, help="output HF model dir")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry: build the dataset, train, save; bad input exits with one ``error:`` line (status 2)."""
+    args = _parse_args(argv)
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+        if not isinstance(env_kwargs, dict):
+            raise ValueError
+    except ValueError:
+        print(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, env_kwargs)
+    except (ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
+    from fastpo import envs
+    from fastpo.model import load_policy, load_tokenizer
+
+    if dist_utils.is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("fastpo.sft runs in a single process; launch it with python -m fastpo.sft, not torchrun")
+    if args.env.lower() not in envs.available():
+        raise ValueError(f"unknown env name {args.env!r}; accepted: {envs.available()}")
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.tokenizer or args.model, padding_side="right")
+    think = not args.no_think
+    t0 = time.perf_counter()
+    episodes = generate_episodes(
+        args.env, args.episodes, seed=args.seed, noise=args.noise, max_actions_per_turn=args.max_actions_per_turn,
+        max_turns=args.max_turns, enable_think=think, env_kwargs=env_kwargs,
+    )  # fmt: skip
+    data = [tokenize_episode(tokenizer, ep, think) for ep in episodes]
+    n_actions = sum(len(a) for ep in episodes for a in ep.actions)
+    n_random = sum(sum(r) for ep in episodes for r in ep.random)
+    lengths = [len(ids) for ids, _ in data]
+    print(
+        f"data: {len(data)} episodes of {args.env} in {time.perf_counter() - t0:.1f}s; success"
+        f" {np.mean([ep.success for ep in episodes]):.3f}, random actions {n_random}/{n_actions}"
+        f" ({n_random / max(1, n_actions):.3f}), tokens/seq mean {np.mean(lengths):.0f} max {max(lengths)}"
+    )
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_policy(args.model, dtype=args.dtype).to(device)
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "sft_log.jsonl")
+    with open(log_path, "w") as log_file:
+
+        def log(row: dict[str, float]) -> None:
+            print(
+                f"step {row['step']:5d} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | lr"
+                f" {row['lr']:.2e} | {row['elapsed_s']:.1f}s"
+            )
+            log_file.write(json.dumps(row) + "\n")
+            log_file.flush()
+
+        train_sft(
+            model, data, args.steps, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+            pad_token_id=tokenizer.pad_token_id, seed=args.seed, schedule=args.schedule,
+            warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+            log_every=args.log_every, log=log,
+        )  # fmt: skip
+    model.save_pretrained(args.out, safe_serialization=True)
+    tokenizer.padding_side = "left"
+    tokenizer.save_pretrained(args.out)
+    with open(os.path.join(args.out, "sft_args.json"), "w") as f:
+        json.dump({**vars(args), "env_kwargs": env_kwargs, "num_sequences": len(data)}, f, indent=2)
+    print(f"saved {args.out} (eval: python -m fastpo.eval --model {args.out} --env {args.env})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

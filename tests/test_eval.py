@@ -1,0 +1,138 @@
+"""fastpo.eval: a solver-perfect engine scores 100%, runs repeat given the seed, bad input gets one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastpo import envs, testing
+from fastpo.eval import REQUEST_SEED_STRIDE, evaluate, format_table, resolve_model_dir
+from fastpo.model import load_policy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TURN_STRIDE = 1_000_003  # run_rollout's request seed of turn t: request_seed * TURN_STRIDE + t
+
+
+class SolverEngine(testing.ScriptedEngine):
+    """Answers every turn with the solver's next actions (at most 5), tracked on a private copy of the instance
+    (the env seed is recovered from the request seed, so the copy matches on deterministic envs)."""
+
+    def __init__(self, tokenizer, env_name, env_kwargs=None):
+        super().__init__(tokenizer, script=[])
+        self.env_name, self.env_kwargs = env_name, env_kwargs or {}
+        self.shadows = {}
+
+    def _sample(self, seed, context, params):
+        from fastpo.engine.base import GenerationResult
+
+        env_seed, _ = divmod(int(seed), TURN_STRIDE)
+        env_seed %= REQUEST_SEED_STRIDE
+        if env_seed not in self.shadows:
+            shadow = envs.make(self.env_name, 1, **self.env_kwargs)
+            shadow.reset([env_seed])
+            self.shadows[env_seed] = shadow
+        shadow = self.shadows[env_seed]
+        if shadow.name == "bandit":
+            actions = [2]
+        else:
+            actions = shadow.solve()[0][:5]
+            for a in actions:
+                _, _, terminated, truncated, _ = shadow.step(np.array([a], dtype=np.int32))
+                if terminated[0] or truncated[0]:
+                    break
+        names = " || ".join(shadow.action_names[a - 1] for a in actions)
+        ids = self.tokenizer.encode(f"solve</think><answer>{names}</answer>", add_special_tokens=False)
+        ids = ids + [self.eos_token_ids[0]]
+        return GenerationResult(ids, [-1.0] * len(ids), "stop")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_eval")
+    tok = testing.build_tiny_tokenizer(path)
+    testing.build_tiny_model(path, tok, hidden=32, layers=1, heads=2, kv_heads=1, seed=0)
+    return path, tok
+
+
+@pytest.mark.parametrize("env_name, kwargs", [("sokoban", {}), ("frozenlake", {"is_slippery": False})])
+def test_solver_engine_scores_100_percent(tiny, env_name, kwargs):
+    _, tok = tiny
+    res = evaluate(
+        None, tok, env_name, n=48, batch_size=16, engine=SolverEngine(tok, env_name, kwargs), env_kwargs=kwargs
+    )
+    assert res["success"] == 1.0 and res["action_is_valid"] == 1.0
+    assert res["n"] == 48 and res["seed"] == 123 and res["temperature"] == 0.5
+    label = "Sokoban" if env_name == "sokoban" else "FrozenLake"
+    assert res["metrics"][f"val-env/{label}/success"] == 1.0
+    assert res["num_actions"] > 1 and res["reward"] > (10 if env_name == "sokoban" else 0.99)
+
+
+def test_bandit_always_high_risk(tiny):
+    _, tok = tiny
+    res = evaluate(None, tok, "bandit", engine=SolverEngine(tok, "bandit"))  # RAGEN's 256 states from seed 123
+    assert res["n"] == 256 and res["success"] == 1.0 and res["num_actions"] == 1.0
+    assert abs(res["reward"] - 0.25) < 0.08  # the high-risk arm pays 1.0 w.p. 0.25
+    table = format_table([res])
+    assert table.splitlines()[0].split(" | ")[0].strip() == "env" and "bandit" in table.splitlines()[2]
+
+
+def test_hf_engine_is_deterministic_given_the_seed(tiny):
+    path, tok = tiny
+    model = load_policy(path).eval()
+    kw = dict(n=6, batch_size=4, max_new_tokens=12, max_turns=2)
+    a = evaluate(model, tok, "sokoban", **kw)
+    b = evaluate(model, tok, "sokoban", **kw)
+    c = evaluate(model, tok, "sokoban", sampling_seed=1, **kw)
+    drop = ("seconds", "metrics")
+    strip = lambda r: {k: v for k, v in r.items() if k not in drop}  # noqa: E731
+    assert strip(a) == strip(b)
+    assert a["response_length"] == pytest.approx(12.0, abs=3) and a["num_turns"] >= 1
+    timing = [k for k in a["metrics"] if k.endswith("_s")]
+    assert {k: v for k, v in a["metrics"].items() if k not in timing} == {
+        k: v for k, v in b["metrics"].items() if k not in timing
+    }
+    assert strip(c)["reward"] == strip(c)["reward"]  # runs with another sampling seed
+
+
+def test_bad_inputs(tiny, tmp_path):
+    path, tok = tiny
+    with pytest.raises(ValueError, match=r"unknown env name 'chess'; accepted: \['bandit'"):
+        evaluate(None, tok, "chess")
+    with pytest.raises(ValueError, match="not available yet"):
+        evaluate(None, tok, "bandit", engine="vllm")
+    no_template = testing.build_tiny_tokenizer(tmp_path / "tok")
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template; pass an instruct model's tokenizer"):
+        evaluate(None, no_template, "bandit", engine=SolverEngine(tok, "bandit"))
+    # a run dir that holds an HF export under hf/ resolves to it
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "config.json").write_text("{}")
+    assert resolve_model_dir(str(tmp_path / "run")) == str(tmp_path / "run" / "hf")
+    assert resolve_model_dir(str(path)) == str(path)
+
+
+def _cli(*args):
+    cmd = [sys.executable, "-m", "fastpo.eval", *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_cli_errors_and_output(tiny, tmp_path):
+    path, _ = tiny
+    missing = _cli("--model", str(tmp_path / "nope"), "--env", "bandit")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: model path")
+    assert "does not exist; pass a directory written by save_pretrained" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+    unknown = _cli("--model", str(path), "--env", "chess")
+    assert unknown.returncode == 2 and "unknown env name 'chess'; accepted:" in unknown.stderr
+    vllm = _cli("--model", str(path), "--env", "bandit", "--engine", "vllm")
+    assert vllm.returncode == 2 and "not available yet" in vllm.stderr and "--engine hf" in vllm.stderr
+    out = tmp_path / "res.json"
+    ok = _cli("--model", str(path), "--env", "bandit", "--n", "4", "--max-new-tokens", "4", "--out", str(out))
+    assert ok.returncode == 0, ok.stderr
+    assert "action_is_effective" in ok.stdout
+    result = json.loads(out.read_text())["results"][0]
+    assert result["env"] == "bandit" and result["n"] == 4 and 0.0 <= result["success"] <= 1.0
