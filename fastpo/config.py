@@ -630,6 +630,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(bool(m.path), "model.path must be a hub id or a local directory, got ''")
     check(m.lora_rank >= 0, f"model.lora_rank must be >= 0, got {m.lora_rank}")
     check(m.lora_alpha >= 1, f"model.lora_alpha must be >= 1, got {m.lora_alpha}")
+    # Accepted by the schema but not wired into the trainer yet (issues #4 / #6): refuse before any model loads.
+    check(m.lora_rank == 0, f"model.lora_rank: LoRA is not supported by the trainer yet; use 0, got {m.lora_rank}")
+    check(cfg.rollout.engine == "hf",
+          f"rollout.engine: only 'hf' is wired into the trainer yet (vllm is not), got {cfg.rollout.engine!r}")
     # env
     known = envs.available()
     for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):

@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from . import algorithms, checkpoint, envs, kernels
 from . import distributed as du
 from .config import Config, config_hash, to_json
+from .config import validate as validate_config
 from .engine.base import SamplingParams
 from .engine.fsdp import full_state_dict, shard_model
 from .engine.hf import HFEngine
@@ -219,6 +220,7 @@ class Trainer:
     def __init__(self, cfg: Config, info: du.DistInfo | None = None):
         self.cfg = cfg
         self.info = info or du.init()
+        validate_config(cfg, self.info.world_size)  # library users may build a Trainer without train.py
         self.rank, self.world = self.info.rank, self.info.world_size
         self.device = self.info.device
         self.run_dir = Path(cfg.trainer.run_dir)
@@ -259,10 +261,6 @@ class Trainer:
         # FSDP2 on GPU keeps fp32 master weights and computes in cfg.model.dtype; otherwise load in that dtype
         dtype = torch.float32 if on_gpu else cfg.model.dtype
         mp = getattr(torch, cfg.model.dtype) if on_gpu else None
-        if cfg.model.lora_rank:
-            raise NotImplementedError("model.lora_rank > 0 is not supported by the trainer yet")
-        if cfg.rollout.engine != "hf":
-            raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r}: only the hf engine is wired in yet")
         self.actor = load_policy(self.model_path, dtype=dtype).to(self.device)
         shard_model(self.actor, mixed_precision=mp, activation_checkpointing=cfg.model.gradient_checkpointing)
         o = cfg.optim

@@ -217,3 +217,13 @@ def test_validate_lists_every_problem_at_once():
 
 def test_nonzero_filter_skips_group_count_checks():
     validate(_set(algorithm__rollout_filter_type="nonzero", algorithm__rollout_filter_ratio=0.01))
+
+
+@pytest.mark.parametrize(
+    "argv,field",
+    [(["--model.lora_rank", "8"], "model.lora_rank"), (["--rollout.engine", "vllm"], "rollout.engine")],
+)
+def test_features_not_wired_into_the_trainer_are_refused_by_validate(argv, field):
+    cfg = parse_args(["--preset", "tiny", *argv])
+    with pytest.raises(ConfigError, match=field):
+        validate(cfg, 1)
