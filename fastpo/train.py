@@ -5,11 +5,12 @@
     python -m fastpo.train --preset sokoban --trainer.run_dir runs/sok --trainer.resume auto
     python -m fastpo.train --help                                             # every config field
 
-``--model.path tiny`` (the tiny preset) builds a deterministic tiny tokenizer + Qwen2 model with
-``fastpo.testing`` into ``<run_dir>/tiny-model`` on first use. The run directory receives ``config.json``
-(resolved config), ``metrics.jsonl``, ``checkpoints/step-XXXXXX`` and, at the end, the Hugging Face export
-``hf/``. Exit status: 0 on success, 1 when training stopped itself (logprob gap after a weight sync, too many
-non-finite steps; the message says why), 2 for a bad config.
+``--model.path tiny`` (the tiny preset) is the tiny CPU agent shipped in the package (``fastpo.tiny_agent``).
+The run directory receives ``config.json`` (resolved config), ``metrics.jsonl``, ``checkpoints/step-XXXXXX``
+and, at the end, the Hugging Face export ``hf/``, the training curves ``curves.png`` and ``report.txt`` (the
+per-env validation success before vs after training, also printed; ``fastpo.report``). Exit status: 0 on
+success, 1 when training stopped itself (logprob gap after a weight sync, too many non-finite steps; the
+message says why), 2 for a bad config.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close(export=False)
             return 1
         trainer.close()
+        if info.is_main:
+            from .report import write_report
+
+            print(write_report(cfg.trainer.run_dir), flush=True)
         return 0
     finally:
         du.shutdown()

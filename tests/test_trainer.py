@@ -1,9 +1,9 @@
 """fastpo.trainer / fastpo.train: the real entry point in subprocesses (1 process and torchrun with 2 ranks),
 exact resume, non-finite skipping and abort, 1 rank vs 2 ranks; plus in-process checks of packing and logprobs.
 
-Every run uses the tiny preset (model "tiny": built into <run_dir>/tiny-model) shrunk by CLI overrides: 2 turns,
-16-token responses, 4 x 4 groups. GAE (critic) runs make the advantages non-zero even though the untrained tiny
-model earns the same reward everywhere.
+Every run uses the tiny preset (model "tiny": the shipped tiny agent, fastpo.tiny_agent) shrunk by CLI overrides:
+2 turns, 16-token responses, 4 x 4 groups. GAE (critic) runs make the advantages non-zero even when every
+trajectory earns the same reward.
 """
 
 import json
@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from fastpo.tiny_agent import tiny_agent_path
 
 SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
          "--optim.micro_batch_tokens", "800"]
@@ -144,7 +146,7 @@ def test_torchrun_two_ranks_smoke(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(run / "hf")
     AutoTokenizer.from_pretrained(run / "hf")
-    init = _weights(run / "tiny-model")
+    init = _weights(tiny_agent_path())
     trained = {k: v for k, v in model.state_dict().items()}
     assert set(init) <= set(trained)
     assert max((trained[k] - init[k]).abs().max().item() for k in init) > 1e-5
@@ -196,7 +198,7 @@ def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
     assert meta["trainer_state"]["nonfinite_total"] == 1 and meta["trainer_state"]["nonfinite_in_a_row"] == 1
     params = {}
     for step in (1, 2):
-        model = load_policy(run / "tiny-model")
+        model = load_policy(tiny_agent_path())
         checkpoint.load(run / "checkpoints" / f"step-{step:06d}", {"actor": model}, restore_rng=False)
         params[step] = {k: v.clone() for k, v in model.state_dict().items()}
     assert all(torch.isfinite(v).all() for v in params[2].values())
@@ -239,8 +241,7 @@ def test_one_rank_equals_two_ranks_first_update(tmp_path):
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm",
                 "rollout/reward"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    wa, wb, w0 = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "two" / "hf"), _weights(tmp_path / "one" /
-                                                                                                  "tiny-model")
+    wa, wb, w0 = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "two" / "hf"), _weights(tiny_agent_path())
     assert max((wa[k] - w0[k]).abs().max().item() for k in wa) > 1e-4  # the update moved the weights
     for k in wa:  # Adam's first step is ~lr * sign(grad): allow a tenth of lr where a grad is ~0
         torch.testing.assert_close(wa[k], wb[k], atol=3e-5, rtol=0)

@@ -25,11 +25,14 @@ same tokens whatever else is in the batch (up to float differences from padding)
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 #: Temperatures below this sample greedily (vLLM's threshold).
 GREEDY_EPS = 1e-5
@@ -122,6 +125,16 @@ def check_token_lists(token_lists: Sequence[Sequence[int]], vocab_size: int, wha
                 raise ValueError(f"{what}[{i}] holds {t!r}; token ids must be ints in [0, {vocab_size})")
 
 
+def eos_ids_from(*values: int | Iterable[int] | None) -> tuple[int, ...]:
+    """The sorted union of EOS ids given as ints, lists of ints or None (generation config, tokenizer, ...)."""
+    ids: set[int] = set()
+    for value in values:
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    return tuple(sorted(int(i) for i in ids))
+
+
 class Engine(ABC):
     """A generation engine: stateless ``generate`` plus multi-turn sessions. See the module docstring."""
 
@@ -174,3 +187,90 @@ class Engine(ABC):
     def close(self) -> None:
         """Free everything the engine holds."""
         return None
+
+
+@dataclass
+class Session:
+    """One multi-turn context kept by an engine: every token so far (prompt, observations, sampled tokens).
+    Engines subclass it to attach their cache bookkeeping."""
+
+    tokens: list[int] = field(default_factory=list)
+
+
+class SessionEngine(Engine):
+    """The session table shared by the engines: ids, validation, ``extend`` / ``session_token_ids`` /
+    ``close_sessions``, the weight-version counter and the per-request seeds drawn when a call passes none.
+
+    A subclass calls ``_init_sessions(seed)`` in its constructor, sets ``vocab_size`` (checked by ``extend``), and
+    may override ``_new_session`` (a ``Session`` subclass with cache fields) and ``_release`` (free a session's
+    cache when it closes)."""
+
+    vocab_size: int
+
+    def _init_sessions(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._sessions: dict[int, Session] = {}
+        self._next_id = itertools.count()
+        self._version = 0
+
+    def _new_session(self) -> Session:
+        return Session()
+
+    def _release(self, session: Session) -> None:
+        """Free what the engine holds for `session` besides its tokens (called by ``close_sessions``)."""
+        return None
+
+    def _request_seeds(self, seeds: Sequence[int] | None, n: int) -> list[int]:
+        """Validated per-request seeds, or n seeds drawn from the engine's generator when `seeds` is None."""
+        checked = check_seeds(seeds, n)
+        if checked is None:
+            checked = [int(s) for s in self._rng.integers(0, 2**63 - 1, size=n)]
+        return checked
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def open_sessions(self, n: int) -> list[int]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        ids = [next(self._next_id) for _ in range(n)]
+        for sid in ids:
+            self._sessions[sid] = self._new_session()
+        return ids
+
+    def _lookup(self, session_ids: Sequence[int]) -> list[Any]:
+        """The open sessions of `session_ids`, in order; raises on duplicates and unknown / closed ids."""
+        if len(set(session_ids)) != len(session_ids):
+            raise ValueError(f"session ids must be unique, got {list(session_ids)}")
+        missing = [sid for sid in session_ids if sid not in self._sessions]
+        if missing:
+            raise ValueError(f"unknown or closed session ids {missing}; pass ids returned by open_sessions")
+        return [self._sessions[sid] for sid in session_ids]
+
+    def _check_non_empty(self, session_ids: Sequence[int], sessions: Sequence[Session]) -> None:
+        empty = [sid for sid, s in zip(session_ids, sessions, strict=True) if not s.tokens]
+        if empty:
+            raise ValueError(f"sessions {empty} have no tokens; extend them with a prompt first")
+
+    def extend(self, session_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]]) -> None:
+        if len(session_ids) != len(new_token_ids):
+            raise ValueError(f"got {len(new_token_ids)} token lists for {len(session_ids)} sessions")
+        sessions = self._lookup(session_ids)
+        check_token_lists(new_token_ids, self.vocab_size, "new_token_ids", allow_empty=True)
+        for session, ids in zip(sessions, new_token_ids, strict=True):
+            session.tokens.extend(int(t) for t in ids)
+
+    def session_token_ids(self, session_id: int) -> list[int]:
+        return list(self._lookup([session_id])[0].tokens)
+
+    def close_sessions(self, session_ids: Sequence[int]) -> None:
+        for session in self._lookup(session_ids):
+            self._release(session)
+        for sid in session_ids:
+            del self._sessions[sid]
+
+    def _close_all_sessions(self) -> None:
+        for session in self._sessions.values():
+            self._release(session)
+        self._sessions.clear()

@@ -35,9 +35,8 @@ Memory behaviour:
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .base import GREEDY_EPS, Engine, GenerationResult, SamplingParams, check_seeds, check_token_lists
+from .base import GREEDY_EPS, GenerationResult, SamplingParams, Session, SessionEngine, check_token_lists, eos_ids_from
 
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 
@@ -215,8 +214,8 @@ class _KVGroup:
 
 
 @dataclass
-class _Session:
-    tokens: list[int]
+class _Session(Session):
+    tokens: list[int] = field(default_factory=list)
     cached: int = 0  # tokens[:cached] are in the cache of `group` (row `row`)
     group: _KVGroup | None = None
     row: int = -1
@@ -233,7 +232,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-class HFEngine(Engine):
+class HFEngine(SessionEngine):
     """Batched sampling with a KV cache on a transformers causal LM (see the module docstring).
 
     Args:
@@ -295,23 +294,11 @@ class HFEngine(Engine):
         self.max_prefill_tokens = max_prefill_tokens
         self.growth = growth
         self.compact_below = compact_below
-        self._rng = np.random.default_rng(seed)
-        self._sessions: dict[int, _Session] = {}
-        self._next_id = itertools.count()
-        self._version = 0
+        self._init_sessions(seed)
 
     def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
-        ids: set[int] = set()
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for value in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
-            if value is None:
-                continue
-            ids.update([value] if isinstance(value, int) else value)
-        return tuple(sorted(ids))
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
+        return eos_ids_from(gen_eos, getattr(tokenizer, "eos_token_id", None))
 
     @property
     def device(self) -> torch.device:
@@ -321,34 +308,10 @@ class HFEngine(Engine):
     def dtype(self) -> torch.dtype:
         return self.model.get_output_embeddings().weight.dtype
 
-    # ---- sessions -------------------------------------------------------------------------------------------
+    # ---- sessions (the table is SessionEngine's; this engine adds each session's place in a KV group) -----------
 
-    def open_sessions(self, n: int) -> list[int]:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
-        ids = [next(self._next_id) for _ in range(n)]
-        for sid in ids:
-            self._sessions[sid] = _Session(tokens=[])
-        return ids
-
-    def _lookup(self, session_ids: Sequence[int]) -> list[_Session]:
-        if len(set(session_ids)) != len(session_ids):
-            raise ValueError(f"session ids must be unique, got {list(session_ids)}")
-        missing = [sid for sid in session_ids if sid not in self._sessions]
-        if missing:
-            raise ValueError(f"unknown or closed session ids {missing}; pass ids returned by open_sessions")
-        return [self._sessions[sid] for sid in session_ids]
-
-    def extend(self, session_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]]) -> None:
-        if len(session_ids) != len(new_token_ids):
-            raise ValueError(f"got {len(new_token_ids)} token lists for {len(session_ids)} sessions")
-        sessions = self._lookup(session_ids)
-        check_token_lists(new_token_ids, self.vocab_size, "new_token_ids", allow_empty=True)
-        for session, ids in zip(sessions, new_token_ids, strict=True):
-            session.tokens.extend(int(t) for t in ids)
-
-    def session_token_ids(self, session_id: int) -> list[int]:
-        return list(self._lookup([session_id])[0].tokens)
+    def _new_session(self) -> _Session:
+        return _Session()
 
     def _detach(self, session: _Session) -> None:
         """Forget `session`'s cache (its row in the group becomes dead)."""
@@ -356,11 +319,7 @@ class HFEngine(Engine):
             session.group.session_ids[session.row] = None
         session.group, session.row, session.cached = None, -1, 0
 
-    def close_sessions(self, session_ids: Sequence[int]) -> None:
-        for session in self._lookup(session_ids):
-            self._detach(session)
-        for sid in session_ids:
-            del self._sessions[sid]
+    _release = _detach
 
     # ---- generation -----------------------------------------------------------------------------------------
 
@@ -384,12 +343,8 @@ class HFEngine(Engine):
         sessions = self._lookup(session_ids)
         if not sessions:
             return []
-        empty = [sid for sid, s in zip(session_ids, sessions, strict=True) if not s.tokens]
-        if empty:
-            raise ValueError(f"sessions {empty} have no tokens; extend them with a prompt first")
-        seeds = check_seeds(seeds, len(sessions))
-        if seeds is None:
-            seeds = [int(s) for s in self._rng.integers(0, 2**63 - 1, size=len(sessions))]
+        self._check_non_empty(session_ids, sessions)
+        seeds = self._request_seeds(seeds, len(sessions))
         chunk = self.max_batch_size or max(len(sessions), 1)
         results: list[GenerationResult] = []
         with _eval_mode(self.model):
@@ -582,6 +537,4 @@ class HFEngine(Engine):
         return head is not None and embed is not None and head.weight is embed.weight
 
     def close(self) -> None:
-        for session in self._sessions.values():
-            self._detach(session)
-        self._sessions.clear()
+        self._close_all_sessions()

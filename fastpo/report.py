@@ -1,0 +1,220 @@
+"""End-of-run report from a run folder's ``metrics.jsonl``: per-env validation success before vs after, a
+training-curve PNG, and where the Hugging Face export is.
+
+    python -m fastpo.report runs/demo                 # prints the table, writes runs/demo/curves.png
+    from fastpo.report import load_metrics, success_table, plot_curves, format_report
+    rows = load_metrics("runs/demo")
+    table = success_table(rows)                        # [EnvSuccess("FrozenLake", 0.18, 0.33, 0, 60)]
+    plot_curves(rows, "runs/demo/curves.png")
+
+The trainer writes one ``metrics.jsonl`` row per iteration (``{"step": s, ...}``) and, with
+``trainer.val_before_train``, a step-0 row holding only validation metrics. "Before" is the first row with
+``val-env/<Env>/success``, "after" the last one; both come from RAGEN's validation protocol (fixed seeds,
+``rollout.val_temperature``), so the difference is the effect of training on the same initial states.
+``fastpo.train`` calls :func:`write_report` on rank 0 when a run ends; this module only reads files, so it
+also works on a run copied from another machine.
+
+The PNG has one panel per signal of SPEC section 7 (the Echo Trap early signs) plus success: training and
+validation success, mean trajectory reward, in-group reward std (collapse drives it to 0), actor entropy and
+actor grad norm, each against the iteration. Panels whose metric a run never logged (e.g. grad norm of a run
+with no update) say "not logged" instead of being left out, so the layout is the same for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: (title, metric keys tried in order) of the PNG panels after the success panel.
+CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("mean trajectory reward", ("rollout/reward",)),
+    ("in-group reward std", ("rollout/in_group_std",)),
+    ("actor entropy", ("actor/entropy",)),
+    ("actor grad norm", ("actor/grad_norm",)),
+)
+_VAL_SUCCESS = re.compile(r"^val-env/(?P<env>[^/]+)/success$")
+_TRAIN_SUCCESS = re.compile(r"^env/(?P<env>[^/]+)/success$")
+
+
+@dataclass(frozen=True)
+class EnvSuccess:
+    """Validation success of one env at the first and the last validation of a run (fractions in [0, 1])."""
+
+    env: str
+    before: float
+    after: float
+    before_step: int
+    after_step: int
+
+    @property
+    def delta_points(self) -> float:
+        """after - before in percentage points."""
+        return 100.0 * (self.after - self.before)
+
+
+def load_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of ``<run_dir>/metrics.jsonl`` in file order (a truncated last line, e.g. from a killed run, is
+    skipped). Raises FileNotFoundError naming the path when the run folder has no metrics file."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: pass a run folder written by fastpo.train (--trainer.run_dir)")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def success_table(rows: Sequence[dict[str, Any]]) -> list[EnvSuccess]:
+    """Per validation env (sorted by name): success at the first and at the last validation row. Envs validated
+    only once get before == after. Empty when the run never validated."""
+    first: dict[str, tuple[int, float]] = {}
+    last: dict[str, tuple[int, float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            m = _VAL_SUCCESS.match(key)
+            if m and _finite(value):
+                env = m.group("env")
+                first.setdefault(env, (int(row["step"]), float(value)))
+                last[env] = (int(row["step"]), float(value))
+    return [EnvSuccess(env, first[env][1], last[env][1], first[env][0], last[env][0]) for env in sorted(first)]
+
+
+def format_table(table: Sequence[EnvSuccess], n_val: int | None = None) -> str:
+    """The success table as aligned text (percentages; the delta in points)."""
+    if not table:
+        return "no validation results in this run (trainer.val_every = 0 and val_before_train off?)"
+    head = f"validation success{f' ({n_val} fixed initial states)' if n_val else ''}"
+    lines = [head, f"{'env':<24} {'before':>8} {'after':>8} {'change':>9}"]
+    for r in table:
+        lines.append(f"{r.env:<24} {100 * r.before:>7.1f}% {100 * r.after:>7.1f}% {r.delta_points:>+7.1f} pt"
+                     f"   (step {r.before_step} -> {r.after_step})")
+    return "\n".join(lines)
+
+
+def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> tuple[list[int], list[float], str | None]:
+    """(steps, values, key) of the first key in `keys` with any finite value; training rows only (step >= 1)."""
+    for key in keys:
+        pts = [(int(r["step"]), float(r[key])) for r in rows if r["step"] >= 1 and _finite(r.get(key))]
+        if pts:
+            return [p[0] for p in pts], [p[1] for p in pts], key
+    return [], [], None
+
+
+def plot_curves(rows: Sequence[dict[str, Any]], out: str | os.PathLike, title: str | None = None) -> Path:
+    """Write the training-curve PNG (matplotlib, Agg backend) to `out`; returns its path.
+
+    Panels: success (training rollouts per env as lines, validation per env as markers), then CURVES."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # no display on servers; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 1 + len(CURVES), figsize=(4.0 * (1 + len(CURVES)), 3.4), squeeze=False)
+    axes = axes[0]
+    ax = axes[0]
+    train_keys = sorted({k for r in rows for k in r if _TRAIN_SUCCESS.match(k)})
+    for key in train_keys:
+        steps, values, _ = _series(rows, (key,))
+        ax.plot(steps, values, label=f"train {_TRAIN_SUCCESS.match(key).group('env')}", lw=1.2)
+    val_keys = sorted({k for r in rows for k in r if _VAL_SUCCESS.match(k)})
+    for key in val_keys:
+        pts = [(int(r["step"]), float(r[key])) for r in rows if _finite(r.get(key))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--", ms=4,
+                label=f"val {_VAL_SUCCESS.match(key).group('env')}")
+    ax.set_title("success")
+    ax.set_ylim(-0.02, 1.02)
+    if train_keys or val_keys:
+        ax.legend(fontsize=7)
+    for ax, (name, keys) in zip(axes[1:], CURVES, strict=True):
+        steps, values, key = _series(rows, keys)
+        if key is None:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.plot(steps, values, lw=1.2)
+        ax.set_title(name)
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _n_val(run_dir: Path) -> int | None:
+    """Validation states per env from the run's resolved config (None when it cannot be read)."""
+    try:
+        env = json.loads((run_dir / "config.json").read_text())["env"]
+        names = env.get("val_names") or env["names"]
+        return int(env["val_groups"]) * int(env.get("val_group_size", 1)) // max(1, len(names))
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def format_report(run_dir: str | os.PathLike, png: Path | None, rows: Sequence[dict[str, Any]]) -> str:
+    """The text printed at the end of a run: the success table, the PNG path and the HF export path."""
+    run_dir = Path(run_dir)
+    lines = [format_table(success_table(rows), _n_val(run_dir))]
+    if png is not None:
+        lines.append(f"training curves: {png}")
+    export = run_dir / "hf"
+    if (export / "config.json").is_file():
+        lines.append(f"Hugging Face export: {export}   (python -m fastpo.eval --model {export} ...)")
+    else:
+        lines.append(f"Hugging Face export: none under {export} (the run did not finish)")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | os.PathLike, png_name: str = "curves.png") -> str:
+    """Read ``<run_dir>/metrics.jsonl``, write ``<run_dir>/<png_name>`` and ``<run_dir>/report.txt``; return the
+    report text. The PNG is skipped (and the text says so) when matplotlib is not installed."""
+    run_dir = Path(run_dir)
+    rows = load_metrics(run_dir)
+    png: Path | None = None
+    try:
+        png = plot_curves(rows, run_dir / png_name, title=str(run_dir))
+    except ImportError:
+        pass
+    text = format_report(run_dir, png, rows)
+    if png is None:
+        text += "\n(training curves skipped: matplotlib is not installed)"
+    (run_dir / "report.txt").write_text(text + "\n")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastpo.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="a run folder written by fastpo.train")
+    p.add_argument("--png", default="curves.png", help="PNG file name inside the run folder")
+    args = p.parse_args(argv)
+    try:
+        print(write_report(args.run_dir, args.png))
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""bench/bench_vs_trl.py must compare equal work: both sides run the configured number of optimiser steps, each on
+G x n completions, from the same prompts, scored by the same reward. Not timed.
+
+The fastpo half (and the settings mapping, and the reward replay) runs everywhere; the TRL half is skipped when
+``trl`` is not importable (CI does not install the optional ``trl`` extra; ``make bench-vs-trl`` does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_vs_trl as bvt  # noqa: E402
+
+STEPS, GROUPS, GROUP_SIZE = 2, 2, 2
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    return bvt.build_models(tmp_path_factory.mktemp("models"), ("tiny",))["tiny"]
+
+
+def small_settings(model_path: str) -> bvt.Settings:
+    return bvt.Settings(model_path=model_path, task="mix", groups=GROUPS, group_size=GROUP_SIZE, response_length=8,
+                        max_model_len=1024, lr=1e-4, steps=STEPS, warmup=1, threads=1)
+
+
+def test_settings_map_one_to_one(tmp_path):
+    """The TRL arguments are derived from the same numbers as the fastpo config, field by field."""
+    s = small_settings("unused")
+    cfg = bvt.fastpo_config(s, str(tmp_path / "run"))
+    trl = bvt.trl_config_kwargs(s, str(tmp_path / "trl"))
+    assert cfg.env.env_groups * cfg.env.group_size == cfg.optim.mini_batch_size == GROUPS * GROUP_SIZE
+    assert trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"] == cfg.optim.mini_batch_size
+    assert trl["generation_batch_size"] == cfg.optim.mini_batch_size and cfg.optim.ppo_epochs == 1
+    assert trl["generation_batch_size"] // trl["num_generations"] == cfg.env.env_groups
+    assert trl["num_generations"] == cfg.env.group_size and trl["num_iterations"] == 1
+    assert trl["max_steps"] == cfg.trainer.iterations == STEPS
+    assert trl["max_completion_length"] == cfg.rollout.response_length
+    assert trl["temperature"] == cfg.rollout.temperature == 1.0
+    assert trl["learning_rate"] == cfg.optim.actor_lr and trl["weight_decay"] == cfg.optim.weight_decay
+    assert (trl["adam_beta1"], trl["adam_beta2"]) == tuple(cfg.optim.betas)
+    assert trl["max_grad_norm"] == cfg.optim.grad_clip
+    assert trl["beta"] == cfg.algorithm.kl_coef == 0.0 and trl["entropy_coef"] == cfg.algorithm.entropy_coef == 0.0
+    assert (trl["epsilon"], trl["epsilon_high"]) == (cfg.algorithm.eps_low, cfg.algorithm.eps_high)
+    assert cfg.algorithm.rollout_filter_ratio == 1.0 and cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.algorithm.loss_agg_mode == "token-mean" and trl["loss_type"] == "dapo"
+    assert not trl["shuffle_dataset"] and trl["save_strategy"] == "no" and trl["report_to"] == "none"
+    rows = bvt.task_rows(s)
+    assert len(rows) == STEPS * GROUPS
+    assert rows[:2] == [("countdown", s.train_seed), ("bandit", s.train_seed + 1)]
+
+
+def test_reward_replay_is_fastpo_reward(tiny_path):
+    """TRL's reward function replays completions through fastpo's rollout: format penalty for garbage, the arm's
+    payout for a Bandit answer, and the prompt ids are checked against the rollout's."""
+    from transformers import AutoTokenizer
+
+    from fastpo.envs.bandit import bandit_draws
+    from fastpo.testing import EOS_TOKEN
+
+    s = small_settings(tiny_path)
+    s.response_length = 32  # the replay truncates to max new tokens, as TRL's generation would
+    cfg = bvt.fastpo_config(s, "unused")
+    tok = AutoTokenizer.from_pretrained(tiny_path, padding_side="left")
+    eos = tok.convert_tokens_to_ids(EOS_TOKEN)
+    rows = [("bandit", 7), ("bandit", 7), ("countdown", 3)]
+    prompts = [tok(text=t)["input_ids"] for t in bvt.prompt_texts(cfg, tok, rows)]
+    texts = [" pick </think> <answer> Dragon </answer>", "no format at all", " x </think> <answer> </answer>"]
+    completions = [tok.encode(t, add_special_tokens=False) + [eos] for t in texts]
+    scores = bvt.fastpo_scores(cfg, tok, [eos], [r[0] for r in rows], [r[1] for r in rows], completions, prompts)
+    assert scores[0] == pytest.approx(1.0 if bandit_draws(7)[1] else 0.0)
+    assert scores[1] == pytest.approx(-0.1) and scores[2] == pytest.approx(-0.1)
+    with pytest.raises(AssertionError, match="prompt ids differ"):
+        bvt.fastpo_scores(cfg, tok, [eos], ["bandit"], [8], completions[:1], prompts[:1])
+
+
+def test_fastpo_side_runs_configured_steps_and_shapes(tiny_path, tmp_path):
+    s = small_settings(tiny_path)
+    r = bvt.run_fastpo(s, tmp_path)
+    assert r["adam_steps"] == STEPS and r["steps_done"] == STEPS and len(r["step_times"]) == STEPS
+    assert r["step_sizes"] == [GROUPS * GROUP_SIZE] * STEPS
+    assert [len(x) for x in r["rewards"]] == [GROUPS * GROUP_SIZE] * STEPS
+    r["peak_rss_mb"] = 0.0
+    bvt.check_same_work({"fastpo": r}, s)
+    summary = bvt.summarize([r], s)
+    assert summary["steps_per_s"] > 0 and summary["tokens_per_s"][0] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                    reason="trl is not installed (optional extra `trl`; `make bench-vs-trl` installs it)")
+def test_trl_side_runs_configured_steps_and_shapes(tiny_path, tmp_path):
+    s = small_settings(tiny_path)
+    r = bvt.run_trl(s, tmp_path)
+    assert r["adam_steps"] == STEPS and r["steps_done"] == STEPS and len(r["step_times"]) == STEPS
+    # one generation batch of G x n completions per optimiser step, scored before step k's update
+    assert r["step_sizes"] == [GROUPS * GROUP_SIZE] * STEPS
+    assert r["steps_at_reward"] == list(range(STEPS))
+    r["peak_rss_mb"] = 0.0
+    bvt.check_same_work({"trl": r}, s)
