@@ -435,9 +435,12 @@ class Trainer:
         return torch.zeros_like(v, dtype=torch.float32).index_copy(0, tgt, v[tgt - 1].float())
 
     @torch.no_grad()
-    def _score(self, samples: list[Sample], kept: list[int]) -> None:
+    def _score(self, samples: list[Sample], kept: list[int], actor: bool = True) -> None:
         """Old logprobs (and ref logprobs / values) of the kept trajectories: each rank computes kept[r::world],
-        then all ranks exchange them, so every Sample in `kept` gets old_logp (ref_logp, values) arrays."""
+        then all ranks exchange them, so every Sample in `kept` gets old_logp (ref_logp, values) arrays.
+        ``actor=False`` skips the old logprobs (on-policy: the update's own forward provides them)."""
+        if not actor and self.ref is None and self.critic is None:
+            return
         mine = kept[self.rank::self.world]
         results = []
         micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device)
@@ -445,7 +448,9 @@ class Trainer:
         for k in range(n_micro):
             mb = micro[k] if k < len(micro) else pack(samples, kept[:1], 10**9, self.device)[0]
             mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
-            out = {"old_logp": split_tokens(self._actor_logp(self.actor, mb, mask, False), mb.cu_seqlens)}
+            out = {}
+            if actor:
+                out["old_logp"] = split_tokens(self._actor_logp(self.actor, mb, mask, False), mb.cu_seqlens)
             if self.ref is not None:
                 out["ref_logp"] = split_tokens(self._actor_logp(self.ref, mb, mask, False), mb.cu_seqlens)
             if self.critic is not None:
@@ -464,6 +469,41 @@ class Trainer:
         if not gaps.size:
             return {}
         return {"rollout/logprob_gap_mean": float(gaps.mean()), "rollout/logprob_gap_max": float(gaps.max())}
+
+    def _check_gap(self, gap: dict[str, float]) -> None:
+        """The parity guard: abort when the engine did not sample from the weights the trainer holds."""
+        if gap and gap["rollout/logprob_gap_mean"] > self.cfg.trainer.logprob_gap_max:
+            raise TrainingAborted(
+                f"step {self.step}: mean |engine logp - trainer logp| = {gap['rollout/logprob_gap_mean']:.4g} right "
+                f"after weight sync {self.engine.weight_version} exceeds trainer.logprob_gap_max="
+                f"{self.cfg.trainer.logprob_gap_max}: the engine is not sampling from the trained weights")
+
+    def _micro_gap(self, samples: list[Sample], mb: MicroBatch, mask: Tensor, logp: Tensor) -> tuple[float, int, float]:
+        """(sum, count, max) of |engine logp - trainer logp| over one micro-batch's trained tokens of trajectories
+        with exact sample logprobs (the on-policy form of _logprob_gap)."""
+        if self.cfg.rollout.train_on_observations:
+            return 0.0, 0, 0.0
+        exact = torch.cat([torch.full((len(samples[i].input_ids),), samples[i].exact, dtype=torch.bool)
+                           for i in mb.indices]).to(self.device)
+        sel = mask.bool() & exact
+        diff = (cat_tokens(samples, mb.indices, "sample_logprobs", self.device) - logp)[sel].abs()
+        return float(diff.sum()), int(diff.numel()), float(diff.max()) if diff.numel() else 0.0
+
+    def _reduce_gap(self, total: float, count: int, peak: float) -> dict[str, float]:
+        """Combine the ranks' micro-batch gaps into _logprob_gap's metrics ({} when no token qualified)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        t = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
+        if du.is_distributed():
+            dist.all_reduce(t)
+        peak = all_reduce_max(peak)
+        if t[1] == 0:
+            return {}
+        return {"rollout/logprob_gap_mean": float(t[0] / t[1]), "rollout/logprob_gap_max": float(peak)}
+
+    def _on_policy(self, kept: list[int]) -> bool:
+        """One epoch over one mini-batch: the update's forward runs on the weights that sampled, so its detached
+        logp is the old logp (ratio exactly 1) and the separate no-grad scoring pass of the actor is skipped."""
+        return self.cfg.optim.ppo_epochs == 1 and len(self._mini_batches(kept)) == 1
 
     # ---- update ---------------------------------------------------------------------------------------------
     def _mini_batches(self, kept: list[int]) -> list[list[int]]:
@@ -531,13 +571,21 @@ class Trainer:
     def _update_actor(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
         a, sums = self.cfg.algorithm, {}
         norms, inject = [], self.step in self.nan_steps
+        on_policy = samples[kept[0]].old_logp is None  # _score skipped the actor: see _on_policy
+        gap_sum, gap_n, gap_max = 0.0, 0, 0.0
         for _ in range(self.cfg.optim.ppo_epochs):
             for mbi in self._mini_batches(kept):
                 loss_sum = 0.0
                 for mb in self._micro_plan(samples, mbi):
                     mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
                     logp, ent = self._actor_logp(self.actor, mb, mask, True)
-                    old = cat_tokens(samples, mb.indices, "old_logp", self.device)
+                    if on_policy:
+                        old = logp.detach()
+                        if mb.scale > 0:  # scale-0 micro-batches are padding (another rank's trajectory)
+                            g = self._micro_gap(samples, mb, mask, old)
+                            gap_sum, gap_n, gap_max = gap_sum + g[0], gap_n + g[1], max(gap_max, g[2])
+                    else:
+                        old = cat_tokens(samples, mb.indices, "old_logp", self.device)
                     adv = cat_tokens(samples, mb.indices, "advantages", self.device)
                     ref = cat_tokens(samples, mb.indices, "ref_logp", self.device) if self.ref is not None else None
                     loss, m = algorithms.policy_loss(logp, old, adv, mask, ent, ref, a, cu_seqlens=mb.cu_seqlens)
@@ -547,6 +595,10 @@ class Trainer:
                     loss_sum += float(loss.detach()) * mb.scale
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * mb.scale / self.world
+                if on_policy:  # the parity guard, before the weights move
+                    gap = self._reduce_gap(gap_sum, gap_n, gap_max)
+                    sums.update({k: v / self.world for k, v in gap.items()})  # identical on every rank
+                    self._check_gap(gap)
                 norm, ok = self._step(self.actor, self.actor_optim, self.actor_sched, loss_sum)
                 norms.append(norm)
                 if ok:
@@ -604,15 +656,13 @@ class Trainer:
             du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
             return metrics
         self.engine.sleep()  # GPU vLLM: free its memory for the update; _sync_engine wakes it (else a no-op)
+        on_policy = self._on_policy(kept)
         with self.timer("score"):
-            self._score(samples, kept)
-        gap = self._logprob_gap(samples, kept)
-        metrics.update(gap)
-        if gap and gap["rollout/logprob_gap_mean"] > cfg.trainer.logprob_gap_max:
-            raise TrainingAborted(
-                f"step {self.step}: mean |engine logp - trainer logp| = {gap['rollout/logprob_gap_mean']:.4g} right "
-                f"after weight sync {self.engine.weight_version} exceeds trainer.logprob_gap_max="
-                f"{cfg.trainer.logprob_gap_max}: the engine is not sampling from the trained weights")
+            self._score(samples, kept, actor=not on_policy)
+        if not on_policy:  # on-policy, _update_actor measures the gap on its own forward and runs the guard
+            gap = self._logprob_gap(samples, kept)
+            metrics.update(gap)
+            self._check_gap(gap)
         with self.timer("update"):
             self._advantages(samples, kept)
             if self.critic is not None:

@@ -245,3 +245,28 @@ def test_one_rank_equals_two_ranks_first_update(tmp_path):
     assert max((wa[k] - w0[k]).abs().max().item() for k in wa) > 1e-4  # the update moved the weights
     for k in wa:  # Adam's first step is ~lr * sign(grad): allow a tenth of lr where a grad is ~0
         torch.testing.assert_close(wa[k], wb[k], atol=3e-5, rtol=0)
+
+
+def test_on_policy_update_equals_the_scored_path(tmp_path, monkeypatch):
+    """One epoch over one mini-batch skips the separate old-logprob pass (the update's detached logp is the old
+    logp); the first update must equal the path that scores first, and the parity guard still measures the gap."""
+    from fastpo.config import parse_args, validate
+    from fastpo.trainer import Trainer
+
+    def first_update(run: str, on_policy: bool):
+        monkeypatch.setattr(Trainer, "_on_policy", lambda self, kept: on_policy)
+        cfg = validate(parse_args([*SMALL, "--trainer.run_dir", str(tmp_path / run), "--trainer.iterations", "1",
+                                   "--optim.mini_batch_size", "8", "--trainer.val_before_train", "false"]), 1)
+        trainer = Trainer(cfg)
+        trainer.step = 1
+        metrics = trainer.iteration()
+        weights = {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
+        trainer.close(export=False)
+        return metrics, weights
+
+    (m_fast, w_fast), (m_ref, w_ref) = first_update("fast", True), first_update("ref", False)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/logprob_gap_mean"):
+        assert m_fast[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-7), key
+    assert m_fast["rollout/logprob_gap_mean"] < 1e-4 and m_fast["actor/pg_clipfrac"] == 0.0
+    for k in w_ref:
+        torch.testing.assert_close(w_fast[k], w_ref[k], atol=1e-6, rtol=0)
