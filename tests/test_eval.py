@@ -147,8 +147,8 @@ def test_cli_vllm_engine_on_the_tiny_agent(tmp_path):
 
     out = tmp_path / "vllm.json"
     res = _cli("--model", str(tiny_agent_path(build_if_missing=False)), "--env", "frozenlake", "--env-kwargs",
-               '{"is_slippery": false}', "--engine", "vllm", "--n", "16", "--max-new-tokens", "24",
-               "--max-model-len", "2048", "--out", str(out))
+               '{"is_slippery": false}', "--no-think", "--max-actions-per-turn", "2", "--engine", "vllm", "--n", "16",
+               "--max-new-tokens", "16", "--max-model-len", "1024", "--out", str(out))
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads(out.read_text())["results"][0]
-    assert result["n"] == 16 and 0.0 <= result["success"] <= 1.0 and result["action_is_valid"] > 0.5
+    assert result["n"] == 16 and result["action_is_valid"] > 0.9 and result["success"] > 0.1  # the agent plays

@@ -20,7 +20,8 @@ import torch
 from fastpo.tiny_agent import tiny_agent_path
 
 SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
-         "--optim.micro_batch_tokens", "800"]
+         "--env.env_groups", "4", "--env.group_size", "4", "--optim.mini_batch_size", "8",
+         "--optim.micro_batch_tokens", "800", "--trainer.iterations", "3", "--trainer.val_every", "3"]
 GAE = ["--algorithm.adv_estimator", "gae", "--trainer.val_before_train", "false", "--trainer.val_every", "0"]
 
 
