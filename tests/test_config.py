@@ -51,8 +51,10 @@ def test_preset_contents():
     assert C.get_preset("grpo").algorithm.adv_estimator == "grpo"
     assert C.get_preset("bandit").env.max_turns == 1
     tiny = C.get_preset("tiny")
-    assert tiny.model.path == "tiny" and tiny.trainer.iterations <= 5
-    assert tiny.env.env_groups * tiny.env.group_size <= 32
+    assert tiny.model.path == "tiny" and tiny.env.names == ("frozenlake",) and tiny.env.kwargs == {"is_slippery": False}
+    assert not tiny.rollout.enable_think and tiny.env.max_actions_per_turn == 2  # what the shipped agent was taught
+    assert tiny.algorithm.adv_estimator == "grpo" and tiny.algorithm.rollout_filter_ratio < 1  # StarPO-S
+    assert tiny.env.val_groups == 256 and tiny.trainer.val_before_train
     validate(tiny, world_size=2)
     validate(C.get_preset("sokoban"), world_size=8)
     with pytest.raises(ConfigError, match="--preset.*'sokobn'.*did you mean sokoban"):

@@ -21,7 +21,8 @@ from fastpo.tiny_agent import tiny_agent_path
 
 SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
          "--env.env_groups", "4", "--env.group_size", "4", "--optim.mini_batch_size", "8",
-         "--optim.micro_batch_tokens", "800", "--trainer.iterations", "3", "--trainer.val_every", "3"]
+         "--optim.micro_batch_tokens", "800", "--rollout.max_model_len", "800", "--trainer.iterations", "3",
+         "--trainer.val_every", "3"]
 GAE = ["--algorithm.adv_estimator", "gae", "--trainer.val_before_train", "false", "--trainer.val_every", "0"]
 
 
@@ -244,8 +245,11 @@ def test_one_rank_equals_two_ranks_first_update(tmp_path):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     wa, wb, w0 = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "two" / "hf"), _weights(tiny_agent_path())
     assert max((wa[k] - w0[k]).abs().max().item() for k in wa) > 1e-4  # the update moved the weights
-    for k in wa:  # Adam's first step is ~lr * sign(grad): allow a tenth of lr where a grad is ~0
-        torch.testing.assert_close(wa[k], wb[k], atol=3e-5, rtol=0)
+    # Adam's first step is ~lr * sign(grad) (lr 3e-4): where a grad is ~0, float noise between the 1- and 2-rank
+    # reductions can move its size; allow a third of lr per element, and require almost all elements far closer.
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=0)
+        assert ((wa[k] - wb[k]).abs() > 3e-5).float().mean() < 1e-3, k
 
 
 def test_on_policy_update_equals_the_scored_path(tmp_path, monkeypatch):
