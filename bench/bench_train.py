@@ -31,8 +31,8 @@ def run_training(args, run_dir: Path) -> list[dict]:
     train_args = ["--preset", args.preset, "--trainer.run_dir", str(run_dir),
                   "--trainer.iterations", str(args.iterations), "--trainer.val_every", "0",
                   "--trainer.val_before_train", "false", "--trainer.save_every", "0"]
-    if args.env:
-        train_args += ["--env.names", args.env]
+    if args.env:  # the preset's env keywords (e.g. tiny's is_slippery) belong to its own env
+        train_args += ["--env.names", args.env, "--env.kwargs", "{}"]
     train_args += args.extra
     if args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
