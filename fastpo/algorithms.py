@@ -247,8 +247,8 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register ``fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens) -> (loss,
-    metrics)`` under ``name`` (algorithm.policy_loss)."""
+    """Decorator: register ``fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens, norm_len) ->
+    (loss, metrics)`` under ``name`` (algorithm.policy_loss); norm_len: seq-mean-token-sum-norm's divisor or None."""
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
@@ -259,13 +259,14 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 @register_policy_loss("ppo")
 def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor | None,
-        ref_logp: Tensor | None, cfg: AlgorithmConfig, cu_seqlens: Tensor | None) -> tuple[Tensor, dict]:
+        ref_logp: Tensor | None, cfg: AlgorithmConfig, cu_seqlens: Tensor | None,
+        norm_len: float | None = None) -> tuple[Tensor, dict]:
     """Clipped ratio with clip-higher (eps_low / eps_high), dual clip (clip_c), KL to the reference (kl_coef,
     kl_type) and entropy bonus (entropy_coef), aggregated by loss_agg_mode."""
     return kernels.ppo_loss(logp, old_logp, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                             clip_c=cfg.clip_c, loss_agg_mode=cfg.loss_agg_mode, ref_logp=ref_logp,
                             kl_coef=cfg.kl_coef, kl_type=cfg.kl_type, entropy=entropy,
-                            entropy_coef=cfg.entropy_coef, cu_seqlens=cu_seqlens)
+                            entropy_coef=cfg.entropy_coef, cu_seqlens=cu_seqlens, norm_len=norm_len)
 
 
 _ACTOR_METRIC_NAMES = {"clipfrac": "actor/pg_clipfrac", "clipfrac_lower": "actor/pg_clipfrac_lower",
@@ -273,27 +274,29 @@ _ACTOR_METRIC_NAMES = {"clipfrac": "actor/pg_clipfrac", "clipfrac_lower": "actor
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor | None,
-                ref_logp: Tensor | None, cfg: AlgorithmConfig, *, cu_seqlens: Tensor | None = None
-                ) -> tuple[Tensor, dict[str, Tensor]]:
+                ref_logp: Tensor | None, cfg: AlgorithmConfig, *, cu_seqlens: Tensor | None = None,
+                norm_len: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The actor loss of cfg.policy_loss.
 
     logp fp32 [N] (differentiable), old_logp / advantages / ref_logp fp32 [N], mask bool [N], entropy fp32 [N]
-    (differentiable) or None, cu_seqlens int [B + 1] (needed by the seq-mean aggregation modes). ref_logp is
+    (differentiable) or None, cu_seqlens int [B + 1] (needed by the seq-mean aggregation modes). norm_len: the
+    divisor of seq-mean-token-sum-norm (None: the longest sequence here; the trainer passes one constant for the
+    whole batch so that micro-batches are weighed alike). ref_logp is
     required when cfg.kl_coef != 0. Returns (loss fp32 [], metrics of detached 0-dim tensors: actor/pg_loss (the
     loss), actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy and actor/kl_loss when given)."""
     fn = _lookup(POLICY_LOSSES, cfg.policy_loss, "algorithm.policy_loss")
-    loss, raw = fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens)
+    loss, raw = fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens, norm_len)
     metrics = {_ACTOR_METRIC_NAMES.get(k, f"actor/{k}"): v for k, v in raw.items()}
     metrics["actor/pg_loss"] = loss.detach()
     return loss, metrics
 
 
 def critic_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cfg: AlgorithmConfig, *,
-                cu_seqlens: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                cu_seqlens: Tensor | None = None, norm_len: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss 0.5 * agg(max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2)), agg = loss_agg_mode.
 
     values fp32 [N] (differentiable), old_values / returns fp32 [N], mask bool [N]. Returns (loss fp32 [],
     {critic/vf_loss, critic/vf_clipfrac})."""
     loss, raw = kernels.value_loss(values, old_values, returns, mask, clip=cfg.value_clip,
-                                   loss_agg_mode=cfg.loss_agg_mode, cu_seqlens=cu_seqlens)
+                                   loss_agg_mode=cfg.loss_agg_mode, cu_seqlens=cu_seqlens, norm_len=norm_len)
     return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": raw["clipfrac"]}

@@ -293,13 +293,27 @@ def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> P
 
     Collective: every rank gathers the full state dict (FSDP2 shards are all-gathered, offloaded to CPU);
     rank 0 writes. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+
+    A peft LoRA model is exported MERGED (``W + scaling * B @ A`` under the plain model's names, a model that
+    needs no peft to load); the adapter alone is saved beside it in ``<out_dir>/adapter`` (``PeftModel`` format).
+    The training model is not modified.
     """
+    from .model import is_lora, merged_state_dict, unwrap_peft
+
     out = Path(out_dir)
     options = StateDictOptions(full_state_dict=True, cpu_offload=du.is_distributed())
     full = get_model_state_dict(model, options=options)
+    lora = is_lora(model)
     if du.is_main():
         out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(out), state_dict=full, safe_serialization=True)
+        if lora:
+            unwrap_peft(model).save_pretrained(str(out), state_dict=merged_state_dict(model, full),
+                                               safe_serialization=True)
+            # save_embedding_layers=False: "auto" would look the base model up (on the hub for a hub id)
+            model.save_pretrained(str(out / "adapter"), state_dict=full, safe_serialization=True,
+                                  save_embedding_layers=False)
+        else:
+            model.save_pretrained(str(out), state_dict=full, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(out))
     du.barrier()

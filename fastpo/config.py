@@ -45,9 +45,16 @@ class ModelConfig:
     gradient_checkpointing: bool = True
     """Recompute activations in backward (less memory, ~30% more compute)."""
     lora_rank: int = 0
-    """LoRA rank (>= 0); 0 trains all weights."""
+    """LoRA rank (>= 0); 0 trains all weights. > 0 wraps actor and critic with a peft LoRA adapter: only the adapters
+    (and the critic's value head) train, the engine receives the merged weights (W + alpha/rank * B @ A), the reference
+    policy (kl_coef > 0) is the actor with its adapter disabled, and the final export is a merged plain model (the
+    adapter alone in ``hf/adapter``)."""
     lora_alpha: int = 16
-    """LoRA scaling alpha (>= 1); unused when lora_rank is 0."""
+    """LoRA scaling alpha (>= 1): the adapter's update is scaled by lora_alpha / lora_rank; unused when lora_rank is
+    0."""
+    lora_target_modules: str = "all-linear"
+    """Layers that get a LoRA adapter: "all-linear" (every linear layer except the lm head) or comma-separated
+    module-name suffixes of nn.Linear layers, e.g. "q_proj,k_proj,v_proj,o_proj"; unused when lora_rank is 0."""
 
 
 @dataclass
@@ -100,6 +107,12 @@ class RolloutConfig:
     """Nucleus sampling mass, in (0, 1]; 1 disables."""
     top_k: int = -1
     """Top-k sampling (>= 1), or -1 to disable."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a turn's generation once the model has written one (training and validation), e.g.
+    ("</answer>",): the turn ends at the answer's closing tag. The completing token is kept and trained, so the
+    sampled ids and logprobs stay exact. Without it the model writes on to EOS or response_length, and whatever
+    follows the first answer is trained with the trajectory's advantage although parsing ignores it (RAGEN drops
+    it by rewriting the message canonically): a direction RL can drift along (see docs/RESULTS.md)."""
     format_penalty: float = -0.1
     """Reward added once per turn whose answer did not parse, was empty, or named an invalid action (<= 0)."""
     max_context_window: int = -1
@@ -179,6 +192,14 @@ class OptimConfig:
     """Trajectories per optimizer step, over all ranks (>= 1, divisible by world size) [ppo_mini_batch_size]."""
     micro_batch_tokens: int = 16384
     """Token budget of one forward/backward micro-batch per rank (>= max_model_len: one trajectory must fit)."""
+    shuffle_mini_batches: bool = True
+    """Draw each epoch's mini-batches from a seeded permutation of the kept trajectories (false: in order, which
+    puts whole groups, i.e. a few initial states, in each mini-batch)."""
+    micro_batch_layout: Literal["auto", "packed", "padded"] = "auto"
+    """How a micro-batch's trajectories enter the forward. packed: one row, position ids restarting per trajectory
+    (no padding; attention costs the square of the ROW unless the model runs flash_attention_2's varlen kernel).
+    padded: one right-padded row per trajectory and plain causal attention (cost: the square of each trajectory,
+    plus the pad tokens in the other layers). auto: packed with flash_attention_2, else padded."""
     max_nonfinite_in_a_row: int = 3
     """Stop after this many consecutive skipped steps with a non-finite grad norm (>= 1)."""
 
@@ -342,6 +363,7 @@ def tiny() -> Config:
     cfg.env.max_actions_per_turn = 2
     cfg.rollout.enable_think = False
     cfg.rollout.response_length, cfg.rollout.max_model_len = 16, 1024
+    cfg.rollout.stop = ("</answer>",)
     cfg.algorithm.adv_estimator, cfg.algorithm.rollout_filter_ratio = "grpo", 0.5
     cfg.optim.actor_lr, cfg.optim.mini_batch_size, cfg.optim.micro_batch_tokens = 3e-4, 16, 1024
     cfg.trainer.iterations, cfg.trainer.val_every, cfg.trainer.save_every = 60, 10, 0
@@ -639,10 +661,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     world_size = max(int(world_size), 1) if isinstance(world_size, int) else 1
     # model
     check(bool(m.path), "model.path must be a hub id or a local directory, got ''")
-    check(m.lora_rank >= 0, f"model.lora_rank must be >= 0, got {m.lora_rank}")
+    check(m.lora_rank >= 0, f"model.lora_rank must be >= 0 (0 = no LoRA), got {m.lora_rank}")
     check(m.lora_alpha >= 1, f"model.lora_alpha must be >= 1, got {m.lora_alpha}")
-    # Accepted by the schema but not wired into the trainer yet (issues #4 / #6): refuse before any model loads.
-    check(m.lora_rank == 0, f"model.lora_rank: LoRA is not supported by the trainer yet; use 0, got {m.lora_rank}")
+    check(bool(m.lora_target_modules.strip()) and all(n.strip() for n in m.lora_target_modules.split(",")),
+          f"model.lora_target_modules must be 'all-linear' or non-empty comma-separated module names, got "
+          f"{m.lora_target_modules!r}")
     # vLLM renormalises its sampled-token logprobs over the tokens top-k / top-p keep, so the weight-sync guard
     # (engine logp vs the trainer's full-vocabulary logp) would compare different quantities.
     check(cfg.rollout.engine != "vllm" or (cfg.rollout.top_p == 1 and cfg.rollout.top_k == -1),
@@ -678,6 +701,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
     check(0 < r.top_p <= 1, f"rollout.top_p must lie in (0, 1], got {r.top_p}")
     check(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {r.top_k}")
+    check(all(isinstance(x, str) and x for x in r.stop), f"rollout.stop must hold non-empty strings, got {r.stop!r}")
     check(r.format_penalty <= 0, f"rollout.format_penalty must be <= 0, got {r.format_penalty}")
     check(r.max_context_window == -1 or r.max_context_window >= 1,
           f"rollout.max_context_window must be -1 or >= 1, got {r.max_context_window}")
@@ -731,6 +755,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(o.mini_batch_size >= 1, f"optim.mini_batch_size must be >= 1, got {o.mini_batch_size}")
     check(o.mini_batch_size % world_size == 0,
           f"optim.mini_batch_size ({o.mini_batch_size}) must be divisible by the world size ({world_size})")
+    check(o.micro_batch_layout in ("auto", "packed", "padded"),
+          f"optim.micro_batch_layout must be auto, packed or padded, got {o.micro_batch_layout!r}")
     check(o.micro_batch_tokens >= r.max_model_len, f"optim.micro_batch_tokens ({o.micro_batch_tokens}) must be >= "
           f"rollout.max_model_len ({r.max_model_len}) so one trajectory fits")
     check(o.max_nonfinite_in_a_row >= 1, f"optim.max_nonfinite_in_a_row must be >= 1, got {o.max_nonfinite_in_a_row}")

@@ -108,6 +108,7 @@ def evaluate(
     env_kwargs: dict[str, Any] | None = None,
     backend: str = "default",
     sampling_seed: int = 0,
+    stop: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the validation protocol and return its figures.
 
@@ -125,6 +126,7 @@ def evaluate(
         enable_think, max_actions_per_turn: prompt / parsing options (RAGEN defaults: True, the env's).
         env_kwargs, backend: forwarded to ``fastpo.envs.make``.
         sampling_seed: offsets every request seed; the same value repeats a run exactly.
+        stop: strings that end a turn (``SamplingParams.stop``), e.g. ``("</answer>",)`` as the tiny preset trains.
 
     Returns:
         ``{"env", "n", "seed", "temperature", "success", "action_is_valid", "action_is_effective", "num_actions",
@@ -148,7 +150,7 @@ def evaluate(
     eng = _make_engine(engine, model, tokenizer, batch_size, max_model_len)
     own_engine = isinstance(engine, str)  # built here: closed here (vLLM holds memory and worker threads)
     spec = prompt_spec(env_name, enable_think=enable_think)
-    sampling = SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens)
+    sampling = SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, stop=tuple(stop))
     t0 = time.perf_counter()
     weighted: dict[str, float] = {}
     rewards: list[float] = []
@@ -212,6 +214,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on cuda, else fp32)")
     p.add_argument("--sampling-seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="a string that ends a turn, e.g. '</answer>' (repeat)")
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)
 
@@ -268,6 +271,7 @@ def _run(args: argparse.Namespace) -> int:
                 max_actions_per_turn=args.max_actions_per_turn,
                 env_kwargs=env_kwargs,
                 sampling_seed=args.sampling_seed,
+                stop=args.stop,
             )
         )
     print(format_table(results))

@@ -5,6 +5,8 @@
     critic = load_critic(path, dtype="bfloat16")                # backbone + nn.Linear(hidden, 1) -> values [B, T]
     hidden, weight, bias = policy_hidden_states(policy, input_ids, attention_mask)
     logp = fastpo.kernels.fused_linear_logprob(hidden, weight, targets, bias, temperature=T)  # no [B, T, V] logits
+    policy = load_policy(path, lora_rank=8, lora_alpha=16)      # peft LoRA: base frozen, adapters trainable
+    state = merged_state_dict(policy)                           # plain names, W + alpha/r * B @ A (model untouched)
 
 Offline: a local directory is used as is; a hub id with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) must
 already be in the Hugging Face cache, or loading fails at once with a one-line ValueError (transformers would
@@ -16,6 +18,7 @@ transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as `
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -153,14 +156,135 @@ def _require_peft(lora_rank: int) -> Any:
         import peft
     except ImportError as exc:
         raise ImportError(
-            f"LoRA was requested (lora_rank={lora_rank}) but peft is not installed; pip install peft or set lora_rank=0"
+            f"LoRA was requested (lora_rank={lora_rank}) but peft is not installed; pip install peft==0.21.2 (or "
+            "fastpo[lora]) or set lora_rank=0"
         ) from exc
     return peft
 
 
-def _apply_lora(peft: Any, model: nn.Module, rank: int, alpha: int, target_modules: str | list[str]) -> nn.Module:
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0)
-    return peft.get_peft_model(model, config)
+def parse_target_modules(spec: str | list[str] | tuple[str, ...]) -> str | list[str]:
+    """peft's ``target_modules`` from the config string: "all-linear" (every linear layer but the output head) or
+    comma-separated module-name suffixes ("q_proj,v_proj" -> ["q_proj", "v_proj"]); lists pass through."""
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    if not names or not all(names):
+        raise ValueError(f"lora_target_modules must be 'all-linear' or comma-separated module names, got {spec!r}")
+    return "all-linear" if names == ["all-linear"] else names
+
+
+def _apply_lora(peft: Any, model: nn.Module, rank: int, alpha: int, target_modules: str | list[str],
+                seed: int = 0) -> nn.Module:
+    """Wrap `model` with a LoRA adapter (no dropout: the trainer's forwards stay deterministic). Base weights are
+    frozen by peft; only ``lora_A`` / ``lora_B`` train. ``lora_A`` is drawn under ``torch.manual_seed(seed)`` in a
+    forked RNG: every rank builds the same adapter whatever its own (rank-dependent) seed, so FSDP2's shards form
+    one consistent model and 1 and N ranks start equal. Only ``nn.Linear`` targets are accepted, because
+    :func:`merged_state_dict` merges ``W + scaling * B @ A`` for those alone."""
+    if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha < 1:
+        raise ValueError(f"lora_alpha must be an int >= 1, got {alpha!r}")
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=parse_target_modules(target_modules),
+                             lora_dropout=0.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        wrapped = peft.get_peft_model(model, config)
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    others = sorted({type(m).__name__ for m in wrapped.modules() if isinstance(m, LoraLayer)
+                     and not isinstance(m, LoraLinear)})
+    if others:
+        raise ValueError(f"lora_target_modules={target_modules!r} adapts {others} layers; only linear layers are "
+                         f"supported (use 'all-linear' or names of nn.Linear modules)")
+    return wrapped
+
+
+def is_lora(model: nn.Module) -> bool:
+    """True when `model` (or a ``CriticModel``'s backbone) carries a peft LoRA adapter."""
+    if "peft" not in sys.modules:  # never imported: no peft model can exist
+        return False
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+class LoRAMergedWeight:
+    """A LoRA layer's merged weight ``W + scaling * B @ A`` [out, in], computed when read.
+
+    Stands in a state dict where a sharded (DTensor) weight would: ``numel`` / ``element_size`` size it for
+    bucketing, ``full_tensor()`` gathers the three pieces (collective under FSDP2: every rank reads the entries in
+    the same order) and merges in fp32, returning the weight's dtype. Plain tensors merge the same way."""
+
+    def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+                 fan_in_fan_out: bool = False):
+        self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
+        self.scaling, self.fan_in_fan_out = float(scaling), fan_in_fan_out
+        self.shape, self.dtype = base.shape, base.dtype
+
+    def numel(self) -> int:
+        return self.base.numel()
+
+    def element_size(self) -> int:
+        return self.base.element_size()
+
+    def full_tensor(self) -> torch.Tensor:
+        def full(t: torch.Tensor) -> torch.Tensor:
+            return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+        base, a, b = full(self.base), full(self.lora_a), full(self.lora_b)
+        delta = b.float() @ a.float()
+        if self.fan_in_fan_out:
+            delta = delta.T
+        return (base.float() + delta * self.scaling).to(base.dtype)
+
+
+def merged_state_dict(model: nn.Module, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plain (un-peft) state dict of a LoRA model, adapters merged: what an engine or ``from_pretrained``
+    expects. The training model is not modified (no in-place merge / unmerge, so its base weights stay bit-exact).
+
+    Args:
+        model: a ``peft.PeftModel`` (possibly FSDP2-sharded) or a module containing one.
+        state: `model`'s state dict (full tensors, or DTensors from ``model.state_dict()`` under FSDP2); None reads
+            ``model.state_dict()``.
+
+    Returns:
+        name -> tensor in `state`'s order with peft's prefixes removed (``base_model.model.``, ``.base_layer``) and
+        the ``lora_A`` / ``lora_B`` entries dropped; each adapted weight is merged at once when its pieces are plain
+        tensors, else a :class:`LoRAMergedWeight` (gathered and merged on ``full_tensor()``).
+    """
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    state = model.state_dict() if state is None else state
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    peft_prefixes = [f"{name}.base_model.model." if name else "base_model.model."
+                     for name, m in model.named_modules() if isinstance(m, PeftModel)]
+
+    def plain(key: str) -> str:
+        for prefix in peft_prefixes:
+            if key.startswith(prefix):
+                return prefix[: -len("base_model.model.")] + key[len(prefix):]
+        return key
+
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        if ".base_layer." not in key:
+            out[plain(key)] = value
+            continue
+        path, _, leaf = key.rpartition(".base_layer.")
+        layer = layers.get(path)
+        if layer is None:
+            raise ValueError(f"state entry {key!r} has no LoRA layer {path!r} in the model")
+        if leaf == "weight":
+            adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+            for adapter in adapters:
+                if layer.use_dora.get(adapter) or getattr(layer, "lora_bias", {}).get(adapter):
+                    raise ValueError(f"{path}: DoRA / lora_bias adapters cannot be merged by fastpo")
+                merged = LoRAMergedWeight(value, state[f"{path}.lora_A.{adapter}.weight"],
+                                          state[f"{path}.lora_B.{adapter}.weight"], layer.scaling[adapter],
+                                          layer.fan_in_fan_out)
+                value = merged if hasattr(value, "full_tensor") else merged.full_tensor()
+        out[plain(f"{path}.{leaf}")] = value
+    return out
 
 
 def _load_kwargs(dtype: torch.dtype | str | None, attn_implementation: str | None, trust_remote_code: bool) -> dict:
@@ -184,6 +308,7 @@ def load_policy(
     lora_alpha: int = 16,
     lora_target_modules: str | list[str] = "all-linear",
     trust_remote_code: bool = False,
+    lora_seed: int = 0,
 ) -> Any:
     """Load a causal LM (``AutoModelForCausalLM``) as the policy.
 
@@ -192,9 +317,13 @@ def load_policy(
         dtype: parameter dtype (torch dtype or "float32" / "bfloat16" / "float16").
         gradient_checkpointing: recompute each layer in backward (non-reentrant); turns the KV cache off.
         attn_implementation: "sdpa", "eager", "flash_attention_2", ...; None lets transformers choose.
-        lora_rank: > 0 wraps the model with a peft LoRA adapter (peft must be installed).
-        lora_alpha, lora_target_modules: the LoRA config.
+        lora_rank: > 0 wraps the model with a peft LoRA adapter (peft must be installed): base weights frozen,
+            ``lora_A`` / ``lora_B`` trainable, no dropout.
+        lora_alpha: the adapter's update is scaled by ``lora_alpha / lora_rank``.
+        lora_target_modules: "all-linear" (every linear layer but the lm head), comma-separated module-name
+            suffixes ("q_proj,v_proj") or a list of them.
         trust_remote_code: forwarded to ``from_pretrained``.
+        lora_seed: seed of the adapter's initialisation (independent of the global RNG state).
 
     Returns:
         the model in train mode (a ``peft.PeftModel`` when LoRA is on).
@@ -207,7 +336,7 @@ def load_policy(
     if gradient_checkpointing:
         _enable_checkpointing(model)
     if peft is not None:
-        model = _apply_lora(peft, model, lora_rank, lora_alpha, lora_target_modules)
+        model = _apply_lora(peft, model, lora_rank, lora_alpha, lora_target_modules, lora_seed)
     model.train()
     return model
 
@@ -237,11 +366,16 @@ class CriticModel(nn.Module):
         return self.value_head(out.last_hidden_state.float()).squeeze(-1)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write the backbone (``save_pretrained``, safetensors) and the head (``value_head.safetensors``)."""
+        """Write the backbone (``save_pretrained``, safetensors; a LoRA backbone with its adapter merged, so
+        ``load_critic(path)`` reloads it without peft) and the head (``value_head.safetensors``)."""
         from safetensors.torch import save_file
 
         Path(path).mkdir(parents=True, exist_ok=True)
-        self.backbone.save_pretrained(str(path), safe_serialization=True)
+        if is_lora(self.backbone):
+            unwrap_peft(self.backbone).save_pretrained(str(path), state_dict=merged_state_dict(self.backbone),
+                                                       safe_serialization=True)
+        else:
+            self.backbone.save_pretrained(str(path), safe_serialization=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.value_head.state_dict().items()}
         save_file(state, os.path.join(str(path), VALUE_HEAD_FILE))
 
@@ -256,12 +390,14 @@ def load_critic(
     lora_target_modules: str | list[str] = "all-linear",
     trust_remote_code: bool = False,
     head_seed: int = 0,
+    lora_seed: int = 0,
 ) -> CriticModel:
     """Load the backbone of `path_or_id` (``AutoModel``: the causal LM without its head) and add a value head.
 
     The head is ``nn.Linear(hidden, 1)`` in fp32: loaded from ``value_head.safetensors`` when the directory has
     one (a saved critic), else initialised like verl's token-classification head (normal(0,
-    ``initializer_range``), zero bias) with `head_seed`. Other arguments as in ``load_policy``.
+    ``initializer_range``), zero bias) with `head_seed`. With LoRA (``lora_rank > 0``) the backbone is a
+    ``peft.PeftModel`` and only its adapters and the head train. Other arguments as in ``load_policy``.
     """
     from transformers import AutoModel
 
@@ -271,7 +407,7 @@ def load_critic(
     if gradient_checkpointing:
         _enable_checkpointing(backbone)
     if peft is not None:
-        backbone = _apply_lora(peft, backbone, lora_rank, lora_alpha, lora_target_modules)
+        backbone = _apply_lora(peft, backbone, lora_rank, lora_alpha, lora_target_modules, lora_seed)
     config = backbone.config.get_text_config()
     head = nn.Linear(config.hidden_size, 1, dtype=torch.float32)
     head_file = os.path.join(name, VALUE_HEAD_FILE)
@@ -304,7 +440,8 @@ class LMHeadInputs(NamedTuple):
     bias: torch.Tensor | None
 
 
-def _unwrap(model: Any) -> Any:
+def unwrap_peft(model: Any) -> Any:
+    """The transformers model inside a ``peft.PeftModel`` (its layers still hold the adapters); other models as is."""
     get_base = getattr(model, "get_base_model", None)  # peft
     return get_base() if callable(get_base) else model
 
@@ -331,7 +468,7 @@ def policy_hidden_states(
     Under FSDP2 the decoder is called directly (not the root module), so its parameters must be unsharded by
     the decoder's own hooks (shard ``model.model`` as its own unit) and the lm-head weight gathered by the caller.
     """
-    base = _unwrap(model)
+    base = unwrap_peft(model)
     config = base.config.get_text_config()
     for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
         if getattr(config, attr, None) not in (None, 1.0):

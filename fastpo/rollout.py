@@ -221,8 +221,12 @@ def _decode(tokenizer: Any, ids: Sequence[int], skip_special: bool) -> str:
 
 
 def _split_stop(tokenizer: Any, result: GenerationResult, stop_ids: set[int]) -> tuple[list[int], str]:
-    """The sampled ids without a final stop token, and that token's text ("" when it stopped by length)."""
+    """The sampled ids without a final stop token, and that token's text ("" when it stopped by length or by a stop
+    string: the string's token is part of the answer text, and the template closes the message as after a length
+    stop)."""
     ids = list(result.token_ids)
+    if getattr(result, "stop_string", ""):
+        return ids, ""
     if result.finish_reason == "stop" and ids and (not stop_ids or ids[-1] in stop_ids):
         return ids[:-1], _decode(tokenizer, ids[-1:], skip_special=False)
     return ids, ""

@@ -182,7 +182,9 @@ class ScriptedEngine:
     appended, finish "stop"), or ``("length", text)`` (the first ``max_new_tokens`` tokens, finish "length").
     The instance and turn are recovered from the request seed ``request_seeds[i] * 1_000_003 + turn`` that
     ``fastpo.rollout.run_rollout`` passes, so call it with ``request_seeds = range(N)``. Every sampled token gets
-    logprob ``logprob``. ``prompts`` records ``(instance, turn, context_ids)`` of each request.
+    logprob ``logprob``. ``prompts`` records ``(instance, turn, context_ids)`` of each request. ``params.stop``
+    strings cut the answer at the token that first completes one (finish "stop", ``stop_string`` set), as the real
+    engines do.
     """
 
     def __init__(self, tokenizer: Any, script: list[list[Any]], logprob: float = -1.0):
@@ -207,7 +209,13 @@ class ScriptedEngine:
         else:
             ids = self.tokenizer.encode(entry, add_special_tokens=False)[: params.max_new_tokens - 1]
             ids, finish = ids + [self.eos_token_ids[0]], "stop"
-        return GenerationResult(list(ids), [self.logprob] * len(ids), finish)
+        hit = ""
+        if getattr(params, "stop", ()):
+            from .engine.base import StopStrings
+
+            k, hit = StopStrings(self.tokenizer, params.stop, len(self.tokenizer)).first_stop(ids)
+            ids, finish = (ids[:k], "stop") if hit else (ids, finish)
+        return GenerationResult(list(ids), [self.logprob] * len(ids), finish, stop_string=hit)
 
     def generate(self, prompts, params, seeds=None):
         return [self._sample(s, list(p), params) for p, s in zip(prompts, seeds, strict=True)]
@@ -233,3 +241,39 @@ class ScriptedEngine:
 
     def session_token_ids(self, session_id: int) -> list[int]:
         return list(self.sessions[session_id])
+
+
+def check_stop_strings(engine: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int = 24) -> int:
+    """Check an engine's ``SamplingParams.stop`` handling against its own unstopped output; returns how many
+    requests a stop string ended (callers assert it is > 0).
+
+    Greedy decoding makes the stopped run a prefix of the free run. The stop string is 3 characters from the
+    middle of request 0's free text (so it usually spans tokens). Every stopped request must end exactly at the
+    token that first completes the string, with ``finish_reason == "stop"`` and ``stop_string`` set; every other
+    request must equal its free run and never contain the string.
+    """
+    from fastpo.engine.base import SamplingParams
+
+    free = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True))
+
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    first = text(free[0].token_ids)
+    stop = first[len(first) // 2 : len(first) // 2 + 3]
+    assert len(stop) == 3, f"request 0's free text is too short to pick a stop string: {first!r}"
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True, stop=(stop, "\x00\x01"))
+    stopped = engine.generate(prompts, params)
+    hits = 0
+    for i, (f, s) in enumerate(zip(free, stopped, strict=True)):
+        k = len(s.token_ids)
+        assert s.token_ids == f.token_ids[:k], f"request {i}: the stopped run is not a prefix of the free run"
+        if s.stop_string:
+            hits += 1
+            assert s.stop_string == stop and s.finish_reason == "stop", (i, s.stop_string, s.finish_reason)
+            assert stop in text(s.token_ids) and stop not in text(s.token_ids[:-1]), f"request {i} stopped late"
+            assert s.logprobs == f.logprobs[:k] or np.allclose(s.logprobs, f.logprobs[:k], atol=1e-5)
+        else:
+            assert s.token_ids == f.token_ids and s.finish_reason == "length", f"request {i} stopped without a hit"
+            assert stop not in text(f.token_ids), f"request {i} missed the stop string {stop!r}"
+    return hits

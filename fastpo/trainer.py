@@ -17,16 +17,23 @@ advantages (GAE whitening is over the whole batch) and the mini-batch split are 
 rank r trains trajectories ``mini_batch[r::world]``. Ranks run the same number of micro-batches (a rank short of
 data repeats one with loss scale 0), as FSDP2's collectives require.
 
-Micro-batches are PACKED: trajectories concatenated into one row of at most ``optim.micro_batch_tokens`` tokens,
-``position_ids`` restarting at 0 for each trajectory and no attention mask; transformers then builds a
-block-diagonal causal mask from the position ids (checked on CPU with sdpa: equal to separate forwards within
-5e-7 in fp32). Logprobs come from ``fastpo.kernels.fused_linear_logprob`` on the last hidden states of the
-trained positions and the lm-head weight (never full logits). The hidden states are read through the ROOT
-module's forward with ``logits_to_keep=1`` and a hook on the decoder (see ``fastpo.engine.fsdp``), not with
+Micro-batches hold consecutive trajectories of at most ``optim.micro_batch_tokens`` tokens in all, and every
+per-token tensor is PACKED ([N], trajectories concatenated). The forward sees them in one of two layouts
+(``optim.micro_batch_layout``): packed (one row, ``position_ids`` restarting at 0 for each trajectory, no attention
+mask; transformers builds a block-diagonal causal mask from the position ids, which flash_attention_2 turns into
+its varlen kernel but sdpa / eager run as a dense mask over the whole row: checked on CPU with sdpa, equal to
+separate forwards within 5e-7 in fp32), or padded (one right-padded row per trajectory and plain causal
+attention: no trajectory attends to a pad, so no mask is needed; the pads' outputs are dropped when the hidden
+states are gathered back into the packed order). ``auto`` = packed with flash_attention_2, padded otherwise: on
+CPU packed attention over a 8k-token row cost more than the rest of the update.
+Logprobs come from ``fastpo.kernels.fused_linear_logprob`` on the last hidden states of the trained positions and
+the lm-head weight (never full logits). The hidden states are read through the ROOT module's forward with
+``logits_to_keep=1`` and a hook on the decoder (see ``fastpo.engine.fsdp``), not with
 ``model.policy_hidden_states``, which calls the decoder alone and would bypass FSDP2's root unit.
 
 Loss scaling: each micro-batch's loss (aggregated over the micro-batch by loss_agg_mode) is multiplied by its
-share of the mini-batch (trained tokens for token-mean, trajectories for the seq-mean modes) times the world size
+share of the mini-batch (trained tokens for token-mean, trajectories for seq-mean-token-sum / -mean; 1 for
+seq-mean-token-sum-norm, a plain token sum over one constant, the longest kept trajectory) times the world size
 (FSDP2 averages gradients over ranks), so the accumulated gradient equals one loss over the whole mini-batch.
 
 Stops: (1) the mean |engine logp - trainer logp| over sampled trained tokens right after a weight sync exceeds
@@ -59,7 +66,7 @@ from .engine.base import Engine, SamplingParams
 from .engine.fsdp import full_state_dict, shard_model
 from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
-from .model import load_critic, load_policy, load_tokenizer
+from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict
 from .prompts import prompt_spec
 from .rollout import RolloutConfig, run_rollout
 
@@ -147,33 +154,54 @@ def all_reduce_max(value: float) -> float:
     return float(t.item())
 
 
-def lm_head_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Last hidden states [B, T, H] (after the final norm), lm-head weight [V, H] and bias of a causal LM, from
-    the ROOT forward with ``logits_to_keep=1`` (FSDP2-safe; see the module docstring)."""
+def lm_head_inputs(model: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Last hidden states [1, N, H] in packed token order (after the final norm), lm-head weight [V, H] and bias of
+    a causal LM, from the ROOT forward with ``logits_to_keep=1`` (FSDP2-safe; see the module docstring), in the
+    micro-batch's layout."""
     captured: list[Tensor] = []
     decoder = model.get_decoder()
     handle = decoder.register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
     try:
-        model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1)
+        if mb.padded_ids is None:
+            model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=1)
+        else:
+            model(input_ids=mb.padded_ids, use_cache=False, logits_to_keep=1)
     finally:
         handle.remove()
     head = model.get_output_embeddings()
-    return captured[0], head.weight, getattr(head, "bias", None)
+    return mb.to_packed(captured[0]), head.weight, getattr(head, "bias", None)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimiser holds: all of them, or under LoRA the adapters (and the critic's value head)."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 @dataclass
 class MicroBatch:
-    """Packed trajectories: ids / position_ids [1, N], cu_seqlens int64 [B + 1], indices into the sample list."""
+    """Packed trajectories: ids / position_ids [1, N], cu_seqlens int64 [B + 1], indices into the sample list; in
+    the padded layout also padded_ids [B, L] (right-padded with 0) and padded_index [N] (where each packed token
+    sits in the flattened [B * L])."""
 
     indices: list[int]
     input_ids: Tensor
     position_ids: Tensor
     cu_seqlens: Tensor
     scale: float = 1.0
+    padded_ids: Tensor | None = None
+    padded_index: Tensor | None = None
+
+    def to_packed(self, rows: Tensor) -> Tensor:
+        """A forward's output in this micro-batch's layout ([1, N, ...] packed or [B, L, ...] padded) -> [1, N, ...]."""
+        if self.padded_index is None:
+            return rows
+        return rows.reshape(-1, *rows.shape[2:]).index_select(0, self.padded_index)[None]
 
 
-def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: torch.device) -> list[MicroBatch]:
-    """Greedy packing in order: consecutive trajectories while the row stays within `max_tokens` tokens."""
+def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: torch.device,
+         padded: bool = False) -> list[MicroBatch]:
+    """Greedy packing in order: consecutive trajectories while the micro-batch stays within `max_tokens` tokens;
+    `padded` adds the padded layout's [B, L] ids (see the module docstring)."""
     groups: list[list[int]] = []
     used = max_tokens + 1
     for i in indices:
@@ -189,7 +217,16 @@ def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: tor
         ids = torch.from_numpy(np.concatenate([samples[i].input_ids for i in g])).to(device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)
         cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64, device=device)
-        out.append(MicroBatch(g, ids[None], pos[None], cu))
+        mb = MicroBatch(g, ids[None], pos[None], cu)
+        if padded:
+            width = max(lens)
+            rows = np.zeros((len(g), width), dtype=np.int64)
+            for r, i in enumerate(g):
+                rows[r, : lens[r]] = samples[i].input_ids
+            mb.padded_ids = torch.from_numpy(rows).to(device)
+            flat = np.concatenate([r * width + np.arange(n) for r, n in enumerate(lens)])
+            mb.padded_index = torch.from_numpy(flat).to(device)
+        out.append(mb)
     return out
 
 
@@ -254,25 +291,36 @@ class Trainer:
         # FSDP2 on GPU keeps fp32 master weights and computes in cfg.model.dtype; otherwise load in that dtype
         dtype = torch.float32 if on_gpu else cfg.model.dtype
         mp = getattr(torch, cfg.model.dtype) if on_gpu else None
-        self.actor = load_policy(self.model_path, dtype=dtype).to(self.device)
+        # LoRA (model.lora_rank > 0): peft freezes the base weights; only the adapters (and the value head) train
+        lora = {"lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
+                "lora_target_modules": cfg.model.lora_target_modules, "lora_seed": cfg.trainer.seed}
+        self.actor = load_policy(self.model_path, dtype=dtype, **lora).to(self.device)
         shard_model(self.actor, mixed_precision=mp, activation_checkpointing=cfg.model.gradient_checkpointing)
         o = cfg.optim
-        self.actor_optim = torch.optim.AdamW(self.actor.parameters(), lr=o.actor_lr, betas=o.betas,
+        self.actor_optim = torch.optim.AdamW(trainable_parameters(self.actor), lr=o.actor_lr, betas=o.betas,
                                              weight_decay=o.weight_decay)
         self.actor_sched = self._scheduler(self.actor_optim)
         self.critic = self.critic_optim = self.critic_sched = None
         if algorithms.needs_critic(cfg.algorithm):
             path = resolve_model_path(cfg.model.critic_path, self.run_dir) if cfg.model.critic_path else self.model_path
-            self.critic = load_critic(path, dtype=dtype, head_seed=cfg.trainer.seed).to(self.device)
+            self.critic = load_critic(path, dtype=dtype, head_seed=cfg.trainer.seed, **lora).to(self.device)
             shard_model(self.critic, mixed_precision=mp, activation_checkpointing=cfg.model.gradient_checkpointing)
-            self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr, betas=o.betas,
+            self.critic_optim = torch.optim.AdamW(trainable_parameters(self.critic), lr=o.critic_lr, betas=o.betas,
                                                   weight_decay=o.weight_decay)
             self.critic_sched = self._scheduler(self.critic_optim)
         self.ref = None
-        if algorithms.needs_reference(cfg.algorithm):
+        # the reference policy is the initial policy: under LoRA that is the actor with its adapter disabled (the
+        # frozen base weights), so no second copy is loaded
+        self.use_ref = algorithms.needs_reference(cfg.algorithm)
+        if self.use_ref and not is_lora(self.actor):
             self.ref = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
             self.ref.requires_grad_(False)
         self.engine = self._build_engine()
+        layout = cfg.optim.micro_batch_layout
+        if layout == "auto":
+            attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
+            layout = "packed" if attn == "flash_attention_2" else "padded"
+        self._padded = layout == "padded"
 
     def _build_engine(self) -> Engine:
         """This rank's generation engine (rollout.engine), holding its own full copy of the policy; weights are
@@ -372,11 +420,13 @@ class Trainer:
         """Push the actor's weights into the engine (collective under FSDP2: every rank calls it)."""
         with self.timer("sync"):
             if isinstance(self.engine, HFEngine):
-                self.engine.sync_weights(full_state_dict(self.actor))
+                self.engine.sync_weights(full_state_dict(self.actor))  # LoRA: adapters merged, plain names
             else:
                 # vLLM gathers the sharded (DTensor) parameters one bucket at a time while it pushes them, so the
-                # full model never exists twice on a rank; on GPU this also wakes a sleeping engine
-                self.engine.sync_weights(self.actor.state_dict())
+                # full model never exists twice on a rank; on GPU this also wakes a sleeping engine. LoRA: the
+                # engine gets plain names, each adapted weight merged (W + scaling * B @ A) as its bucket is pushed
+                state = self.actor.state_dict()
+                self.engine.sync_weights(merged_state_dict(self.actor, state) if is_lora(self.actor) else state)
 
     # ---- rollout --------------------------------------------------------------------------------------------
     def _rollout(self, parts: list[dict], seed_base: int, kind: int, temperature: float,
@@ -385,7 +435,7 @@ class Trainer:
         seeds (validation passes 0: the same sampling seeds every time)."""
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_new_tokens=r.response_length)
+                                  max_new_tokens=r.response_length, stop=tuple(r.stop))
         samples, sums, counts = [], {}, {}
         for part in parts:
             gs = part["group_size"]
@@ -419,7 +469,7 @@ class Trainer:
     def _actor_logp(self, model: nn.Module, mb: MicroBatch, mask: Tensor, entropy: bool):
         """logp (and entropy) fp32 [N] of every token under `model` at the sampling temperature (0 where
         mask is 0: only trained positions are computed)."""
-        hidden, weight, bias = lm_head_inputs(model, mb.input_ids, mb.position_ids)
+        hidden, weight, bias = lm_head_inputs(model, mb)
         tgt = mask.nonzero().squeeze(-1)
         out = kernels.fused_linear_logprob(hidden[0, tgt - 1], weight, mb.input_ids[0, tgt], bias,
                                            temperature=self.cfg.rollout.temperature, return_entropy=entropy)
@@ -428,9 +478,20 @@ class Trainer:
         full = tuple(torch.zeros(n, dtype=torch.float32, device=mask.device).index_copy(0, tgt, v) for v in vals)
         return full if entropy else full[0]
 
+    def _ref_logp(self, mb: MicroBatch, mask: Tensor) -> Tensor:
+        """Reference-policy logp fp32 [N] (as _actor_logp): the reference model, or under LoRA the actor with its
+        adapter disabled (peft ``disable_adapter``: the frozen base weights)."""
+        if self.ref is not None:
+            return self._actor_logp(self.ref, mb, mask, False)
+        with self.actor.disable_adapter():
+            return self._actor_logp(self.actor, mb, mask, False)
+
     def _values(self, mb: MicroBatch, mask: Tensor) -> Tensor:
         """Critic values fp32 [N]: V_t from the hidden state before token t (verl's alignment), 0 off the mask."""
-        v = self.critic(mb.input_ids, position_ids=mb.position_ids)[0]
+        if mb.padded_ids is None:
+            v = self.critic(mb.input_ids, position_ids=mb.position_ids)[0]
+        else:
+            v = mb.to_packed(self.critic(mb.padded_ids))[0]
         tgt = mask.nonzero().squeeze(-1)
         return torch.zeros_like(v, dtype=torch.float32).index_copy(0, tgt, v[tgt - 1].float())
 
@@ -439,20 +500,20 @@ class Trainer:
         """Old logprobs (and ref logprobs / values) of the kept trajectories: each rank computes kept[r::world],
         then all ranks exchange them, so every Sample in `kept` gets old_logp (ref_logp, values) arrays.
         ``actor=False`` skips the old logprobs (on-policy: the update's own forward provides them)."""
-        if not actor and self.ref is None and self.critic is None:
+        if not actor and not self.use_ref and self.critic is None:
             return
         mine = kept[self.rank::self.world]
         results = []
-        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device)
+        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device, self._padded)
         n_micro = int(all_reduce_max(len(micro)))
         for k in range(n_micro):
-            mb = micro[k] if k < len(micro) else pack(samples, kept[:1], 10**9, self.device)[0]
+            mb = micro[k] if k < len(micro) else pack(samples, kept[:1], 10**9, self.device, self._padded)[0]
             mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
             out = {}
             if actor:
                 out["old_logp"] = split_tokens(self._actor_logp(self.actor, mb, mask, False), mb.cu_seqlens)
-            if self.ref is not None:
-                out["ref_logp"] = split_tokens(self._actor_logp(self.ref, mb, mask, False), mb.cu_seqlens)
+            if self.use_ref:
+                out["ref_logp"] = split_tokens(self._ref_logp(mb, mask), mb.cu_seqlens)
             if self.critic is not None:
                 out["values"] = split_tokens(self._values(mb, mask), mb.cu_seqlens)
             if k < len(micro):
@@ -506,24 +567,41 @@ class Trainer:
         return self.cfg.optim.ppo_epochs == 1 and len(self._mini_batches(kept)) == 1
 
     # ---- update ---------------------------------------------------------------------------------------------
-    def _mini_batches(self, kept: list[int]) -> list[list[int]]:
+    def _mini_batches(self, kept: list[int], epoch: int = 0) -> list[list[int]]:
+        """The mini-batches of one epoch. Kept trajectories come group by group, so in order a mini-batch would
+        hold whole groups (e.g. 2 of the 8 initial states): each step would chase a few states. With
+        optim.shuffle_mini_batches they are drawn from a permutation seeded by (seed, step, epoch): identical on
+        every rank, independent of the world size, and reproduced on resume."""
         size = self.cfg.optim.mini_batch_size
-        return [kept[i:i + size] for i in range(0, len(kept), size)]
+        order = list(kept)
+        if self.cfg.optim.shuffle_mini_batches and len(order) > size:
+            rng = np.random.default_rng([self.cfg.trainer.seed, 2, self.step, epoch])
+            order = [order[j] for j in rng.permutation(len(order))]
+        return [order[i:i + size] for i in range(0, len(order), size)]
+
+    @staticmethod
+    def _norm_len(samples: list[Sample], kept: list[int]) -> float:
+        """seq-mean-token-sum-norm's divisor: the longest kept trajectory (all ranks see all of them), one constant
+        for every micro-batch of the iteration, as verl's padded batch width (not each packed micro-batch's own
+        longest sequence, which would weigh short micro-batches up)."""
+        return float(max(len(samples[i].input_ids) for i in kept))
 
     def _micro_plan(self, samples: list[Sample], mb_indices: list[int]) -> list[MicroBatch]:
         """This rank's packed micro-batches of one mini-batch, each with its loss scale; padded with scale-0
         repeats to the same count on every rank."""
         a = self.cfg.algorithm
         mine = mb_indices[self.rank::self.world]
-        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device)
+        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device, self._padded)
         token_mean = a.loss_agg_mode == "token-mean"
         total = sum(int(samples[i].loss_mask.sum()) for i in mb_indices) if token_mean else len(mb_indices)
         for mb in micro:
             part = sum(int(samples[i].loss_mask.sum()) for i in mb.indices) if token_mean else len(mb.indices)
             mb.scale = part / max(total, 1) * self.world
+            if a.loss_agg_mode == "seq-mean-token-sum-norm":  # a plain sum / a batch constant: no share to take
+                mb.scale = float(self.world)
         n_micro = int(all_reduce_max(len(micro)))
         while len(micro) < n_micro:
-            filler = pack(samples, (mine or mb_indices)[:1], 10**9, self.device)[0]
+            filler = pack(samples, (mine or mb_indices)[:1], 10**9, self.device, self._padded)[0]
             filler.scale = 0.0
             micro.append(filler)
         return micro
@@ -548,15 +626,16 @@ class Trainer:
     def _update_critic(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
         a, sums = self.cfg.algorithm, {}
         norms = []
-        for _ in range(self.cfg.optim.ppo_epochs):
-            for mbi in self._mini_batches(kept):
+        for epoch in range(self.cfg.optim.ppo_epochs):
+            for mbi in self._mini_batches(kept, epoch):
                 loss_sum = 0.0
                 for mb in self._micro_plan(samples, mbi):
                     mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
                     values = self._values(mb, mask)
                     old = cat_tokens(samples, mb.indices, "values", self.device)
                     ret = cat_tokens(samples, mb.indices, "returns", self.device)
-                    loss, m = algorithms.critic_loss(values, old, ret, mask, a, cu_seqlens=mb.cu_seqlens)
+                    loss, m = algorithms.critic_loss(values, old, ret, mask, a, cu_seqlens=mb.cu_seqlens,
+                                                     norm_len=self._norm_len(samples, kept))
                     (loss * mb.scale).backward()
                     loss_sum += float(loss.detach()) * mb.scale
                     for k, v in m.items():
@@ -573,8 +652,8 @@ class Trainer:
         norms, inject = [], self.step in self.nan_steps
         on_policy = samples[kept[0]].old_logp is None  # _score skipped the actor: see _on_policy
         gap_sum, gap_n, gap_max = 0.0, 0, 0.0
-        for _ in range(self.cfg.optim.ppo_epochs):
-            for mbi in self._mini_batches(kept):
+        for epoch in range(self.cfg.optim.ppo_epochs):
+            for mbi in self._mini_batches(kept, epoch):
                 loss_sum = 0.0
                 for mb in self._micro_plan(samples, mbi):
                     mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
@@ -587,8 +666,9 @@ class Trainer:
                     else:
                         old = cat_tokens(samples, mb.indices, "old_logp", self.device)
                     adv = cat_tokens(samples, mb.indices, "advantages", self.device)
-                    ref = cat_tokens(samples, mb.indices, "ref_logp", self.device) if self.ref is not None else None
-                    loss, m = algorithms.policy_loss(logp, old, adv, mask, ent, ref, a, cu_seqlens=mb.cu_seqlens)
+                    ref = cat_tokens(samples, mb.indices, "ref_logp", self.device) if self.use_ref else None
+                    loss, m = algorithms.policy_loss(logp, old, adv, mask, ent, ref, a, cu_seqlens=mb.cu_seqlens,
+                                                     norm_len=self._norm_len(samples, kept))
                     if inject:
                         loss = loss * float("nan")
                     (loss * mb.scale).backward()

@@ -223,8 +223,7 @@ def test_nonzero_filter_skips_group_count_checks():
 
 @pytest.mark.parametrize(
     "argv,field",
-    [(["--model.lora_rank", "8"], "model.lora_rank"),
-     (["--rollout.engine", "vllm", "--rollout.top_p", "0.9"], "rollout.engine")],
+    [(["--rollout.engine", "vllm", "--rollout.top_p", "0.9"], "rollout.engine")],
 )
 def test_features_not_wired_into_the_trainer_are_refused_by_validate(argv, field):
     cfg = parse_args(["--preset", "tiny", *argv])

@@ -303,3 +303,13 @@ def test_cuda_engine_matches_cpu(tiny):
     for a, b in zip(cpu, gpu, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_stop_strings_end_at_the_completing_token(tiny):
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    assert testing.check_stop_strings(engine, tok, _prompts(12, len(tok), seed=5)) >= 1
+    with pytest.raises(ValueError, match="tokenizer"):
+        HFEngine(model).generate(_prompts(1, len(tok)), SamplingParams(max_new_tokens=2, stop=("ab",)))
+    with pytest.raises(ValueError, match="non-empty strings"):
+        SamplingParams(stop=("",))

@@ -121,6 +121,11 @@ def test_stop_tokens_and_length(engine, tiny):
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
 
 
+def test_stop_strings_end_at_the_completing_token(engine, tiny):
+    _, tok = tiny
+    assert testing.check_stop_strings(engine, tok, _prompts(12, len(tok), seed=5)) >= 1
+
+
 def test_sessions_match_stateless_generation(engine, tiny):
     _, tok = tiny
     prompts = _prompts(3, len(tok), seed=3)

@@ -29,7 +29,7 @@ def _ragen_sum(values):
     return acc
 
 
-def _rollout(tok, env, spec, script, groups=None, already_reset=True, max_new_tokens=24, **cfg):
+def _rollout(tok, env, spec, script, groups=None, already_reset=True, max_new_tokens=24, stop=(), **cfg):
     n = env.num_envs
     engine = testing.ScriptedEngine(tok, script)
     cfg = RolloutConfig(already_reset=already_reset, **cfg)
@@ -41,7 +41,7 @@ def _rollout(tok, env, spec, script, groups=None, already_reset=True, max_new_to
         np.arange(n),
         groups if groups is not None else np.arange(n),
         cfg,
-        SamplingParams(max_new_tokens=max_new_tokens),
+        SamplingParams(max_new_tokens=max_new_tokens, stop=stop),
         list(range(n)),
     )
     return batch, engine
@@ -187,6 +187,44 @@ def test_frozenlake_budget_hole_goal(tok):
     assert (t2.num_turns, t2.num_actions, t2.success, t2.reward) == (2, 6, True, 1.0)
     assert t2.turn_rewards == [0, 1.0]
     assert batch.metrics["env/FrozenLake/success"] == pytest.approx(1 / 3)
+
+
+def test_stop_string_ends_turns_at_the_answer(tok):
+    """With stop ("</answer>",) the text after the first closing tag is never sampled, so it is neither trained nor
+    in the next turn's context; rewards are those of the same answers without the tail."""
+    script = [
+        ["x</think><answer>Right || Right</answer> Left Left</answer> qjunkq", "y</think><answer>Down</answer>qtailq"],
+        ["z</think><answer>Down || Right</answer>", "never"],
+        [("length", "w</think><answer>Right Right Right Right Right Right Right"), ("length", "v v v v v v v v")],
+    ]
+    clean = [
+        ["x</think><answer>Right || Right</answer>", "y</think><answer>Down</answer>"],
+        script[1],
+        script[2],
+    ]
+    runs = []
+    for sc, stop in ((script, ("</answer>",)), (clean, ())):
+        env = E.make("frozenlake", 3, is_slippery=False)
+        env.reset_from_layouts([FROZEN] * 3)
+        runs.append(_rollout(tok, env, prompt_spec("frozenlake"), sc, max_turns=2, max_new_tokens=40, stop=stop))
+    (stopped, engine), (plain, _) = runs
+    for i, t in enumerate(stopped.trajectories):
+        _check_invariants(tok, t, engine, i)
+    t0, t1, t2 = stopped.trajectories
+    assert _assistant(t0) == [
+        "<think>x</think><answer>Right || Right</answer>",
+        "<think>y</think><answer>Down</answer>",
+    ]
+    assert "qjunkq" not in tok.decode(t0.input_ids) and "qtailq" not in tok.decode(t0.input_ids)
+    assert t0.finish_reasons == ["stop", "stop"] and t1.finish_reasons == ["stop"]  # t1: by the stop string
+    assert t2.finish_reasons == ["length", "length"] and t2.num_format_penalties == 2
+    for a, b in zip(stopped.trajectories, plain.trajectories, strict=True):
+        assert (a.reward, a.num_actions, a.success) == (b.reward, b.num_actions, b.success)
+        assert a.turn_rewards == b.turn_rewards
+    # the stop-string turns end on the answer's closing tag, not on EOS; the EOS-ended ones keep EOS trained
+    eos = engine.eos_token_ids[0]
+    assert [tok.decode(r) for r in (t0.input_ids[j] for j, e in enumerate(t0.turn_end) if e)] == ["</answer>"] * 2
+    assert eos in [plain.trajectories[0].input_ids[j] for j, e in enumerate(plain.trajectories[0].turn_end) if e]
 
 
 def test_bandit(tok):

@@ -63,8 +63,10 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------ in-process units
-def test_packed_logprobs_equal_full_logits(tmp_path):
-    """pack + lm_head_inputs + fused_linear_logprob == log_softmax(HF logits / T) of each sequence alone."""
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+def test_packed_logprobs_equal_full_logits(tmp_path, padded):
+    """pack + lm_head_inputs + fused_linear_logprob == log_softmax(HF logits / T) of each sequence alone, in both
+    micro-batch layouts (one packed row; one right-padded row per trajectory)."""
     from fastpo.config import get_preset
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
     from fastpo.trainer import Sample, Trainer, pack
@@ -78,8 +80,13 @@ def test_packed_logprobs_equal_full_logits(tmp_path):
         mask = np.arange(n) >= 2
         samples.append(Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool),
                               0.0, 0, True))
-    micro = pack(samples, [0, 1, 2], 20, torch.device("cpu"))
+    micro = pack(samples, [0, 1, 2], 20, torch.device("cpu"), padded)
     assert [m.indices for m in micro] == [[0, 1], [2]]
+    if padded:
+        assert micro[0].padded_ids.shape == (2, 12) and micro[0].padded_index.tolist() == list(range(7)) + list(
+            range(12, 24))
+    else:
+        assert micro[0].padded_ids is None
     assert micro[0].position_ids[0].tolist() == list(range(7)) + list(range(12))
     cfg = get_preset("tiny")
     cfg.rollout.temperature = 0.7
@@ -110,6 +117,71 @@ def test_packed_logprobs_equal_full_logits(tmp_path):
             ref = fake.critic(torch.from_numpy(samples[i].input_ids)[None])[0, :-1]
             m = torch.from_numpy(samples[i].loss_mask[1:])
             torch.testing.assert_close(values[cu[j] + 1:cu[j + 1]][m], ref[m], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
+    """Accumulated over micro-batches (with their loss scales), the actor gradient equals the gradient of the same
+    loss over the whole mini-batch in one micro-batch, for every aggregation mode."""
+    from fastpo import algorithms
+    from fastpo.config import get_preset
+    from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+    from fastpo.trainer import Sample, Trainer, cat_tokens
+
+    tok = build_tiny_tokenizer(tmp_path)
+    model = build_tiny_model(tmp_path, tok)
+    rng = np.random.default_rng(1)
+    samples = []
+    for n in (9, 14, 6, 11, 8):
+        ids = rng.integers(0, len(tok), n)
+        mask = (np.arange(n) >= 3) & (rng.random(n) < 0.8)
+        s = Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool), 0.0, 0, True)
+        s.old_logp = (-rng.random(n) * mask).astype(np.float32)
+        s.advantages = (rng.standard_normal(n) * mask).astype(np.float32)
+        samples.append(s)
+    cfg = get_preset("tiny")
+    cfg.algorithm.loss_agg_mode = mode
+    kept = list(range(5))
+
+    def grads(max_tokens, padded):
+        cfg.optim.micro_batch_tokens = max_tokens
+        fake = type("T", (), {"cfg": cfg, "rank": 0, "world": 1, "device": torch.device("cpu"), "_padded": padded})()
+        model.zero_grad()
+        plan = Trainer._micro_plan(fake, samples, kept)
+        for mb in plan:
+            mask = cat_tokens(samples, mb.indices, "loss_mask", fake.device)
+            logp, ent = Trainer._actor_logp(fake, model, mb, mask, True)
+            old = cat_tokens(samples, mb.indices, "old_logp", fake.device)
+            adv = cat_tokens(samples, mb.indices, "advantages", fake.device)
+            loss, _ = algorithms.policy_loss(logp, old, adv, mask, ent, None, cfg.algorithm, cu_seqlens=mb.cu_seqlens,
+                                             norm_len=Trainer._norm_len(samples, kept))
+            (loss * mb.scale).backward()
+        return len(plan), [p.grad.clone() for p in model.parameters()]
+
+    n_one, one = grads(10**6, False)
+    for padded in (False, True):
+        n_many, many = grads(16, padded)
+        assert n_one == 1 and n_many == 5
+        for a, b in zip(one, many, strict=True):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
+def test_mini_batches_shuffle_groups_deterministically():
+    from fastpo.config import get_preset
+    from fastpo.trainer import Trainer
+
+    cfg = get_preset("tiny")  # mini-batches of 16
+    fake = type("T", (), {"cfg": cfg, "step": 3})()
+    kept = list(range(64))  # 8 groups of 8, group by group as the filter returns them
+    a = Trainer._mini_batches(fake, kept, 0)
+    assert sorted(i for mb in a for i in mb) == kept and [len(mb) for mb in a] == [16] * 4
+    assert all(len({i // 8 for i in mb}) > 2 for mb in a)  # in order, each would hold exactly 2 groups
+    assert a == Trainer._mini_batches(fake, kept, 0)  # a function of (seed, step, epoch): same on every rank
+    assert a != Trainer._mini_batches(fake, kept, 1)
+    fake.step = 4
+    assert a != Trainer._mini_batches(fake, kept, 0)
+    cfg.optim.shuffle_mini_batches = False
+    assert Trainer._mini_batches(fake, kept, 0) == [kept[i:i + 16] for i in range(0, 64, 16)]
 
 
 def test_request_seeds_and_nan_hook(monkeypatch):

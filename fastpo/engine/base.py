@@ -50,6 +50,10 @@ class SamplingParams:
         max_new_tokens: cap on the tokens sampled per request in this call (one turn for sessions).
         stop_token_ids: tokens that end a request (kept in the output), in addition to the model's EOS ids.
         ignore_eos: do not stop on the model's EOS ids (stop_token_ids still stop).
+        stop: strings that end a request as soon as its generated text (decoded with special tokens kept) contains
+            one; the token that completes the string is kept in the output (vLLM's ``include_stop_str_in_output``),
+            so the sampled ids and their logprobs stay exact. E.g. ``("</answer>",)`` ends a turn at the answer's
+            closing tag instead of letting the model write on until EOS or the length cap.
     """
 
     temperature: float = 1.0
@@ -58,6 +62,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (
@@ -76,6 +81,10 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(t, str) or not t for t in strings):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", strings)
 
     @property
     def greedy(self) -> bool:
@@ -90,9 +99,12 @@ class GenerationResult:
         token_ids: the sampled ids, including the EOS / stop token that ended it (if any).
         logprobs: per sampled token, ``log_softmax(logits / T)`` at that token (see the module docstring); fp32
             values as Python floats; same length as token_ids.
-        finish_reason: "stop" (an EOS or stop token was sampled) or "length" (max_new_tokens reached).
+        finish_reason: "stop" (an EOS or stop token was sampled, or a stop string completed) or "length"
+            (max_new_tokens reached).
         raw_logprobs: the same at ``T = 1``; None when the engine does not report them.
         weight_version: the engine's ``weight_version`` when the tokens were sampled.
+        stop_string: the ``SamplingParams.stop`` string that ended it ("" when it ended otherwise); its completing
+            token is the last of token_ids.
     """
 
     token_ids: list[int]
@@ -100,6 +112,48 @@ class GenerationResult:
     finish_reason: str
     raw_logprobs: list[float] | None = None
     weight_version: int = 0
+    stop_string: str = ""
+
+
+class StopStrings:
+    """Token-level stop-string matching for engines that sample one token per step (the built-in engine).
+
+    After each step only rows whose new token can complete a stop string are decoded: a string is completed by the
+    token that holds its last character, so tokens whose text holds none of the strings' last characters are skipped
+    without decoding (the candidate set is computed once per tokenizer and stop tuple). A candidate row decodes only
+    its last ``max(len(stop)) + 8`` tokens (every token but a partial UTF-8 piece decodes to >= 1 character).
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], vocab_size: int):
+        if tokenizer is None:
+            raise ValueError("SamplingParams.stop needs the engine's tokenizer to decode; build the engine with one")
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.tail = max(len(s) for s in self.stops) + 8
+        lasts = {s[-1] for s in self.stops}
+        if all(c.isascii() for c in lasts):
+            pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+            # byte-level BPE shows bytes as printable stand-ins; decode each piece to compare real text
+            texts = [tokenizer.convert_tokens_to_string([p]) if p is not None else "" for p in pieces]
+            hits = [any(c in t for c in lasts) for t in texts]
+            self.candidates = np.array(hits + [False] * (vocab_size - len(texts)), dtype=bool)
+        else:
+            self.candidates = np.ones(vocab_size, dtype=bool)
+
+    def match(self, ids: Sequence[int]) -> str:
+        """The stop string that the generated ``ids`` now contain, or ""."""
+        if not ids or not self.candidates[ids[-1]]:
+            return ""
+        text = self.tokenizer.decode(list(ids[-self.tail :]), skip_special_tokens=False)
+        return next((s for s in self.stops if s in text), "")
+
+    def first_stop(self, ids: Sequence[int]) -> tuple[int, str]:
+        """``(k, s)``: ``ids[:k]`` is where stop string s first completes; ``(len(ids), "")`` when none does."""
+        for k in range(1, len(ids) + 1):
+            hit = self.match(ids[:k])
+            if hit:
+                return k, hit
+        return len(ids), ""
 
 
 def check_seeds(seeds: Sequence[int] | None, n: int) -> list[int] | None:

@@ -10,6 +10,11 @@ ROOT module's forward (the trainer gets hidden states with ``logits_to_keep=1`` 
 lm-head weight read after the forward is the gathered full weight, and its gradient is reduce-scattered by the
 root's post-backward like any other. Calling the decoder alone would skip the root's hooks.
 
+LoRA (a ``peft.PeftModel``, or a ``CriticModel`` whose backbone is one) shards the same way: each unit then holds
+frozen base weights beside trainable adapter weights, which FSDP2 allows (only parameters with a gradient are
+reduce-scattered; checked against a single process in tests/test_lora.py). :func:`full_state_dict` returns such a
+model's weights merged, under the plain model's names.
+
 Without a process group (``python -m fastpo.train``) :func:`shard_model` only applies activation checkpointing:
 one code path, no sharding. Mixed precision (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``) is
 applied only on CUDA; on CPU the model runs in the dtype it was loaded in.
@@ -24,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .. import distributed as du
+from ..model import is_lora, merged_state_dict
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -78,9 +84,12 @@ def shard_model(
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of `model`; collective under FSDP2 (every rank must call it), on CPU.
+    """The full (unsharded) state dict of `model`; collective under FSDP2 (every rank must call it).
 
-    Names are those of the unwrapped module (what ``HFEngine.sync_weights`` and ``save_pretrained`` expect). Every
-    rank gets the full tensors on the parameters' device (``cpu_offload`` would leave ranks > 0 empty)."""
+    Names are those of the unwrapped module (what ``HFEngine.sync_weights`` and ``save_pretrained`` expect): a
+    peft LoRA model comes back with its adapters merged into the base weights under the plain model's names
+    (``fastpo.model.merged_state_dict``; the model itself is not modified). Every rank gets the full tensors on the
+    parameters' device (``cpu_offload`` would leave ranks > 0 empty)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    return merged_state_dict(model, state) if is_lora(model) else state

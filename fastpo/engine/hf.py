@@ -44,7 +44,16 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .base import GREEDY_EPS, GenerationResult, SamplingParams, Session, SessionEngine, check_token_lists, eos_ids_from
+from .base import (
+    GREEDY_EPS,
+    GenerationResult,
+    SamplingParams,
+    Session,
+    SessionEngine,
+    StopStrings,
+    check_token_lists,
+    eos_ids_from,
+)
 
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 
@@ -267,6 +276,8 @@ class HFEngine(SessionEngine):
 
             model = load_policy(model, dtype=dtype)
         self.model = model
+        self.tokenizer = tokenizer
+        self._stop_matchers: dict[tuple[str, ...], StopStrings] = {}
         config = model.config.get_text_config()
         layer_types = getattr(config, "layer_types", None) or ["full_attention"]
         if any(t != "full_attention" for t in layer_types):
@@ -367,7 +378,7 @@ class HFEngine(SessionEngine):
             group = self._group_for(session_ids, sessions, max(len(p) for p in pending) + params.max_new_tokens)
             logits = self.prefill(group, pending)
             uniforms = torch.from_numpy(request_uniforms(seeds, params.max_new_tokens)).to(self.device)
-            tokens, logprobs, raw, counts = self.decode(group, logits, uniforms, params)
+            tokens, logprobs, raw, counts, stopped_by = self.decode(group, logits, uniforms, params)
         except BaseException:
             for session in sessions:  # a half-updated cache must not be reused: re-prefill next time
                 self._detach(session)
@@ -383,9 +394,10 @@ class HFEngine(SessionEngine):
                 GenerationResult(
                     token_ids=ids,
                     logprobs=logprobs[row, :n].tolist(),
-                    finish_reason="stop" if ids[-1] in stops else "length",
+                    finish_reason="stop" if ids[-1] in stops or stopped_by[row] else "length",
                     raw_logprobs=raw[row, :n].tolist(),
                     weight_version=self._version,
+                    stop_string=stopped_by[row],
                 )
             )
         if not self.reuse_kv:
@@ -481,11 +493,11 @@ class HFEngine(SessionEngine):
 
     def decode(
         self, group: _KVGroup, logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
         """Sample until every row stopped or hit max_new_tokens.
 
         Returns tokens [B, S] int64, logprobs [B, S] fp32, raw logprobs [B, S] fp32 (S <= max_new_tokens; row b
-        is valid up to counts[b]) and counts [B] int64.
+        is valid up to counts[b]), counts [B] int64 and, per row, the ``params.stop`` string that ended it ("").
         """
         rows, steps = logits.shape[0], params.max_new_tokens
         stops = torch.tensor(sorted(self._stop_ids(params)), dtype=torch.long, device=self.device)
@@ -494,16 +506,35 @@ class HFEngine(SessionEngine):
         raw = torch.zeros_like(logprobs)
         counts = torch.zeros(rows, dtype=torch.long, device=self.device)
         active = torch.ones(rows, dtype=torch.bool, device=self.device)
+        matcher = self._stop_strings(params.stop) if params.stop else None
+        history: list[list[int]] = [[] for _ in range(rows)]
+        stopped_by = [""] * rows
         for step in range(steps):
             tok, lp, rlp = sample_tokens(logits, uniforms[:, step], params.temperature, params.top_k, params.top_p)
             tokens[:, step], logprobs[:, step], raw[:, step] = tok, lp, rlp
             counts += active
             active = active & ~torch.isin(tok, stops)
+            if matcher is not None:
+                was_active = active.tolist()
+                for row, t in enumerate(tok.tolist()):
+                    if not was_active[row]:
+                        continue
+                    history[row].append(t)
+                    hit = matcher.match(history[row])
+                    if hit:
+                        stopped_by[row] = hit
+                        active[row] = False
             if step == steps - 1 or not bool(active.any()):
                 break
             logits = self.decode_one_token(group, tok, active)
         width = int(counts.max())
-        return tokens[:, :width].cpu(), logprobs[:, :width].cpu(), raw[:, :width].cpu(), counts.cpu()
+        return tokens[:, :width].cpu(), logprobs[:, :width].cpu(), raw[:, :width].cpu(), counts.cpu(), stopped_by
+
+    def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings:
+        """The matcher for these stop strings (built once per tuple: it scans the vocabulary)."""
+        if stop not in self._stop_matchers:
+            self._stop_matchers[stop] = StopStrings(self.tokenizer, stop, self.vocab_size)
+        return self._stop_matchers[stop]
 
     # ---- weights --------------------------------------------------------------------------------------------
 

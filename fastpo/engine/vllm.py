@@ -8,7 +8,9 @@
 Generation. One call = one ``LLM.generate`` over all its requests: prompts go in as ``TokensPrompt`` (no
 re-tokenisation, no detokenisation: the LLM is built with ``skip_tokenizer_init=True``), each request with its own
 ``vllm.SamplingParams(seed=seeds[i])``, so a request's tokens depend on its seed and context only (vLLM's seeded
-requests draw from a per-request generator; batch-invariant up to float differences).
+requests draw from a per-request generator; batch-invariant up to float differences). ``SamplingParams.stop``
+strings are matched here, not by vLLM (it has no tokenizer): a request is cut at the token that first completes
+one, which is exactly what stopping there would have produced (the decode steps after it are wasted).
 
 Logprobs. The LLM runs with ``logprobs_mode="processed_logprobs"`` and every request asks for ``logprobs=0`` (the
 sampled token only). vLLM computes these after temperature and top-k / top-p, so:
@@ -75,7 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import GenerationResult, SamplingParams, SessionEngine, check_token_lists, eos_ids_from
+from .base import GenerationResult, SamplingParams, SessionEngine, StopStrings, check_token_lists, eos_ids_from
 
 logger = logging.getLogger(__name__)
 
@@ -310,8 +312,15 @@ class VLLMEngine(SessionEngine):
             tuple(sorted(set(int(t) for t in eos_token_ids))) if eos_token_ids is not None else self._eos_ids(tokenizer)
         )
         self._init_sessions(seed)
+        self.tokenizer = tokenizer
+        self._stop_matchers: dict[tuple[str, ...], StopStrings] = {}
         self._warned_topkp = False
         self.llm.collective_rpc(_worker_set_version, args=(0,))
+
+    def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings:
+        if stop not in self._stop_matchers:
+            self._stop_matchers[stop] = StopStrings(self.tokenizer, stop, self.vocab_size)
+        return self._stop_matchers[stop]
 
     def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
         try:
@@ -384,6 +393,12 @@ class VLLMEngine(SessionEngine):
         exact_raw = params.greedy or (params.temperature == 1.0 and not topkp)
         from vllm.inputs import TokensPrompt
 
+        # The LLM has no tokenizer (skip_tokenizer_init), so vLLM cannot match stop strings itself: requests run to
+        # EOS / max_new_tokens and are cut here at the token that first completes a string. Each request's tokens
+        # depend only on its seed and context, so the kept ids are exactly what stopping there would have given
+        # (the tokens after it are wasted decode steps).
+        matcher = self._stop_strings(params.stop) if params.stop else None
+
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=c) for c in contexts],
             [self._sampling_params(params, s) for s in seeds],
@@ -394,13 +409,18 @@ class VLLMEngine(SessionEngine):
             completion = out.outputs[0]
             ids = [int(t) for t in completion.token_ids]
             logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids, strict=True)]
+            hit = ""
+            if matcher is not None:  # cut where the string first completes: the same ids a stop there would give
+                k, hit = matcher.first_stop(ids)
+                ids, logprobs = ids[:k], logprobs[:k]
             results.append(
                 GenerationResult(
                     token_ids=ids,
                     logprobs=logprobs,
-                    finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    finish_reason="length" if completion.finish_reason == "length" and not hit else "stop",
                     raw_logprobs=list(logprobs) if exact_raw else None,
                     weight_version=self._version,
+                    stop_string=hit,
                 )
             )
         return results
