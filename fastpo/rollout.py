@@ -341,135 +341,211 @@ def run_rollout(
     Returns:
         ``RolloutBatch`` with N trajectories in instance order and the batch metrics.
     """
-    cfg = cfg or RolloutConfig()
-    sampling = sampling or SamplingParams()
-    n = env.num_envs
-    seeds = [int(s) for s in np.asarray(seeds).reshape(-1)]
-    groups = [int(g) for g in np.asarray(group_ids).reshape(-1)]
-    if len(seeds) != n or len(groups) != n:
-        raise ValueError(f"need {n} seeds and group ids (env.num_envs), got {len(seeds)} and {len(groups)}")
-    if request_seeds is not None and len(request_seeds) != n:
-        raise ValueError(f"need {n} request seeds or None, got {len(request_seeds)}")
-    think = spec.enable_think
-    per_turn = cfg.max_actions_per_turn or int(getattr(env, "max_actions_per_turn", 5))
-    budget = spec.max_actions_per_traj
-    discrete = env.action_space != "text"
-    names = list(env.action_names) if discrete else list(getattr(env, "action_vocabulary", None) or [])
-    render_kw = {"render": False} if "render" in inspect.signature(env.step).parameters else {}
-    kv = cfg.max_context_window <= 0 and not cfg.canonical
-    stop_ids = set(sampling.stop_token_ids) | set(getattr(engine, "eos_token_ids", ()) or ())
-    window = cfg.max_context_window if cfg.max_context_window > 0 else -1
-    timings = {"generate_s": 0.0, "env_s": 0.0, "prompt_s": 0.0}
+    part = RolloutPart(env, spec, seeds, group_ids, cfg or RolloutConfig(), request_seeds)
+    return run_rollouts([part], engine, tokenizer, sampling)[0]
 
-    t0 = time.perf_counter()
-    obs = env.render() if cfg.already_reset else env.reset(np.asarray(seeds, dtype=np.int64))
-    timings["env_s"] += time.perf_counter() - t0
-    eps = [_Episode(seed=seeds[i], group=groups[i], turns=[Turn(obs[i], actions_left=budget)]) for i in range(n)]
-    sessions = engine.open_sessions(n) if kv else []
+
+@dataclass
+class RolloutPart:
+    """One env's share of a multi-env rollout (``run_rollouts``): the arguments of ``run_rollout`` that differ per
+    env. ``cfg`` None = ``RolloutConfig()``."""
+
+    env: Any
+    spec: EnvPromptSpec
+    seeds: Sequence[int] | np.ndarray
+    group_ids: Sequence[int] | np.ndarray
+    cfg: RolloutConfig | None = None
+    request_seeds: Sequence[int] | None = None
+
+
+def run_rollouts(
+    parts: Sequence[RolloutPart], engine: Engine, tokenizer: Any, sampling: SamplingParams | None = None
+) -> list[RolloutBatch]:
+    """``run_rollout`` for several envs at once, generating each turn for ALL their active instances in one engine
+    call (one decode loop instead of one per env; e.g. Countdown and Bandit groups in one iteration). Each part's
+    trajectories are those ``run_rollout`` gives for it alone (every request's draws depend only on its own seed
+    and context; the built-in engine up to float differences from the batch's padding). A turn's generation time
+    is shared among the parts in proportion to their requests. Returns one ``RolloutBatch`` per part, in order."""
+    sampling = sampling or SamplingParams()
+    runs: list[_PartRun] = []
     try:
-        for turn in range(cfg.max_turns):
-            # -- prompts (only what fits the context cap is generated) --------------------------------------
-            t0 = time.perf_counter()
-            todo: list[int] = []
-            pending: list[list[int]] = []
-            for i, ep in enumerate(eps):
-                if not ep.active:
-                    continue
-                text = render_chat(tokenizer, build_messages(spec, ep.turns, window), think)
-                if kv:
-                    if not text.startswith(ep.text):
-                        raise ValueError("the chat template re-renders earlier turns differently; use canonical=True")
-                    new = _encode(tokenizer, _drop_prefix(text[len(ep.text) :], ep.stop_text))
-                    length = ep.context_len + len(new)
-                else:
-                    new = _encode(tokenizer, text)
-                    length = len(new)
-                if length + sampling.max_new_tokens > cfg.max_model_len:
-                    ep.active, ep.context_truncated = False, True
-                    continue
-                todo.append(i)
-                pending.append(new)
-                ep.text = text
-                ep.context_len = length
-            timings["prompt_s"] += time.perf_counter() - t0
-            if not todo:
+        for part in parts:
+            runs.append(_PartRun(part, engine, tokenizer, sampling))
+        for turn in range(max((r.cfg.max_turns for r in runs), default=0)):
+            todo = [r.prepare(turn) for r in runs]
+            if not any(todo):
                 break
-            # -- one batched generation ------------------------------------------------------------------------
-            rseeds = None
-            if request_seeds is not None:
-                rseeds = [(int(request_seeds[i]) * 1_000_003 + turn) % (1 << 63) for i in todo]
             t0 = time.perf_counter()
-            if kv:
-                sids = [sessions[i] for i in todo]
-                engine.extend(sids, pending)
-                results = engine.generate_sessions(sids, sampling, rseeds)
-            else:
-                results = engine.generate(pending, sampling, rseeds)
-            timings["generate_s"] += time.perf_counter() - t0
-            # -- parse ------------------------------------------------------------------------------------------
-            plans: dict[int, list] = {}
-            for i, res in zip(todo, results, strict=True):
-                ep = eps[i]
-                resp = parse_generation(_decode(tokenizer, res.token_ids, skip_special=True), think)
-                acts = parse_actions(resp.answer, names or None, spec.action_sep, per_turn)
-                chosen = acts.ids if discrete else acts.names
-                penalty = cfg.format_penalty if (not acts.names or not acts.all_valid) else 0.0
-                if cfg.count_truncated_penalty and not acts.raw_all_valid:
-                    penalty = cfg.format_penalty
-                ep.samples.append(res)
-                ep.penalties.append(float(penalty))
-                ep.canonical.append(canonical_response(resp, acts, think))
-                plans[i] = chosen[: max(0, budget - ep.actions_used)]
-                sampled, ep.stop_text = _split_stop(tokenizer, res, stop_ids)
-                ep.stop_texts.append(ep.stop_text)
-                ep.context_len += len(res.token_ids)
+            results: dict[int, list[GenerationResult]] = {}
+            for kv in (True, False):  # one call per generation mode present this turn
+                calls = [k for k, r in enumerate(runs) if todo[k] and r.kv == kv]
+                if not calls:
+                    continue
+                pending = [p for k in calls for p in runs[k].pending]
+                rseeds = [s for k in calls for s in runs[k].rseeds] if all(runs[k].rseeds for k in calls) else None
                 if kv:
-                    ep.text += _decode(tokenizer, sampled, skip_special=False)
-                    ep.turns[-1].response = generation_prefix(think) + _decode(tokenizer, sampled, False)
-                elif cfg.canonical:
-                    ep.turns[-1].response = ep.canonical[-1]
+                    sids = [runs[k].sessions[i] for k in calls for i in todo[k]]
+                    engine.extend(sids, pending)
+                    out = engine.generate_sessions(sids, sampling, rseeds)
                 else:
-                    ep.turns[-1].response = generation_prefix(think) + _decode(tokenizer, sampled, False)
-            # -- execute actions one at a time ------------------------------------------------------------------
-            t0 = time.perf_counter()
-            rewards: dict[int, list[float]] = {i: [] for i in todo}
-            flags: dict[int, tuple[float, float]] = {}
-            stopped: set[int] = set()
-            for k in range(max((len(p) for p in plans.values()), default=0)):
-                step = {i: p[k] for i, p in plans.items() if len(p) > k and i not in stopped}
-                if not step:
-                    break
-                _, reward, terminated, truncated, info = _step_subset(env, step, render_kw)
-                for i in step:
-                    rewards[i].append(float(reward[i]))
-                    valid, effective = bool(info["action_is_valid"][i]), bool(info["action_is_effective"][i])
-                    eps[i].num_valid += valid
-                    eps[i].num_effective += effective
-                    eps[i].success = bool(info["success"][i])
-                    flags[i] = (float(valid), float(effective))
-                    if terminated[i] or truncated[i]:
-                        stopped.add(i)
-            obs = env.render()
-            timings["env_s"] += time.perf_counter() - t0
-            # -- bookkeeping, next observation ---------------------------------------------------------------------
-            for i in todo:
-                ep = eps[i]
-                ep.actions_used += len(rewards[i])
-                ep.turns[-1].reward = turn_reward(rewards[i])
-                ep.last_valid.append(flags.get(i, (0.0, 0.0))[0])
-                ep.last_effective.append(flags.get(i, (0.0, 0.0))[1])
-                ep.env_done = i in stopped
-                ep.turns.append(Turn(obs[i], actions_left=budget - ep.actions_used))
-                if ep.env_done or ep.actions_used >= budget or turn + 1 >= cfg.max_turns:
-                    ep.active = False
-        t0 = time.perf_counter()
-        trajectories = [_finish(ep, tokenizer, spec, cfg, kv) for ep in eps]
-        timings["prompt_s"] += time.perf_counter() - t0
+                    out = engine.generate(pending, sampling, rseeds)
+                for k in calls:
+                    results[k], out = out[: len(todo[k])], out[len(todo[k]) :]
+            spent, total = time.perf_counter() - t0, sum(len(t) for t in todo)
+            for k, r in enumerate(runs):
+                if todo[k]:
+                    r.timings["generate_s"] += spent * len(todo[k]) / total
+                    r.absorb(turn, todo[k], results[k])
+        return [r.finish() for r in runs]
     finally:
-        if sessions:
-            engine.close_sessions(sessions)
-    label = cfg.env_label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
-    return RolloutBatch(trajectories, _metrics(eps, trajectories, timings, label, cfg.env_metric_prefix))
+        for r in runs:
+            r.close()
+
+
+class _PartRun:
+    """The state of one env's episodes during ``run_rollouts``: prepare a turn's prompts, absorb its generations
+    (parse, step the env, next observation), build the batch at the end."""
+
+    def __init__(self, part: RolloutPart, engine: Engine, tokenizer: Any, sampling: SamplingParams):
+        cfg = part.cfg or RolloutConfig()
+        env, spec = part.env, part.spec
+        n = env.num_envs
+        seeds = [int(s) for s in np.asarray(part.seeds).reshape(-1)]
+        groups = [int(g) for g in np.asarray(part.group_ids).reshape(-1)]
+        if len(seeds) != n or len(groups) != n:
+            raise ValueError(f"need {n} seeds and group ids (env.num_envs), got {len(seeds)} and {len(groups)}")
+        if part.request_seeds is not None and len(part.request_seeds) != n:
+            raise ValueError(f"need {n} request seeds or None, got {len(part.request_seeds)}")
+        self.env, self.spec, self.cfg, self.engine, self.tokenizer = env, spec, cfg, engine, tokenizer
+        self.sampling, self.request_seeds = sampling, part.request_seeds
+        self.think = spec.enable_think
+        self.per_turn = cfg.max_actions_per_turn or int(getattr(env, "max_actions_per_turn", 5))
+        self.budget = spec.max_actions_per_traj
+        self.discrete = env.action_space != "text"
+        names = list(env.action_names) if self.discrete else list(getattr(env, "action_vocabulary", None) or [])
+        self.names = names
+        self.render_kw = {"render": False} if "render" in inspect.signature(env.step).parameters else {}
+        self.kv = cfg.max_context_window <= 0 and not cfg.canonical
+        self.stop_ids = set(sampling.stop_token_ids) | set(getattr(engine, "eos_token_ids", ()) or ())
+        self.window = cfg.max_context_window if cfg.max_context_window > 0 else -1
+        self.timings = {"generate_s": 0.0, "env_s": 0.0, "prompt_s": 0.0}
+        self.pending: list[list[int]] = []
+        self.rseeds: list[int] | None = None
+        self.sessions: list[int] = []
+        t0 = time.perf_counter()
+        obs = env.render() if cfg.already_reset else env.reset(np.asarray(seeds, dtype=np.int64))
+        self.timings["env_s"] += time.perf_counter() - t0
+        self.eps = [
+            _Episode(seed=seeds[i], group=groups[i], turns=[Turn(obs[i], actions_left=self.budget)]) for i in range(n)
+        ]
+        self.sessions = engine.open_sessions(n) if self.kv else []
+
+    def prepare(self, turn: int) -> list[int]:
+        """The instances that generate at this turn (only what fits the context cap); sets ``pending`` (their new
+        token ids) and ``rseeds``."""
+        if turn >= self.cfg.max_turns:
+            return []
+        t0 = time.perf_counter()
+        tok, sampling = self.tokenizer, self.sampling
+        todo: list[int] = []
+        self.pending = []
+        for i, ep in enumerate(self.eps):
+            if not ep.active:
+                continue
+            text = render_chat(tok, build_messages(self.spec, ep.turns, self.window), self.think)
+            if self.kv:
+                if not text.startswith(ep.text):
+                    raise ValueError("the chat template re-renders earlier turns differently; use canonical=True")
+                new = _encode(tok, _drop_prefix(text[len(ep.text) :], ep.stop_text))
+                length = ep.context_len + len(new)
+            else:
+                new = _encode(tok, text)
+                length = len(new)
+            if length + sampling.max_new_tokens > self.cfg.max_model_len:
+                ep.active, ep.context_truncated = False, True
+                continue
+            todo.append(i)
+            self.pending.append(new)
+            ep.text = text
+            ep.context_len = length
+        self.rseeds = None
+        if self.request_seeds is not None:
+            self.rseeds = [(int(self.request_seeds[i]) * 1_000_003 + turn) % (1 << 63) for i in todo]
+        self.timings["prompt_s"] += time.perf_counter() - t0
+        return todo
+
+    def absorb(self, turn: int, todo: list[int], results: list[GenerationResult]) -> None:
+        """Parse this turn's generations, execute the actions one at a time, render the next observation."""
+        cfg, tok, think, eps, env = self.cfg, self.tokenizer, self.think, self.eps, self.env
+        plans: dict[int, list] = {}
+        for i, res in zip(todo, results, strict=True):
+            ep = eps[i]
+            resp = parse_generation(_decode(tok, res.token_ids, skip_special=True), think)
+            acts = parse_actions(resp.answer, self.names or None, self.spec.action_sep, self.per_turn)
+            chosen = acts.ids if self.discrete else acts.names
+            penalty = cfg.format_penalty if (not acts.names or not acts.all_valid) else 0.0
+            if cfg.count_truncated_penalty and not acts.raw_all_valid:
+                penalty = cfg.format_penalty
+            ep.samples.append(res)
+            ep.penalties.append(float(penalty))
+            ep.canonical.append(canonical_response(resp, acts, think))
+            plans[i] = chosen[: max(0, self.budget - ep.actions_used)]
+            sampled, ep.stop_text = _split_stop(tok, res, self.stop_ids)
+            ep.stop_texts.append(ep.stop_text)
+            ep.context_len += len(res.token_ids)
+            if self.kv:
+                ep.text += _decode(tok, sampled, skip_special=False)
+                ep.turns[-1].response = generation_prefix(think) + _decode(tok, sampled, False)
+            elif cfg.canonical:
+                ep.turns[-1].response = ep.canonical[-1]
+            else:
+                ep.turns[-1].response = generation_prefix(think) + _decode(tok, sampled, False)
+        # -- execute actions one at a time ------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        rewards: dict[int, list[float]] = {i: [] for i in todo}
+        flags: dict[int, tuple[float, float]] = {}
+        stopped: set[int] = set()
+        for k in range(max((len(p) for p in plans.values()), default=0)):
+            step = {i: p[k] for i, p in plans.items() if len(p) > k and i not in stopped}
+            if not step:
+                break
+            _, reward, terminated, truncated, info = _step_subset(env, step, self.render_kw)
+            for i in step:
+                rewards[i].append(float(reward[i]))
+                valid, effective = bool(info["action_is_valid"][i]), bool(info["action_is_effective"][i])
+                eps[i].num_valid += valid
+                eps[i].num_effective += effective
+                eps[i].success = bool(info["success"][i])
+                flags[i] = (float(valid), float(effective))
+                if terminated[i] or truncated[i]:
+                    stopped.add(i)
+        obs = env.render()
+        self.timings["env_s"] += time.perf_counter() - t0
+        # -- bookkeeping, next observation ------------------------------------------------------------------------
+        for i in todo:
+            ep = eps[i]
+            ep.actions_used += len(rewards[i])
+            ep.turns[-1].reward = turn_reward(rewards[i])
+            ep.last_valid.append(flags.get(i, (0.0, 0.0))[0])
+            ep.last_effective.append(flags.get(i, (0.0, 0.0))[1])
+            ep.env_done = i in stopped
+            ep.turns.append(Turn(obs[i], actions_left=self.budget - ep.actions_used))
+            if ep.env_done or ep.actions_used >= self.budget or turn + 1 >= cfg.max_turns:
+                ep.active = False
+
+    def finish(self) -> RolloutBatch:
+        t0 = time.perf_counter()
+        trajectories = [_finish(ep, self.tokenizer, self.spec, self.cfg, self.kv) for ep in self.eps]
+        self.timings["prompt_s"] += time.perf_counter() - t0
+        env = self.env
+        label = self.cfg.env_label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
+        return RolloutBatch(trajectories, _metrics(self.eps, trajectories, self.timings, label,
+                                                   self.cfg.env_metric_prefix))
+
+    def close(self) -> None:
+        if self.sessions:
+            self.engine.close_sessions(self.sessions)
+            self.sessions = []
 
 
 def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfig, kv: bool) -> Trajectory:

@@ -68,7 +68,7 @@ from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
 from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict
 from .prompts import prompt_spec
-from .rollout import RolloutConfig, run_rollout
+from .rollout import RolloutConfig, RolloutPart, run_rollouts
 
 #: ``model.path`` placeholder of the tiny CPU agent (the ``tiny`` preset).
 TINY_MODEL = "tiny"
@@ -437,14 +437,16 @@ class Trainer:
         sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.response_length, stop=tuple(r.stop))
         samples, sums, counts = [], {}, {}
+        jobs = []
         for part in parts:
             gs = part["group_size"]
             seeds = np.repeat([seed_base + g for g in part["groups"]], gs)
             group_ids = np.repeat(part["groups"], gs)
             idx = [g * gs + j for g in part["groups"] for j in range(gs)]
             req = [request_seed(self.cfg.trainer.seed, kind, step, i) for i in idx]
-            batch = run_rollout(part["env"], self.engine, self.tokenizer, part["spec"], seeds, group_ids,
-                                part["rollout"], sampling, req)
+            jobs.append(RolloutPart(part["env"], part["spec"], seeds, group_ids, part["rollout"], req))
+        # all envs' instances generate together: one engine call per turn, not one per env
+        for batch in run_rollouts(jobs, self.engine, self.tokenizer, sampling):
             for t in batch.trajectories:
                 samples.append(Sample(np.asarray(t.input_ids, np.int64), np.asarray(t.loss_mask, bool),
                                       np.asarray(t.sample_logprobs, np.float32),

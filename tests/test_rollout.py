@@ -11,7 +11,7 @@ import fastpo.envs as E
 from fastpo import testing
 from fastpo.engine import HFEngine, SamplingParams
 from fastpo.prompts import prompt_spec, render_chat
-from fastpo.rollout import RolloutConfig, run_rollout
+from fastpo.rollout import RolloutConfig, RolloutPart, run_rollout, run_rollouts
 
 SOKOBAN = "######\n#_P__#\n#_X__#\n#_O__#\n#____#\n######"  # Down pushes the box onto the target: +10.9
 FROZEN = ["SFFF", "FHFH", "FFFH", "HFFG"]
@@ -328,6 +328,53 @@ def test_context_cap_ends_episode(tok):
     t = batch.trajectories[0]
     _check_invariants(tok, t, engine, 0)
     assert t.context_truncated and t.num_turns == 1 and batch.metrics["rollout/context_truncated"] == 1.0
+
+
+class _CountingEngine(testing.ScriptedEngine):
+    calls = 0
+
+    def generate_sessions(self, session_ids, params, seeds=None):
+        self.calls += 1
+        return super().generate_sessions(session_ids, params, seeds)
+
+
+def test_several_envs_in_one_engine_call_per_turn(tok):
+    """run_rollouts over a Sokoban part and a FrozenLake part: one engine call per turn for both, and each part's
+    trajectories and metrics are exactly those of its own run_rollout."""
+    lr = "Left || Right"
+    sok = [["a</think><answer>Down</answer>"],
+           ["b</think><answer>Left</answer>", "c</think><answer>Right</answer>", "c</think><answer>Down</answer>"]]
+    froz = [["d</think><answer>Right || Right</answer>", "e</think><answer>Down || Down || Down</answer>",
+             "i</think><answer>Right</answer>"],
+            [f"f</think><answer>{lr}</answer>", "g</think><answer>Up</answer>", "h</think><answer>Down</answer>"]]
+    script = sok + froz
+
+    def parts():
+        s_env, f_env = E.make("sokoban", 2), E.make("frozenlake", 2, is_slippery=False)
+        s_env.reset_from_layouts([SOKOBAN] * 2)
+        f_env.reset_from_layouts([FROZEN] * 2)
+        cfg = RolloutConfig(already_reset=True, max_turns=3)
+        return [RolloutPart(s_env, prompt_spec("sokoban"), [0, 0], [0, 0], cfg, [0, 1]),
+                RolloutPart(f_env, prompt_spec("frozenlake"), [0, 0], [1, 1], cfg, [2, 3])]
+
+    params = SamplingParams(max_new_tokens=24)
+    joint = _CountingEngine(tok, script)
+    together = run_rollouts(parts(), joint, tok, params)
+    alone = []
+    for part in parts():
+        engine = _CountingEngine(tok, script)
+        alone.append((run_rollout(part.env, engine, tok, part.spec, part.seeds, part.group_ids, part.cfg, params,
+                                  part.request_seeds), engine.calls))
+    assert joint.calls == max(calls for _, calls in alone) == 3 and sum(c for _, c in alone) == 6
+    for got, (want, _) in zip(together, alone, strict=True):
+        for a, b in zip(got.trajectories, want.trajectories, strict=True):
+            assert (a.input_ids, a.loss_mask, a.token_rewards, a.turn_end) == (b.input_ids, b.loss_mask,
+                                                                              b.token_rewards, b.turn_end)
+        timing = ("generate_s", "env_s", "prompt_s")
+        assert {k: v for k, v in got.metrics.items() if not k.endswith(timing)} == {
+            k: v for k, v in want.metrics.items() if not k.endswith(timing)}
+    assert together[0].metrics["env/Sokoban/success"] == 1.0 and "env/FrozenLake/success" in together[1].metrics
+    assert together[1].trajectories[0].success and not together[1].trajectories[1].success
 
 
 def test_hf_engine_end_to_end(tok, tmp_path):
