@@ -292,12 +292,16 @@ def train_sft(
     grad_clip: float = 1.0,
     log_every: int = 10,
     log: Callable[[dict[str, float]], None] | None = None,
+    save_every: int = 0,
+    save: Callable[[int], None] | None = None,
 ) -> list[float]:
     """Train ``model`` (any causal LM, on its own device) on ``dataset`` in place.
 
     Each step draws ``batch_size`` sequences (epoch-wise shuffles from ``seed``), splits them into micro-batches
     of ``micro_batch_size`` (default: all at once) and minimises the cross entropy of every trained token
     (``loss_mask[t] == 1``: token t predicted from the tokens before it), averaged over the batch's trained tokens.
+    ``save(k)`` is called after every ``save_every``-th step k (1-based; 0 = never), e.g. to snapshot the model for
+    a learning curve; the model is back in train mode afterwards.
 
     Returns:
         the loss of every step (float, before that step's update).
@@ -343,6 +347,10 @@ def train_sft(
         if torch.isfinite(grad_norm):
             opt.step()
         losses.append(step_loss)
+        if save is not None and save_every > 0 and (step + 1) % save_every == 0 and step + 1 < steps:
+            model.eval()
+            save(step + 1)
+            model.train()
         if log is not None and (step % log_every == 0 or step == steps - 1):
             log(
                 {
@@ -372,6 +380,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="actions per turn: uniform in 1..max, or always the max")
     p.add_argument("--no-think", action="store_true", help="answer-only format (RAGEN enable_think=False)")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--save-every", type=int, default=0, help="also save OUT/step-K every K steps (0: only the end)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     p.add_argument("--warmup-steps", type=int, default=0)
@@ -404,10 +413,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _save(model: Any, tokenizer: Any, out: str) -> None:
+    """A Hugging Face model dir (generation-ready: the tokenizer pads on the left)."""
+    model.save_pretrained(out, safe_serialization=True)
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    tokenizer.save_pretrained(out)
+    tokenizer.padding_side = side
+
+
 def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
     from fastpo import envs
     from fastpo.model import load_policy, load_tokenizer
 
+    if args.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0 (0: save only at the end), got {args.save_every}")
     if dist_utils.is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("fastpo.sft runs in a single process; launch it with python -m fastpo.sft, not torchrun")
     if args.env.lower() not in envs.available():
@@ -443,15 +463,17 @@ def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
             log_file.write(json.dumps(row) + "\n")
             log_file.flush()
 
+        def snapshot(step: int) -> None:
+            _save(model, tokenizer, os.path.join(args.out, f"step-{step}"))
+            print(f"saved {args.out}/step-{step}")
+
         train_sft(
             model, data, args.steps, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
             pad_token_id=tokenizer.pad_token_id, seed=args.seed, schedule=args.schedule,
             warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-            log_every=args.log_every, log=log,
+            log_every=args.log_every, log=log, save_every=args.save_every, save=snapshot,
         )  # fmt: skip
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.padding_side = "left"
-    tokenizer.save_pretrained(args.out)
+    _save(model, tokenizer, args.out)
     with open(os.path.join(args.out, "sft_args.json"), "w") as f:
         json.dump({**vars(args), "env_kwargs": env_kwargs, "num_sequences": len(data)}, f, indent=2)
     print(f"saved {args.out} (eval: python -m fastpo.eval --model {args.out} --env {args.env})")

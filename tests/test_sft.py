@@ -148,14 +148,24 @@ def test_cli_trains_and_saves(tiny, tmp_path):
     path, _ = tiny
     out = tmp_path / "sft_out"
     cmd = [sys.executable, "-m", "fastpo.sft", "--model", str(path), "--env", "bandit", "--episodes", "8"]
-    cmd += ["--steps", "2", "--batch-size", "2", "--log-every", "1", "--out", str(out)]
+    cmd += ["--steps", "3", "--batch-size", "2", "--log-every", "1", "--save-every", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").exists() and (out / "tokenizer_config.json").exists()
-    assert len((out / "sft_log.jsonl").read_text().splitlines()) == 2
+    # snapshots after steps 1 and 2 (the end is OUT itself), each loadable and different from the final model
+    from fastpo.model import load_policy
+
+    final = load_policy(out)
+    for k in (1, 2):
+        snap = load_policy(out / f"step-{k}")
+        assert any(not torch.equal(a, b) for a, b in zip(snap.parameters(), final.parameters(), strict=True))
+    assert not (out / "step-3").exists()
+    assert len((out / "sft_log.jsonl").read_text().splitlines()) == 3
     assert json.loads((out / "sft_args.json").read_text())["env"] == "bandit"
     bad = subprocess.run(cmd[:5] + ["--env", "chess", "--out", str(out)], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown env name 'chess'; accepted" in bad.stderr
+    bad = subprocess.run(cmd + ["--save-every", "-1"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--save-every" in bad.stderr
 
 
 def test_training_is_deterministic_given_the_seed(tiny):
