@@ -2,6 +2,7 @@
 training-curve PNG, and where the Hugging Face export is.
 
     python -m fastpo.report runs/demo                 # prints the table, writes runs/demo/curves.png
+    python -m fastpo.report runs/a runs/b --compare docs/pair.png --labels "stable,collapses"   # overlaid
     from fastpo.report import load_metrics, success_table, plot_curves, format_report
     rows = load_metrics("runs/demo")
     table = success_table(rows)                        # [EnvSuccess("FrozenLake", 0.18, 0.33, 0, 60)]
@@ -162,6 +163,45 @@ def plot_curves(rows: Sequence[dict[str, Any]], out: str | os.PathLike, title: s
     return out
 
 
+def plot_compare(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | os.PathLike,
+                 title: str | None = None) -> Path:
+    """Overlay several runs' curves in one PNG (one colour per run): validation success (mean over envs, markers),
+    then the CURVES panels (the Echo Trap signals). `runs`: (label, metrics rows) pairs; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 1 + len(CURVES), figsize=(4.0 * (1 + len(CURVES)), 3.4), squeeze=False)
+    axes = axes[0]
+    for k, (label, rows) in enumerate(runs):
+        color = f"C{k % 10}"
+        val = [(int(r["step"]), [float(v) for key, v in r.items() if _VAL_SUCCESS.match(key) and _finite(v)])
+               for r in rows]
+        val = [(step, sum(vs) / len(vs)) for step, vs in val if vs]
+        axes[0].plot([p[0] for p in val], [p[1] for p in val], "o-", ms=3, lw=1.0, color=color, label=label)
+        for ax, (_, keys) in zip(axes[1:], CURVES, strict=True):
+            steps, values, key = _series(rows, keys)
+            if key is not None:
+                ax.plot(steps, values, lw=1.0, color=color, label=label)
+    axes[0].set_title("validation success")
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[0].legend(fontsize=7)
+    for ax, (name, _) in zip(axes[1:], CURVES, strict=True):
+        ax.set_title(name)
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def _n_val(run_dir: Path) -> int | None:
     """Validation states per env from the run's resolved config (None when it cannot be read)."""
     try:
@@ -205,11 +245,26 @@ def write_report(run_dir: str | os.PathLike, png_name: str = "curves.png") -> st
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastpo.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", help="a run folder written by fastpo.train")
+    p.add_argument("run_dir", nargs="+", help="a run folder written by fastpo.train (several with --compare)")
     p.add_argument("--png", default="curves.png", help="PNG file name inside the run folder")
+    p.add_argument("--compare", default=None, help="write one PNG overlaying every run's curves to this path")
+    p.add_argument("--labels", default=None, help="comma-separated legend labels for --compare (default: paths)")
     args = p.parse_args(argv)
     try:
-        print(write_report(args.run_dir, args.png))
+        if args.compare:
+            labels = args.labels.split(",") if args.labels else list(args.run_dir)
+            if len(labels) != len(args.run_dir):
+                print(f"error: --labels has {len(labels)} names for {len(args.run_dir)} runs", file=sys.stderr)
+                return 2
+            runs = [(label, load_metrics(d)) for label, d in zip(labels, args.run_dir, strict=True)]
+            for label, d in zip(labels, args.run_dir, strict=True):
+                print(f"{label}:\n{format_table(success_table(load_metrics(d)), _n_val(Path(d)))}")
+            print(f"wrote {plot_compare(runs, args.compare)}")
+            return 0
+        if len(args.run_dir) != 1:
+            print("error: several run folders need --compare PNG", file=sys.stderr)
+            return 2
+        print(write_report(args.run_dir[0], args.png))
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

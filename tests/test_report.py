@@ -73,3 +73,23 @@ def test_missing_run_dir_is_one_line_error(tmp_path, capsys):
     assert main([str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl not found" in err and "--trainer.run_dir" in err and err.count("\n") == 1
+
+
+def test_compare_overlays_runs(tmp_path, capsys):
+    import matplotlib.image
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = _write_run(tmp_path / "a", ROWS)
+    collapsing = [dict(r) for r in ROWS]
+    collapsing[3] = {**collapsing[3], "rollout/in_group_std": 0.0, "actor/entropy": 0.05,
+                     "val-env/FrozenLake/success": 0.0}
+    b = _write_run(tmp_path / "b", collapsing)
+    out = tmp_path / "pair.png"
+    assert main([str(a), str(b), "--compare", str(out), "--labels", "stable,collapses"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("stable:") and "collapses:" in text and "-25.0 pt" in text and f"wrote {out}" in text
+    img = matplotlib.image.imread(out)
+    assert img.shape[1] > 1000 and img.std() > 0.01
+    assert main([str(a), str(b), "--compare", str(out), "--labels", "one"]) == 2
+    assert main([str(a), str(b)]) == 2 and "--compare" in capsys.readouterr().err
