@@ -55,6 +55,17 @@ class ModelConfig:
     lora_target_modules: str = "all-linear"
     """Layers that get a LoRA adapter: "all-linear" (every linear layer except the lm head) or comma-separated
     module-name suffixes of nn.Linear layers, e.g. "q_proj,k_proj,v_proj,o_proj"; unused when lora_rank is 0."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention of the trained models (actor, critic, reference): auto = flash_attention_2 on a GPU when the
+    flash_attn package imports, else sdpa. flash_attention_2 also makes micro_batch_layout auto pick packed rows
+    (varlen attention); choosing it without a GPU or without flash_attn is an error."""
+    liger_kernel: bool = False
+    """Patch the architecture with Liger-Kernel's RMSNorm, RoPE and SwiGLU kernels before loading (GPU only; needs
+    ``pip install liger-kernel``; never its cross-entropy: fastpo computes logprobs from hidden states)."""
+    meta_init: bool = True
+    """Under torchrun, only rank 0 reads the actor / critic checkpoint; the other ranks build them on the meta
+    device and receive the weights by broadcast into their FSDP2 shards. No effect in a single process or with LoRA
+    (every rank loads)."""
 
 
 @dataclass
@@ -665,6 +676,14 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(bool(m.path), "model.path must be a hub id or a local directory, got ''")
     check(m.lora_rank >= 0, f"model.lora_rank must be >= 0 (0 = no LoRA), got {m.lora_rank}")
     check(m.lora_alpha >= 1, f"model.lora_alpha must be >= 1, got {m.lora_alpha}")
+    from importlib.util import find_spec  # installed-package checks; the GPU is checked where models load
+
+    check(m.attn_implementation != "flash_attention_2" or find_spec("flash_attn") is not None,
+          "model.attn_implementation=flash_attention_2 needs the flash_attn package (pip install flash-attn "
+          "--no-build-isolation) and a GPU; choose auto or sdpa")
+    check(not m.liger_kernel or find_spec("liger_kernel") is not None,
+          "model.liger_kernel=true needs the liger-kernel package (pip install liger-kernel) and a GPU; or set it "
+          "false")
     check(bool(m.lora_target_modules.strip()) and all(n.strip() for n in m.lora_target_modules.split(",")),
           f"model.lora_target_modules must be 'all-linear' or non-empty comma-separated module names, got "
           f"{m.lora_target_modules!r}")

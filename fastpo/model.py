@@ -7,6 +7,9 @@
     logp = fastpo.kernels.fused_linear_logprob(hidden, weight, targets, bias, temperature=T)  # no [B, T, V] logits
     policy = load_policy(path, lora_rank=8, lora_alpha=16)      # peft LoRA: base frozen, adapters trainable
     state = merged_state_dict(policy)                           # plain names, W + alpha/r * B @ A (model untouched)
+    attn = resolve_attn_implementation("auto", device)         # flash_attention_2 on CUDA with flash_attn, else sdpa
+    policy = load_policy(path, liger_kernel=True)               # Liger RMSNorm / RoPE / SwiGLU (CUDA only)
+    skeleton = load_policy(path, meta=True)                     # parameters on the meta device, nothing read
 
 Offline: a local directory is used as is; a hub id with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) must
 already be in the Hugging Face cache, or loading fails at once with a one-line ValueError (transformers would
@@ -17,6 +20,7 @@ transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as `
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -34,6 +38,14 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 VALUE_HEAD_FILE = "value_head.safetensors"
+#: ``model.attn_implementation`` choices; "auto" is resolved by :func:`resolve_attn_implementation`.
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+#: Liger-Kernel patches fastpo applies (keyword arguments of ``apply_liger_kernel_to_<arch>``, passed where the
+#: function has them): RMSNorm, RoPE and the gated MLP. Never its (fused linear) cross-entropy: fastpo computes
+#: logprobs from hidden states with ``fastpo.kernels.fused_linear_logprob`` and never builds logits, and Liger's
+#: fused-linear-CE forward would replace the causal LM's forward that the trainer hooks.
+LIGER_PATCHES = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": False,
+                 "fused_linear_cross_entropy": False}
 
 
 def _offline() -> bool:
@@ -104,6 +116,100 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     raise ValueError(f"unknown dtype {dtype!r}; accepted: {sorted(_DTYPES)} or a torch floating dtype")
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _flash_attn_imports() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except (ImportError, OSError):  # absent, or built against another torch / CUDA (undefined symbols)
+        return False
+    return True
+
+
+def resolve_attn_implementation(requested: str, device: torch.device | str | None = None) -> str:
+    """The attention implementation to load models with (``model.attn_implementation``).
+
+    Args:
+        requested: "auto", "sdpa", "eager" or "flash_attention_2".
+        device: where the model will run; None = CUDA when available, else CPU.
+
+    Returns:
+        "auto" -> "flash_attention_2" on a CUDA device when the ``flash_attn`` package imports, else "sdpa"; any
+        other choice as is.
+
+    Raises:
+        ValueError: an unknown choice, or "flash_attention_2" without a CUDA device or without ``flash_attn``.
+    """
+    if requested not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"model.attn_implementation must be one of {list(ATTN_IMPLEMENTATIONS)}, got {requested!r}")
+    device = _default_device() if device is None else torch.device(device)
+    if requested == "auto":
+        return "flash_attention_2" if device.type == "cuda" and _flash_attn_imports() else "sdpa"
+    if requested == "flash_attention_2":
+        if device.type != "cuda":
+            raise ValueError(f"model.attn_implementation='flash_attention_2' needs a CUDA device, but this run uses "
+                             f"{device}; choose 'auto' or 'sdpa'")
+        if not _flash_attn_imports():
+            raise ValueError("model.attn_implementation='flash_attention_2' but the flash_attn package does not "
+                             "import; pip install flash-attn --no-build-isolation (built for this torch and CUDA), "
+                             "or choose 'auto' or 'sdpa'")
+    return requested
+
+
+def liger_patch_function(model_type: str) -> Any:
+    """Liger-Kernel's ``apply_liger_kernel_to_<arch>`` for a transformers ``model_type`` (e.g. "qwen2").
+
+    Raises:
+        ImportError: liger-kernel is not installed.
+        ValueError: Liger-Kernel has no patches for `model_type` (the message lists the supported ones).
+    """
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as exc:
+        raise ImportError("model.liger_kernel=true but liger-kernel is not installed; pip install liger-kernel "
+                          "(it needs a CUDA GPU and Triton), or set model.liger_kernel false") from exc
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        raise ValueError(f"model.liger_kernel=true: Liger-Kernel has no patches for model_type {model_type!r}; "
+                         f"supported: {sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)}; set model.liger_kernel false")
+    return fn
+
+
+def apply_liger_kernel(path_or_id: str | os.PathLike, device: torch.device | str | None = None,
+                       trust_remote_code: bool = False) -> str:
+    """Patch transformers' modeling code for the architecture of `path_or_id` with Liger-Kernel's RMSNorm, RoPE and
+    SwiGLU (``LIGER_PATCHES``). Call it before the model is built: it replaces classes / functions in the
+    ``transformers.models.<arch>`` module, for every model of that architecture built afterwards in this process
+    (the engine and reference copies included).
+
+    Args:
+        path_or_id: local directory or hub id (only its ``config.json`` is read).
+        device: where the model will run; None = CUDA when available, else CPU.
+        trust_remote_code: forwarded to ``AutoConfig.from_pretrained``.
+
+    Returns:
+        the patched ``model_type``.
+
+    Raises:
+        ValueError: not a CUDA device (Liger's kernels are Triton GPU kernels), or an unsupported architecture.
+        ImportError: liger-kernel is not installed.
+    """
+    from transformers import AutoConfig
+
+    device = _default_device() if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"model.liger_kernel=true needs a CUDA GPU (Liger-Kernel's Triton kernels), but this run "
+                         f"uses {device}; set model.liger_kernel false")
+    name = resolve_pretrained(path_or_id, ("config.json",), "model")
+    model_type = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code).model_type
+    fn = liger_patch_function(model_type)
+    accepted = inspect.signature(fn).parameters
+    fn(**{k: v for k, v in LIGER_PATCHES.items() if k in accepted})
+    return model_type
 
 
 def load_tokenizer(
@@ -289,9 +395,28 @@ def merged_state_dict(model: nn.Module, state: dict[str, Any] | None = None) -> 
 
 def _load_kwargs(dtype: torch.dtype | str | None, attn_implementation: str | None, trust_remote_code: bool) -> dict:
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation in ("auto", "flash_attention_2"):  # checked here, not deep inside transformers
+        attn_implementation = resolve_attn_implementation(attn_implementation)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return kwargs
+
+
+def _build(auto_cls: Any, name: str, kwargs: dict, meta: bool) -> Any:
+    """``auto_cls.from_pretrained(name)``, or with `meta` the same architecture built from its config on the meta
+    device (no weights read: they arrive later, e.g. broadcast from rank 0 by ``fastpo.engine.fsdp``)."""
+    if not meta:
+        return auto_cls.from_pretrained(name, **kwargs)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name, trust_remote_code=kwargs["trust_remote_code"])
+    with torch.device("meta"):
+        return auto_cls.from_config(config, **kwargs)
+
+
+def _check_meta(meta: bool, lora_rank: int) -> None:
+    if meta and lora_rank:
+        raise ValueError("meta=True does not support LoRA (lora_rank > 0): load the model normally")
 
 
 def _enable_checkpointing(model: Any) -> None:
@@ -309,6 +434,8 @@ def load_policy(
     lora_target_modules: str | list[str] = "all-linear",
     trust_remote_code: bool = False,
     lora_seed: int = 0,
+    liger_kernel: bool = False,
+    meta: bool = False,
 ) -> Any:
     """Load a causal LM (``AutoModelForCausalLM``) as the policy.
 
@@ -316,7 +443,8 @@ def load_policy(
         path_or_id: local directory or hub id.
         dtype: parameter dtype (torch dtype or "float32" / "bfloat16" / "float16").
         gradient_checkpointing: recompute each layer in backward (non-reentrant); turns the KV cache off.
-        attn_implementation: "sdpa", "eager", "flash_attention_2", ...; None lets transformers choose.
+        attn_implementation: "auto", "sdpa", "eager", "flash_attention_2" (see
+            :func:`resolve_attn_implementation`); None lets transformers choose.
         lora_rank: > 0 wraps the model with a peft LoRA adapter (peft must be installed): base weights frozen,
             ``lora_A`` / ``lora_B`` trainable, no dropout.
         lora_alpha: the adapter's update is scaled by ``lora_alpha / lora_rank``.
@@ -324,15 +452,20 @@ def load_policy(
             suffixes ("q_proj,v_proj") or a list of them.
         trust_remote_code: forwarded to ``from_pretrained``.
         lora_seed: seed of the adapter's initialisation (independent of the global RNG state).
+        liger_kernel: patch the architecture with Liger-Kernel first (:func:`apply_liger_kernel`; CUDA only).
+        meta: build the architecture on the meta device without reading any weights (not with LoRA).
 
     Returns:
         the model in train mode (a ``peft.PeftModel`` when LoRA is on).
     """
     from transformers import AutoModelForCausalLM
 
+    _check_meta(meta, lora_rank)
     peft = _require_peft(lora_rank)
     name = resolve_pretrained(path_or_id, ("config.json",), "model")
-    model = AutoModelForCausalLM.from_pretrained(name, **_load_kwargs(dtype, attn_implementation, trust_remote_code))
+    if liger_kernel:
+        apply_liger_kernel(name, trust_remote_code=trust_remote_code)
+    model = _build(AutoModelForCausalLM, name, _load_kwargs(dtype, attn_implementation, trust_remote_code), meta)
     if gradient_checkpointing:
         _enable_checkpointing(model)
     if peft is not None:
@@ -391,27 +524,35 @@ def load_critic(
     trust_remote_code: bool = False,
     head_seed: int = 0,
     lora_seed: int = 0,
+    liger_kernel: bool = False,
+    meta: bool = False,
 ) -> CriticModel:
     """Load the backbone of `path_or_id` (``AutoModel``: the causal LM without its head) and add a value head.
 
     The head is ``nn.Linear(hidden, 1)`` in fp32: loaded from ``value_head.safetensors`` when the directory has
     one (a saved critic), else initialised like verl's token-classification head (normal(0,
     ``initializer_range``), zero bias) with `head_seed`. With LoRA (``lora_rank > 0``) the backbone is a
-    ``peft.PeftModel`` and only its adapters and the head train. Other arguments as in ``load_policy``.
+    ``peft.PeftModel`` and only its adapters and the head train. With `meta` backbone and head are built on the meta
+    device and nothing is read. Other arguments as in ``load_policy``.
     """
     from transformers import AutoModel
 
+    _check_meta(meta, lora_rank)
     peft = _require_peft(lora_rank)
     name = resolve_pretrained(path_or_id, ("config.json",), "model")
-    backbone = AutoModel.from_pretrained(name, **_load_kwargs(dtype, attn_implementation, trust_remote_code))
+    if liger_kernel:
+        apply_liger_kernel(name, trust_remote_code=trust_remote_code)
+    backbone = _build(AutoModel, name, _load_kwargs(dtype, attn_implementation, trust_remote_code), meta)
     if gradient_checkpointing:
         _enable_checkpointing(backbone)
     if peft is not None:
         backbone = _apply_lora(peft, backbone, lora_rank, lora_alpha, lora_target_modules, lora_seed)
     config = backbone.config.get_text_config()
-    head = nn.Linear(config.hidden_size, 1, dtype=torch.float32)
+    head = nn.Linear(config.hidden_size, 1, dtype=torch.float32)  # on CPU also with meta: same global RNG draws
     head_file = os.path.join(name, VALUE_HEAD_FILE)
-    if os.path.isfile(head_file):
+    if meta:
+        head = head.to("meta")
+    elif os.path.isfile(head_file):
         from safetensors.torch import load_file
 
         head.load_state_dict(load_file(head_file))

@@ -49,7 +49,6 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +62,11 @@ from . import distributed as du
 from .config import Config, config_hash, to_json
 from .config import validate as validate_config
 from .engine.base import Engine, SamplingParams
-from .engine.fsdp import full_state_dict, shard_model
+from .engine.fsdp import full_state_dict, load_sharded
 from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
-from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict
+from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens
+from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict, resolve_attn_implementation
 from .prompts import prompt_spec
 from .rollout import RolloutConfig, RolloutPart, run_rollouts
 
@@ -78,26 +78,6 @@ INJECT_NAN_ENV = "FASTPO_INJECT_NAN_AT"
 
 class TrainingAborted(RuntimeError):
     """A deliberate stop (weight-sync logprob gap, too many non-finite steps); the message says why."""
-
-
-@dataclass
-class Sample:
-    """One trajectory as the trainer sees it (numpy, picklable for the all-gather); token arrays are [T]."""
-
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    sample_logprobs: np.ndarray
-    token_rewards: np.ndarray
-    turn_end: np.ndarray
-    score: float
-    group: int
-    exact: bool
-    old_logp: np.ndarray | None = None
-    """fp32 [T], filled by Trainer._score: the trainer's logp of each trained token (0 elsewhere)."""
-    ref_logp: np.ndarray | None = None
-    values: np.ndarray | None = None
-    advantages: np.ndarray | None = None
-    returns: np.ndarray | None = None
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -154,92 +134,9 @@ def all_reduce_max(value: float) -> float:
     return float(t.item())
 
 
-def lm_head_inputs(model: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Last hidden states [1, N, H] in packed token order (after the final norm), lm-head weight [V, H] and bias of
-    a causal LM, from the ROOT forward with ``logits_to_keep=1`` (FSDP2-safe; see the module docstring), in the
-    micro-batch's layout."""
-    captured: list[Tensor] = []
-    decoder = model.get_decoder()
-    handle = decoder.register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
-    try:
-        if mb.padded_ids is None:
-            model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=1)
-        else:
-            model(input_ids=mb.padded_ids, use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    head = model.get_output_embeddings()
-    return mb.to_packed(captured[0]), head.weight, getattr(head, "bias", None)
-
-
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the optimiser holds: all of them, or under LoRA the adapters (and the critic's value head)."""
     return [p for p in model.parameters() if p.requires_grad]
-
-
-@dataclass
-class MicroBatch:
-    """Packed trajectories: ids / position_ids [1, N], cu_seqlens int64 [B + 1], indices into the sample list; in
-    the padded layout also padded_ids [B, L] (right-padded with 0) and padded_index [N] (where each packed token
-    sits in the flattened [B * L])."""
-
-    indices: list[int]
-    input_ids: Tensor
-    position_ids: Tensor
-    cu_seqlens: Tensor
-    scale: float = 1.0
-    padded_ids: Tensor | None = None
-    padded_index: Tensor | None = None
-
-    def to_packed(self, rows: Tensor) -> Tensor:
-        """A forward's output in this micro-batch's layout ([1, N, ...] packed or [B, L, ...] padded) -> [1, N, ...]."""
-        if self.padded_index is None:
-            return rows
-        return rows.reshape(-1, *rows.shape[2:]).index_select(0, self.padded_index)[None]
-
-
-def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: torch.device,
-         padded: bool = False) -> list[MicroBatch]:
-    """Greedy packing in order: consecutive trajectories while the micro-batch stays within `max_tokens` tokens;
-    `padded` adds the padded layout's [B, L] ids (see the module docstring)."""
-    groups: list[list[int]] = []
-    used = max_tokens + 1
-    for i in indices:
-        n = len(samples[i].input_ids)
-        if used + n > max_tokens:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += n
-    out = []
-    for g in groups:
-        lens = [len(samples[i].input_ids) for i in g]
-        ids = torch.from_numpy(np.concatenate([samples[i].input_ids for i in g])).to(device)
-        pos = torch.cat([torch.arange(n) for n in lens]).to(device)
-        cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64, device=device)
-        mb = MicroBatch(g, ids[None], pos[None], cu)
-        if padded:
-            width = max(lens)
-            rows = np.zeros((len(g), width), dtype=np.int64)
-            for r, i in enumerate(g):
-                rows[r, : lens[r]] = samples[i].input_ids
-            mb.padded_ids = torch.from_numpy(rows).to(device)
-            flat = np.concatenate([r * width + np.arange(n) for r, n in enumerate(lens)])
-            mb.padded_index = torch.from_numpy(flat).to(device)
-        out.append(mb)
-    return out
-
-
-def cat_tokens(samples: list[Sample], indices: list[int], field: str, device: torch.device) -> Tensor:
-    """Packed [N] tensor of one per-token field over the given trajectories."""
-    return torch.from_numpy(np.concatenate([getattr(samples[i], field) for i in indices])).to(device)
-
-
-def split_tokens(values: Tensor, cu_seqlens: Tensor) -> list[np.ndarray]:
-    """Packed [N] -> one numpy array per trajectory."""
-    cu = cu_seqlens.tolist()
-    flat = values.detach().float().cpu().numpy()
-    return [flat[cu[i]:cu[i + 1]].copy() for i in range(len(cu) - 1)]
 
 
 # ----------------------------------------------------------------------------------------------- trainer
@@ -294,8 +191,15 @@ class Trainer:
         # LoRA (model.lora_rank > 0): peft freezes the base weights; only the adapters (and the value head) train
         lora = {"lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
                 "lora_target_modules": cfg.model.lora_target_modules, "lora_seed": cfg.trainer.seed}
-        self.actor = load_policy(self.model_path, dtype=dtype, **lora).to(self.device)
-        shard_model(self.actor, mixed_precision=mp, activation_checkpointing=cfg.model.gradient_checkpointing)
+        attn = resolve_attn_implementation(cfg.model.attn_implementation, self.device)
+        # Liger patches transformers' modules in place: every model built afterwards (engine, reference) uses them
+        common = {"attn_implementation": attn, "liger_kernel": cfg.model.liger_kernel}
+        # meta init (model.meta_init): under torchrun only rank 0 reads the actor / critic weights, the others get
+        # them by broadcast into their shards; LoRA models load on every rank (peft on meta tensors unsupported)
+        meta_init = cfg.model.meta_init and cfg.model.lora_rank == 0
+        shard = {"mixed_precision": mp, "activation_checkpointing": cfg.model.gradient_checkpointing}
+        self.actor = load_sharded(lambda meta: load_policy(self.model_path, dtype=dtype, meta=meta, **common, **lora),
+                                  self.device, meta_init, **shard)
         o = cfg.optim
         self.actor_optim = torch.optim.AdamW(trainable_parameters(self.actor), lr=o.actor_lr, betas=o.betas,
                                              weight_decay=o.weight_decay)
@@ -303,8 +207,9 @@ class Trainer:
         self.critic = self.critic_optim = self.critic_sched = None
         if algorithms.needs_critic(cfg.algorithm):
             path = resolve_model_path(cfg.model.critic_path, self.run_dir) if cfg.model.critic_path else self.model_path
-            self.critic = load_critic(path, dtype=dtype, head_seed=cfg.trainer.seed, **lora).to(self.device)
-            shard_model(self.critic, mixed_precision=mp, activation_checkpointing=cfg.model.gradient_checkpointing)
+            self.critic = load_sharded(lambda meta: load_critic(path, dtype=dtype, head_seed=cfg.trainer.seed,
+                                                                meta=meta, **common, **lora),
+                                       self.device, meta_init, **shard)
             self.critic_optim = torch.optim.AdamW(trainable_parameters(self.critic), lr=o.critic_lr, betas=o.betas,
                                                   weight_decay=o.weight_decay)
             self.critic_sched = self._scheduler(self.critic_optim)
@@ -313,8 +218,11 @@ class Trainer:
         # frozen base weights), so no second copy is loaded
         self.use_ref = algorithms.needs_reference(cfg.algorithm)
         if self.use_ref and not is_lora(self.actor):
-            self.ref = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
+            self.ref = load_policy(self.model_path, dtype=cfg.model.dtype, attn_implementation=attn).to(self.device)
+            self.ref.eval()
             self.ref.requires_grad_(False)
+        # the HF engine's model keeps transformers' default attention: its KV-cache slabs need masks with holes,
+        # which flash_attention_2 does not take
         self.engine = self._build_engine()
         layout = cfg.optim.micro_batch_layout
         if layout == "auto":

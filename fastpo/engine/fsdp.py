@@ -2,6 +2,7 @@
 
     model = shard_model(model, mixed_precision=torch.bfloat16, activation_checkpointing=True)
     state = full_state_dict(model)          # {name: full CPU tensor}: weight sync to the engine, HF export
+    model = load_sharded(lambda meta: load_policy(path, meta=meta), device, meta_init=True)  # rank 0 reads only
 
 Layout: every decoder layer (``model.<...>.layers[i]``) is its own ``fully_shard`` unit and the root module is
 the last unit (embeddings, final norm, lm head / value head: tied weights stay in one unit). Always run the
@@ -15,6 +16,14 @@ frozen base weights beside trainable adapter weights, which FSDP2 allows (only p
 reduce-scattered; checked against a single process in tests/test_lora.py). :func:`full_state_dict` returns such a
 model's weights merged, under the plain model's names.
 
+Meta-device init (:func:`load_sharded`, ``model.meta_init``): under torchrun only rank 0 reads the checkpoint; the
+other ranks build the architecture on the meta device (``load_policy(..., meta=True)``), every rank shards it, the
+meta ranks allocate their shards (``to_empty``), and rank 0's full state dict is broadcast into the shards
+(``set_model_state_dict(..., broadcast_from_rank0=True)``). Non-persistent buffers (the rotary ``inv_freq``) are not
+in a state dict: rank 0 broadcasts them too. Tied embeddings stay one parameter (the meta model is tied by
+``from_config`` like the loaded one). LoRA models take the normal path (every rank loads): peft's adapter
+construction on meta tensors is not supported here.
+
 Without a process group (``python -m fastpo.train``) :func:`shard_model` only applies activation checkpointing:
 one code path, no sharding. Mixed precision (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``) is
 applied only on CUDA; on CPU the model runs in the dtype it was loaded in.
@@ -22,11 +31,13 @@ applied only on CUDA; on CPU the model runs in the dtype it was loaded in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from .. import distributed as du
 from ..model import is_lora, merged_state_dict
@@ -93,3 +104,56 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     state = get_model_state_dict(model, options=options)
     return merged_state_dict(model, state) if is_lora(model) else state
+
+
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> buffer for every buffer registered with ``persistent=False`` (absent from state dicts)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def load_sharded(
+    load: Callable[[bool], nn.Module],
+    device: torch.device | str,
+    meta_init: bool = True,
+    **shard_kwargs: Any,
+) -> nn.Module:
+    """Load a model onto `device` and :func:`shard_model` it, reading the checkpoint on rank 0 only when `meta_init`.
+
+    Args:
+        load: ``load(meta)`` returns the model: read from disk (on CPU) when `meta` is False, built on the meta
+            device from its config when True (e.g. ``lambda meta: load_policy(path, meta=meta)``). Both must build
+            the same modules, parameter names and tied parameters.
+        device: where the model runs.
+        meta_init: with a process group, rank 0 calls ``load(False)`` and the other ranks ``load(True)``; the
+            weights, persistent and non-persistent buffers then come from rank 0 (broadcast). Without a process
+            group, or False: every rank calls ``load(False)``.
+        shard_kwargs: :func:`shard_model`'s keyword arguments.
+
+    Returns:
+        the sharded model; its full parameters and buffers equal ``load(False)``'s on every rank.
+    """
+    device = torch.device(device)
+    if not (meta_init and du.is_distributed()):
+        return shard_model(load(False).to(device), **shard_kwargs)
+    main = dist.get_rank() == 0
+    model = load(not main)
+    if is_lora(model):
+        raise ValueError("meta init does not support LoRA models; load them with meta_init=False")
+    # rank 0's full tensors as loaded (on CPU), taken before `to` and fully_shard replace the parameters: once
+    # sharded, the device holds only the shards, and the broadcast moves one tensor at a time to it
+    state = model.state_dict() if main else {}
+    if main:
+        model.to(device)
+    shard_model(model, **shard_kwargs)
+    if not main:
+        model.to_empty(device=device)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del state
+    for buf in non_persistent_buffers(model).values():
+        dist.broadcast(buf.data, src=0)
+    return model
