@@ -52,6 +52,7 @@ bench-vs-trl: build
 	not torch.version.cuda, torch.__version__; assert transformers.__version__ == '5.19.0'; \
 	assert triton.__version__ == '3.7.1'; print('trl', trl.__version__)"
 	$(BIN)/python bench/bench_vs_trl.py $(BENCH_VS_TRL_ARGS)
+	$(BIN)/python bench/plot_vs_trl.py
 
 bench-envs: build
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_envs.py

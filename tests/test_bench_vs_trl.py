@@ -102,3 +102,29 @@ def test_trl_side_runs_configured_steps_and_shapes(tiny_path, tmp_path):
     assert r["steps_at_reward"] == list(range(STEPS))
     r["peak_rss_mb"] = 0.0
     bvt.check_same_work({"trl": r}, s)
+
+
+def test_plot_uses_the_latest_run(tmp_path):
+    import csv
+
+    import plot_vs_trl
+
+    fields = ["name", "provider", "mode", "metric", "x_value", "p50", "device", "timestamp"]
+    rows = []
+    for stamp, scale in (("2026-01-01T00:00", 1.0), ("2026-02-01T00:00", 2.0)):
+        for side, step in (("fastpo", 1.0), ("trl", 1.5)):
+            for model in ("tiny", "m52"):
+                base = {"name": "grpo_mix", "provider": side, "x_value": model, "device": "cpu", "timestamp": stamp}
+                rows.append({**base, "mode": "full", "metric": "step_time", "p50": step * scale})
+                rows.append({**base, "mode": "full", "metric": "peak_rss", "p50": 100.0})
+                rows.append({**base, "mode": "update", "metric": "time", "p50": 0.5 * step * scale})
+    path = tmp_path / "vs_trl.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    data = plot_vs_trl.collect(plot_vs_trl.latest_run(list(csv.DictReader(open(path)))))
+    assert data["tiny"]["trl"]["step"] == 3.0 and data["m52"]["fastpo"]["update"] == 1.0  # the newer run only
+    out = tmp_path / "p.png"
+    assert plot_vs_trl.main(["--csv", str(path), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
