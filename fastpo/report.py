@@ -118,6 +118,23 @@ def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> tuple[list[i
     return [], [], None
 
 
+def _save_figure(fig: Any, axes: Sequence[Any], out: str | os.PathLike, title: str | None) -> Path:
+    """Label every panel's x axis, add the title, write the PNG and close the figure."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def plot_curves(rows: Sequence[dict[str, Any]], out: str | os.PathLike, title: str | None = None) -> Path:
     """Write the training-curve PNG (matplotlib, Agg backend) to `out`; returns its path.
 
@@ -150,17 +167,7 @@ def plot_curves(rows: Sequence[dict[str, Any]], out: str | os.PathLike, title: s
         else:
             ax.plot(steps, values, lw=1.2)
         ax.set_title(name)
-    for ax in axes:
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save_figure(fig, axes, out, title)
 
 
 def plot_compare(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | os.PathLike,
@@ -189,17 +196,7 @@ def plot_compare(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str 
     axes[0].legend(fontsize=7)
     for ax, (name, _) in zip(axes[1:], CURVES, strict=True):
         ax.set_title(name)
-    for ax in axes:
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save_figure(fig, axes, out, title)
 
 
 def _n_val(run_dir: Path) -> int | None:

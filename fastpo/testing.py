@@ -277,3 +277,20 @@ def check_stop_strings(engine: Any, tokenizer: Any, prompts: list[list[int]], ma
             assert s.token_ids == f.token_ids and s.finish_reason == "length", f"request {i} stopped without a hit"
             assert stop not in text(f.token_ids), f"request {i} missed the stop string {stop!r}"
     return hits
+
+
+def run_killable(cmd: list[str], cwd: Any, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run a command (e.g. torchrun) in its own process group; on timeout kill the WHOLE group (torchrun's workers
+    too) and raise TimeoutError with the tail of its stderr. Returns (exit code, stdout, stderr)."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise TimeoutError(f"{cmd[:6]} timed out after {timeout}s:\n{(out + err).decode()[-3000:]}") from None
+    return proc.returncode, out.decode(), err.decode()

@@ -3,8 +3,6 @@
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import pytest
 import torch
 
 from fastpo import checkpoint
+from fastpo.testing import run_killable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,16 +178,8 @@ def test_export_hf_loads_with_from_pretrained(tmp_path):
 def _torchrun(*args: str, timeout: float = 120) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout}s:\n{out.decode()[-3000:]}")
-    assert proc.returncode == 0, out.decode()[-3000:]
+    rc, out, err = run_killable(cmd, REPO, env, timeout)
+    assert rc == 0, (out + err)[-3000:]
 
 
 def test_fsdp2_two_ranks_save_then_load_in_new_run(tmp_path):

@@ -8,8 +8,6 @@ deterministic training run gives the same metrics and weights with and without i
 
 import inspect
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -20,6 +18,7 @@ from test_trainer import GAE, SMALL, _metrics, _ok, _weights
 import fastpo.model as fm
 from fastpo.config import ConfigError, parse_args, validate
 from fastpo.engine.fsdp import non_persistent_buffers
+from fastpo.testing import run_killable
 
 torch.set_num_threads(1)
 
@@ -184,15 +183,8 @@ def _torchrun_script(script, *args: str, cwd, timeout: float = 240) -> None:
     process group on timeout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout}s:\n{out.decode()[-3000:]}")
-    assert proc.returncode == 0, out.decode()[-5000:]
+    rc, out, err = run_killable(cmd, cwd, env, timeout)
+    assert rc == 0, (out + err)[-5000:]
 
 
 def test_meta_init_two_ranks_equals_a_single_process_load(tiny, tmp_path):
