@@ -20,11 +20,16 @@ SIDES = ("fastpo", "trl")
 
 
 def latest_run(rows: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The grpo_mix rows of the newest run (by the timestamp of its step-time rows)."""
-    stamps = [r["timestamp"] for r in rows if r["name"] == "grpo_mix" and r["metric"] == "step_time"]
-    if not stamps:
-        raise ValueError("no grpo_mix step_time rows; run bench/bench_vs_trl.py first")
-    newest = max(stamps)
+    """The grpo_mix rows of the newest run that measured both fastpo and TRL (by its step-time rows' timestamp;
+    runs of one side only, e.g. ``--sides fastpo-vllm,fastpo``, are skipped)."""
+    sides: dict[str, set[str]] = defaultdict(set)
+    for r in rows:
+        if r["name"] == "grpo_mix" and r["metric"] == "step_time":
+            sides[r["timestamp"]].add(r["provider"])
+    both = [t for t, got in sides.items() if {"fastpo", "trl"} <= got]
+    if not both:
+        raise ValueError("no grpo_mix run with both fastpo and trl step times; run bench/bench_vs_trl.py first")
+    newest = max(both)
     return [r for r in rows if r["name"] == "grpo_mix" and r["timestamp"] == newest]
 
 

@@ -134,6 +134,9 @@ def test_plot_uses_the_latest_run(tmp_path):
                 rows.append({**base, "mode": "full", "metric": "step_time", "p50": step * scale})
                 rows.append({**base, "mode": "full", "metric": "peak_rss", "p50": 100.0})
                 rows.append({**base, "mode": "update", "metric": "time", "p50": 0.5 * step * scale})
+    one_sided = {"name": "grpo_mix", "provider": "fastpo-vllm", "x_value": "tiny", "device": "cpu",
+                 "timestamp": "2026-03-01T00:00", "mode": "full", "metric": "step_time", "p50": 9.0}
+    rows.append(one_sided)  # a newer run without TRL (--sides fastpo-vllm): not the one to plot
     path = tmp_path / "vs_trl.csv"
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
