@@ -313,3 +313,32 @@ def test_stop_strings_end_at_the_completing_token(tiny):
         HFEngine(model).generate(_prompts(1, len(tok)), SamplingParams(max_new_tokens=2, stop=("ab",)))
     with pytest.raises(ValueError, match="non-empty strings"):
         SamplingParams(stop=("",))
+
+
+def test_shared_prompts_prefill_once_and_match_separate_calls(tiny):
+    """Rows that repeat a prompt (a GRPO group) are prefilled once and their KV copied; sampling, logprobs and a
+    second turn match generating each request on its own (the same seeds)."""
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    a, b = _prompts(2, len(tok), seed=9, lengths=(13, 6))
+    prompts, seeds = [a, a, b, a, b], [1, 2, 3, 4, 5]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    calls = []
+    original = engine._prefill_rows
+    engine._prefill_rows = lambda group, pending: calls.append(len(pending)) or original(group, pending)
+    sids = engine.open_sessions(len(prompts))
+    engine.extend(sids, prompts)
+    first = engine.generate_sessions(sids, params, seeds)
+    engine.extend(sids, [[7, 8]] * len(prompts))
+    second = engine.generate_sessions(sids, params, [s + 10 for s in seeds])
+    assert calls[0] == 2  # two distinct prompts computed, not five
+    for i, (p, s) in enumerate(zip(prompts, seeds, strict=True)):
+        alone = HFEngine(model, tok)
+        sid = alone.open_sessions(1)
+        alone.extend(sid, [p])
+        r1 = alone.generate_sessions(sid, params, [s])[0]
+        alone.extend(sid, [[7, 8]])
+        r2 = alone.generate_sessions(sid, params, [s + 10])[0]
+        for got, want in ((first[i], r1), (second[i], r2)):
+            assert got.token_ids == want.token_ids, i
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)

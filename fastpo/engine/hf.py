@@ -471,7 +471,29 @@ class HFEngine(SessionEngine):
 
     def prefill(self, group: _KVGroup, pending: list[list[int]]) -> torch.Tensor:
         """Feed each row's uncached tokens (left-padded to one [B, P] chunk, split into column chunks of at most
-        ``max_prefill_tokens // B``); returns the logits [B, V] that predict each row's next token."""
+        ``max_prefill_tokens // B``); returns the logits [B, V] that predict each row's next token.
+
+        Shared prompts: when the group is fresh (nothing cached) and rows repeat the same prompt (a GRPO group's
+        rollouts start from one initial state), each distinct prompt is computed once in a smaller group and its
+        KV columns are copied to every row that has it (the same numbers, up to the float differences a different
+        batch size may give)."""
+        distinct: dict[tuple[int, ...], int] = {}
+        index = [distinct.setdefault(tuple(p), len(distinct)) for p in pending]
+        if group.length == 0 and len(distinct) < len(pending):
+            small = _KVGroup(list(range(len(distinct))), self._shape, group.capacity, self.dtype, self.device)
+            logits = self._prefill_rows(small, [list(p) for p in distinct])
+            rows = torch.tensor(index, dtype=torch.long, device=self.device)
+            used = small.length
+            for mine, theirs in zip(group.layers, small.layers, strict=True):
+                mine.keys[:, :, :used].copy_(theirs.keys[rows, :, :used])
+                mine.values[:, :, :used].copy_(theirs.values[rows, :, :used])
+            group.valid[:, :used] = small.valid[rows, :used]
+            group.next_pos.copy_(small.next_pos[rows])
+            group.set_length(used)
+            return logits[rows]
+        return self._prefill_rows(group, pending)
+
+    def _prefill_rows(self, group: _KVGroup, pending: list[list[int]]) -> torch.Tensor:
         rows, width = len(pending), max(len(p) for p in pending)
         input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         new_valid = torch.zeros(rows, width, dtype=torch.bool)
