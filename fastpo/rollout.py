@@ -382,7 +382,10 @@ def run_rollouts(
                 if not calls:
                     continue
                 pending = [p for k in calls for p in runs[k].pending]
-                rseeds = [s for k in calls for s in runs[k].rseeds] if all(runs[k].rseeds for k in calls) else None
+                seeded = [runs[k].rseeds is not None for k in calls]
+                if any(seeded) and not all(seeded):
+                    raise ValueError("give request_seeds to every RolloutPart or to none (one engine call draws all)")
+                rseeds = [s for k in calls for s in runs[k].rseeds] if all(seeded) else None
                 if kv:
                     sids = [runs[k].sessions[i] for k in calls for i in todo[k]]
                     engine.extend(sids, pending)

@@ -374,6 +374,10 @@ def test_several_envs_in_one_engine_call_per_turn(tok):
         assert {k: v for k, v in got.metrics.items() if not k.endswith(timing)} == {
             k: v for k, v in want.metrics.items() if not k.endswith(timing)}
     assert together[0].metrics["env/Sokoban/success"] == 1.0 and "env/FrozenLake/success" in together[1].metrics
+    mixed = parts()
+    mixed[1].request_seeds = None
+    with pytest.raises(ValueError, match="request_seeds to every RolloutPart or to none"):
+        run_rollouts(mixed, _CountingEngine(tok, script), tok, params)
     assert together[1].trajectories[0].success and not together[1].trajectories[1].success
 
 
