@@ -196,6 +196,7 @@ class ScriptedEngine:
         self.sessions: dict[int, list[int]] = {}
         self.prompts: list[tuple[int, int, list[int]]] = []
         self._next = 0
+        self._stop_matchers: dict[tuple[str, ...], Any] = {}
 
     def _sample(self, seed: int, context: list[int], params: Any) -> Any:
         from .engine.base import GenerationResult
@@ -213,7 +214,9 @@ class ScriptedEngine:
         if getattr(params, "stop", ()):
             from .engine.base import StopStrings
 
-            k, hit = StopStrings(self.tokenizer, params.stop, len(self.tokenizer)).first_stop(ids)
+            if params.stop not in self._stop_matchers:  # the vocabulary scan once per stop tuple
+                self._stop_matchers[params.stop] = StopStrings(self.tokenizer, params.stop, len(self.tokenizer))
+            k, hit = self._stop_matchers[params.stop].first_stop(ids)
             ids, finish = (ids[:k], "stop") if hit else (ids, finish)
         return GenerationResult(list(ids), [self.logprob] * len(ids), finish, stop_string=hit)
 

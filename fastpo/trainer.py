@@ -535,6 +535,7 @@ class Trainer:
 
     def _update_critic(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
         a, sums = self.cfg.algorithm, {}
+        norm_len = self._norm_len(samples, kept)
         norms = []
         for epoch in range(self.cfg.optim.ppo_epochs):
             for mbi in self._mini_batches(kept, epoch):
@@ -545,7 +546,7 @@ class Trainer:
                     old = cat_tokens(samples, mb.indices, "values", self.device)
                     ret = cat_tokens(samples, mb.indices, "returns", self.device)
                     loss, m = algorithms.critic_loss(values, old, ret, mask, a, cu_seqlens=mb.cu_seqlens,
-                                                     norm_len=self._norm_len(samples, kept))
+                                                     norm_len=norm_len)
                     (loss * mb.scale).backward()
                     loss_sum += float(loss.detach()) * mb.scale
                     for k, v in m.items():
@@ -559,6 +560,7 @@ class Trainer:
 
     def _update_actor(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
         a, sums = self.cfg.algorithm, {}
+        norm_len = self._norm_len(samples, kept)
         norms, inject = [], self.step in self.nan_steps
         on_policy = samples[kept[0]].old_logp is None  # _score skipped the actor: see _on_policy
         gap_sum, gap_n, gap_max = 0.0, 0, 0.0
@@ -578,7 +580,7 @@ class Trainer:
                     adv = cat_tokens(samples, mb.indices, "advantages", self.device)
                     ref = cat_tokens(samples, mb.indices, "ref_logp", self.device) if self.use_ref else None
                     loss, m = algorithms.policy_loss(logp, old, adv, mask, ent, ref, a, cu_seqlens=mb.cu_seqlens,
-                                                     norm_len=self._norm_len(samples, kept))
+                                                     norm_len=norm_len)
                     if inject:
                         loss = loss * float("nan")
                     (loss * mb.scale).backward()

@@ -477,9 +477,11 @@ class HFEngine(SessionEngine):
         rollouts start from one initial state), each distinct prompt is computed once in a smaller group and its
         KV columns are copied to every row that has it (the same numbers, up to the float differences a different
         batch size may give)."""
+        if group.length > 0:  # rows with cached history: their contexts differ even when the new tokens agree
+            return self._prefill_rows(group, pending)
         distinct: dict[tuple[int, ...], int] = {}
         index = [distinct.setdefault(tuple(p), len(distinct)) for p in pending]
-        if group.length == 0 and len(distinct) < len(pending):
+        if len(distinct) < len(pending):
             small = _KVGroup(list(range(len(distinct))), self._shape, group.capacity, self.dtype, self.device)
             logits = self._prefill_rows(small, [list(p) for p in distinct])
             rows = torch.tensor(index, dtype=torch.long, device=self.device)
