@@ -202,15 +202,19 @@ class OptimConfig:
     mini_batch_size: int = 32
     """Trajectories per optimizer step, over all ranks (>= 1, divisible by world size) [ppo_mini_batch_size]."""
     micro_batch_tokens: int = 16384
-    """Token budget of one forward/backward micro-batch per rank (>= max_model_len: one trajectory must fit)."""
+    """Token budget of one forward/backward micro-batch per rank (>= max_model_len: one trajectory must fit). In the
+    shared layout a prompt prefix counts once per group (the tokens the forward runs)."""
     shuffle_mini_batches: bool = True
     """Draw each epoch's mini-batches from a seeded permutation of the kept trajectories (false: in order, which
     puts whole groups, i.e. a few initial states, in each mini-batch)."""
-    micro_batch_layout: Literal["auto", "packed", "padded"] = "auto"
+    micro_batch_layout: Literal["auto", "packed", "padded", "shared"] = "auto"
     """How a micro-batch's trajectories enter the forward. packed: one row, position ids restarting per trajectory
     (no padding; attention costs the square of the ROW unless the model runs flash_attention_2's varlen kernel).
     padded: one right-padded row per trajectory and plain causal attention (cost: the square of each trajectory,
-    plus the pad tokens in the other layers). auto: packed with flash_attention_2, else padded."""
+    plus the pad tokens in the other layers). shared: one row per group holding the prompt prefix its trajectories
+    share ONCE, then each one's own tokens, under a 4D mask (the G completions of a prompt run its forward and
+    backward once, not G times), wherever a FLOP estimate says that beats padded rows (else padded); not with
+    flash_attention_2. auto: packed with flash_attention_2, else shared."""
     max_nonfinite_in_a_row: int = 3
     """Stop after this many consecutive skipped steps with a non-finite grad norm (>= 1)."""
 
@@ -302,86 +306,6 @@ def get_preset(name: str) -> Config:
         raise ConfigError(f"--preset: unknown preset {name!r}; choose from {sorted(PRESETS)}"
                           f"{_did_you_mean(name, PRESETS)}")
     return PRESETS[name]()
-
-
-@register_preset("sokoban")
-def sokoban() -> Config:
-    """RAGEN StarPO-S on SimpleSokoban: Qwen2.5-0.5B-Instruct, 8 x 16, std filter 0.25, PPO + critic, clip 0.2 /
-    0.28, dual clip 3, entropy 0.001, no KL, lr 1e-6 / 1e-5, 200 iterations, 256 val seeds at T 0.5 every 10."""
-    return Config()
-
-
-@register_preset("frozenlake")
-def frozenlake() -> Config:
-    """RAGEN StarPO-S on slippery 4x4 FrozenLake (otherwise the sokoban preset)."""
-    cfg = Config()
-    cfg.env.names = ("frozenlake",)
-    return cfg
-
-
-@register_preset("bandit")
-def bandit() -> Config:
-    """RAGEN bi-arm Bandit: one turn, one action, 500-token answers; validated on 256 train-name + 256 test-name
-    (Trader / Librarian) instances."""
-    cfg = Config()
-    cfg.env.names = ("bandit",)
-    cfg.env.max_turns, cfg.env.max_actions_per_turn, cfg.env.max_actions_per_traj = 1, 1, 1
-    cfg.env.val_names, cfg.env.val_groups = ("bandit", "bandit_test"), 512
-    cfg.rollout.response_length = 500
-    return cfg
-
-
-@register_preset("countdown")
-def countdown() -> Config:
-    """RAGEN Countdown: one turn, one equation."""
-    cfg = Config()
-    cfg.env.names = ("countdown",)
-    cfg.env.max_turns, cfg.env.max_actions_per_turn, cfg.env.max_actions_per_traj = 1, 1, 1
-    return cfg
-
-
-@register_preset("starpo-vanilla")
-def starpo_vanilla() -> Config:
-    """Vanilla StarPO (paper baseline) on Sokoban: no rollout filter, KL 0.001 (k1), symmetric clip 0.2."""
-    cfg = Config()
-    cfg.algorithm.rollout_filter_ratio = 1.0
-    cfg.algorithm.kl_coef, cfg.algorithm.kl_type = 0.001, "k1"
-    cfg.algorithm.eps_low = cfg.algorithm.eps_high = 0.2  # mini-batch stays 32 (RAGEN): 4 optimizer steps / iteration
-    return cfg
-
-
-@register_preset("grpo")
-def grpo() -> Config:
-    """StarPO-S with GRPO advantages (no critic) on Sokoban."""
-    cfg = Config()
-    cfg.algorithm.adv_estimator = "grpo"
-    return cfg
-
-
-@register_preset("tiny")
-def tiny() -> Config:
-    """The embedded default (``make demo``): the shipped tiny CPU agent (``fastpo.tiny_agent``) trained with
-    StarPO-S (GRPO, std filter keeping half the groups, clip 0.2 / 0.28, no KL) on non-slippery FrozenLake 4x4:
-    16 groups x 8 rollouts per iteration, 5 turns of at most 2 actions, answer-only prompts (the agent is
-    too small to use a thought), turns end at ``</answer>``, sampling at temperature 0.7, 4 PPO steps per
-    iteration (shuffled mini-batches of 16 of the 64 kept trajectories) at lr 3e-4, 150 iterations, validation on
-    256 fixed states at temperature 0.5 before training and every 10 iterations. ~3 s per iteration on 2 CPU
-    cores. Why these settings (each measured, docs/RESULTS.md): without the stop string the answers grew text
-    after ``</answer>`` that parsing ignores but training reinforces; at temperature 1 the 0.6M-parameter model's
-    long tail of invalid tokens kept entropy and format errors climbing; in-order mini-batches held 2 groups each."""
-    cfg = Config()
-    cfg.model.path, cfg.model.dtype, cfg.model.gradient_checkpointing = "tiny", "float32", False
-    cfg.env.names, cfg.env.kwargs = ("frozenlake",), {"is_slippery": False}
-    cfg.env.env_groups, cfg.env.group_size, cfg.env.val_groups = 16, 8, 256
-    cfg.env.max_actions_per_turn = 2
-    cfg.rollout.enable_think = False
-    cfg.rollout.response_length, cfg.rollout.max_model_len = 16, 1024
-    cfg.rollout.stop, cfg.rollout.temperature = ("</answer>",), 0.7
-    cfg.algorithm.adv_estimator, cfg.algorithm.rollout_filter_ratio = "grpo", 0.5
-    cfg.optim.actor_lr, cfg.optim.mini_batch_size, cfg.optim.micro_batch_tokens = 3e-4, 16, 1024
-    cfg.trainer.iterations, cfg.trainer.val_every, cfg.trainer.save_every = 150, 10, 0
-    cfg.trainer.run_dir = "runs/tiny"
-    return cfg
 
 
 # ------------------------------------------------------------------------------------- field introspection
@@ -776,8 +700,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(o.mini_batch_size >= 1, f"optim.mini_batch_size must be >= 1, got {o.mini_batch_size}")
     check(o.mini_batch_size % world_size == 0,
           f"optim.mini_batch_size ({o.mini_batch_size}) must be divisible by the world size ({world_size})")
-    check(o.micro_batch_layout in ("auto", "packed", "padded"),
-          f"optim.micro_batch_layout must be auto, packed or padded, got {o.micro_batch_layout!r}")
+    check(o.micro_batch_layout in ("auto", "packed", "padded", "shared"),
+          f"optim.micro_batch_layout must be auto, packed, padded or shared, got {o.micro_batch_layout!r}")
     check(o.micro_batch_tokens >= r.max_model_len, f"optim.micro_batch_tokens ({o.micro_batch_tokens}) must be >= "
           f"rollout.max_model_len ({r.max_model_len}) so one trajectory fits")
     check(o.max_nonfinite_in_a_row >= 1, f"optim.max_nonfinite_in_a_row must be >= 1, got {o.max_nonfinite_in_a_row}")
@@ -797,3 +721,6 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
+
+
+from . import presets  # noqa: E402,F401  (registers the presets; it imports this module's classes)

@@ -18,14 +18,17 @@ rank r trains trajectories ``mini_batch[r::world]``. Ranks run the same number o
 data repeats one with loss scale 0), as FSDP2's collectives require.
 
 Micro-batches hold consecutive trajectories of at most ``optim.micro_batch_tokens`` tokens in all, and every
-per-token tensor is PACKED ([N], trajectories concatenated). The forward sees them in one of two layouts
-(``optim.micro_batch_layout``): packed (one row, ``position_ids`` restarting at 0 for each trajectory, no attention
-mask; transformers builds a block-diagonal causal mask from the position ids, which flash_attention_2 turns into
-its varlen kernel but sdpa / eager run as a dense mask over the whole row: checked on CPU with sdpa, equal to
-separate forwards within 5e-7 in fp32), or padded (one right-padded row per trajectory and plain causal
-attention: no trajectory attends to a pad, so no mask is needed; the pads' outputs are dropped when the hidden
-states are gathered back into the packed order). ``auto`` = packed with flash_attention_2, padded otherwise: on
-CPU packed attention over a 8k-token row cost more than the rest of the update.
+per-token tensor is PACKED ([N], trajectories concatenated). The forward sees them in one of three layouts
+(``optim.micro_batch_layout``, see ``fastpo.microbatch``): packed (one row, ``position_ids`` restarting at 0 for
+each trajectory, no attention mask; transformers builds a block-diagonal causal mask from the position ids, which
+flash_attention_2 turns into its varlen kernel but sdpa / eager run as a dense mask over the whole row), padded
+(one right-padded row per trajectory and plain causal attention: no trajectory attends to a pad; the pads' outputs
+are dropped when the hidden states are gathered back into the packed order) or shared (one row per group: the
+prompt prefix its trajectories share once, then each one's own tokens under a 4D mask; the prefix's hidden states
+are gathered once per trajectory, so its gradient sums theirs; per micro-batch only where a FLOP estimate says it
+beats padded rows). ``auto`` = packed with flash_attention_2, shared otherwise: on CPU packed attention over a
+8k-token row cost more than the rest of the update, and in single-turn GRPO ~90% of a sequence is the prompt its
+group repeats. All three are tested equal to separate forwards (logprobs, values and gradients).
 Logprobs come from ``fastpo.kernels.fused_linear_logprob`` on the last hidden states of the trained positions and
 the lm-head weight (never full logits). The hidden states are read through the ROOT module's forward with
 ``logits_to_keep=1`` and a hook on the decoder (see ``fastpo.engine.fsdp``), not with
@@ -65,7 +68,7 @@ from .engine.base import Engine, SamplingParams
 from .engine.fsdp import full_state_dict, load_sharded
 from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
-from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens
+from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost
 from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict, resolve_attn_implementation
 from .prompts import prompt_spec
 from .rollout import RolloutConfig, RolloutPart, run_rollouts
@@ -224,11 +227,14 @@ class Trainer:
         # the HF engine's model keeps transformers' default attention: its KV-cache slabs need masks with holes,
         # which flash_attention_2 does not take
         self.engine = self._build_engine()
+        attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
         layout = cfg.optim.micro_batch_layout
         if layout == "auto":
-            attn = getattr(getattr(self.actor, "config", None), "_attn_implementation", None)
-            layout = "packed" if attn == "flash_attention_2" else "padded"
-        self._padded = layout == "padded"
+            layout = "packed" if attn == "flash_attention_2" else "shared"
+        if layout == "shared" and attn == "flash_attention_2":
+            raise ValueError("optim.micro_batch_layout=shared needs a 4D attention mask, which flash_attention_2 does "
+                             "not take: use packed or auto with model.attn_implementation=flash_attention_2")
+        self._layout, self._token_cost = layout, token_cost(self.actor)
 
     def _build_engine(self) -> Engine:
         """This rank's generation engine (rollout.engine), holding its own full copy of the policy; weights are
@@ -398,12 +404,14 @@ class Trainer:
 
     def _values(self, mb: MicroBatch, mask: Tensor) -> Tensor:
         """Critic values fp32 [N]: V_t from the hidden state before token t (verl's alignment), 0 off the mask."""
-        if mb.padded_ids is None:
-            v = self.critic(mb.input_ids, position_ids=mb.position_ids)[0]
-        else:
-            v = mb.to_packed(self.critic(mb.padded_ids))[0]
+        v = mb.to_packed(self.critic(**mb.model_inputs(self.critic)))[0]
         tgt = mask.nonzero().squeeze(-1)
         return torch.zeros_like(v, dtype=torch.float32).index_copy(0, tgt, v[tgt - 1].float())
+
+    def _pack(self, samples: list[Sample], indices: list[int], max_tokens: int | None = None) -> list[MicroBatch]:
+        """Micro-batches of the given trajectories in the trainer's layout (optim.micro_batch_layout, resolved)."""
+        return pack(samples, indices, max_tokens or self.cfg.optim.micro_batch_tokens, self.device, self._layout,
+                    self._token_cost)
 
     @torch.no_grad()
     def _score(self, samples: list[Sample], kept: list[int], actor: bool = True) -> None:
@@ -414,10 +422,10 @@ class Trainer:
             return
         mine = kept[self.rank::self.world]
         results = []
-        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device, self._padded)
+        micro = self._pack(samples, mine)
         n_micro = int(all_reduce_max(len(micro)))
         for k in range(n_micro):
-            mb = micro[k] if k < len(micro) else pack(samples, kept[:1], 10**9, self.device, self._padded)[0]
+            mb = micro[k] if k < len(micro) else self._pack(samples, kept[:1], 10**9)[0]
             mask = cat_tokens(samples, mb.indices, "loss_mask", self.device)
             out = {}
             if actor:
@@ -501,7 +509,7 @@ class Trainer:
         repeats to the same count on every rank."""
         a = self.cfg.algorithm
         mine = mb_indices[self.rank::self.world]
-        micro = pack(samples, mine, self.cfg.optim.micro_batch_tokens, self.device, self._padded)
+        micro = self._pack(samples, mine)
         token_mean = a.loss_agg_mode == "token-mean"
         total = sum(int(samples[i].loss_mask.sum()) for i in mb_indices) if token_mean else len(mb_indices)
         for mb in micro:
@@ -511,7 +519,7 @@ class Trainer:
                 mb.scale = float(self.world)
         n_micro = int(all_reduce_max(len(micro)))
         while len(micro) < n_micro:
-            filler = pack(samples, (mine or mb_indices)[:1], 10**9, self.device, self._padded)[0]
+            filler = self._pack(samples, (mine or mb_indices)[:1], 10**9)[0]
             filler.scale = 0.0
             micro.append(filler)
         return micro

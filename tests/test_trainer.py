@@ -63,31 +63,46 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------ in-process units
-@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
-def test_packed_logprobs_equal_full_logits(tmp_path, padded):
-    """pack + lm_head_inputs + fused_linear_logprob == log_softmax(HF logits / T) of each sequence alone, in both
-    micro-batch layouts (one packed row; one right-padded row per trajectory)."""
+@pytest.mark.parametrize("layout,attn", [("packed", "sdpa"), ("padded", "sdpa"), ("shared", "sdpa"),
+                                         ("shared", "eager")])
+def test_packed_logprobs_equal_full_logits(tmp_path, layout, attn):
+    """pack + lm_head_inputs + fused_linear_logprob == log_softmax(HF logits / T) of each sequence alone, in every
+    micro-batch layout (one packed row; one right-padded row per trajectory; one row per group with the prefix its
+    trajectories share once, under a 4D mask: boolean for sdpa, additive for eager)."""
     from fastpo.config import get_preset
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
     from fastpo.trainer import Sample, Trainer, pack
 
     tok = build_tiny_tokenizer(tmp_path)
     model = build_tiny_model(tmp_path, tok)
+    model.set_attn_implementation(attn)
     rng = np.random.default_rng(0)
     samples = []
-    for n in (7, 12, 5):
+    prompt = rng.integers(0, len(tok), 5)
+    for n, group in ((7, 0), (12, 0), (5, 1)):  # the two trajectories of group 0 start with the same 5 tokens
         ids = rng.integers(0, len(tok), n)
+        if group == 0:
+            ids[:5] = prompt
         mask = np.arange(n) >= 2
         samples.append(Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool),
-                              0.0, 0, True))
-    micro = pack(samples, [0, 1, 2], 20, torch.device("cpu"), padded)
-    assert [m.indices for m in micro] == [[0, 1], [2]]
-    if padded:
+                              0.0, group, True))
+    micro = pack(samples, [0, 1, 2], 20, torch.device("cpu"), layout, token_cost=8.0)
+    if layout == "shared":  # group 0 costs 7 + (12 - 5) tokens, so all three fit in 20: rows [prefix|2|7], [5]
+        assert [m.indices for m in micro] == [[0, 1, 2]]
+        mb = micro[0]
+        assert mb.padded_ids.shape == (2, 14) and mb.row_mask.shape == (2, 1, 14, 14)
+        assert mb.padded_index.tolist() == list(range(7)) + list(range(5)) + list(range(7, 14)) + list(range(14, 19))
+        assert mb.row_pos[0].tolist() == list(range(7)) + list(range(5, 12))
+        assert not mb.row_mask[0, 0, 8, 5] and mb.row_mask[0, 0, 8, 4] and mb.row_mask[0, 0, 8, 7]
+    else:
+        assert [m.indices for m in micro] == [[0, 1], [2]]
+    if layout == "padded":
         assert micro[0].padded_ids.shape == (2, 12) and micro[0].padded_index.tolist() == list(range(7)) + list(
             range(12, 24))
-    else:
+    elif layout == "packed":
         assert micro[0].padded_ids is None
-    assert micro[0].position_ids[0].tolist() == list(range(7)) + list(range(12))
+    assert micro[0].position_ids[0].tolist() == list(range(7)) + list(range(12)) + [0, 1, 2, 3, 4] * (
+        layout == "shared")
     cfg = get_preset("tiny")
     cfg.rollout.temperature = 0.7
     fake = type("T", (), {"cfg": cfg})()
@@ -109,6 +124,7 @@ def test_packed_logprobs_equal_full_logits(tmp_path, padded):
     from fastpo.model import load_critic
 
     fake.critic = load_critic(tmp_path)
+    fake.critic.backbone.set_attn_implementation(attn)
     for mb in micro:
         mask = torch.from_numpy(np.concatenate([samples[i].loss_mask for i in mb.indices]))
         values = Trainer._values(fake, mb, mask)
@@ -125,6 +141,7 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     loss over the whole mini-batch in one micro-batch, for every aggregation mode."""
     from fastpo import algorithms
     from fastpo.config import get_preset
+    from fastpo.microbatch import token_cost
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
     from fastpo.trainer import Sample, Trainer, cat_tokens
 
@@ -132,10 +149,12 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     model = build_tiny_model(tmp_path, tok)
     rng = np.random.default_rng(1)
     samples = []
-    for n in (9, 14, 6, 11, 8):
+    for n, group in ((9, 0), (14, 0), (6, 2), (11, 1), (8, 1)):
         ids = rng.integers(0, len(tok), n)
+        if group < 2 and samples and samples[-1].group == group:  # the second of a group shares a prompt prefix
+            ids[:4 + group] = samples[-1].input_ids[:4 + group]
         mask = (np.arange(n) >= 3) & (rng.random(n) < 0.8)
-        s = Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool), 0.0, 0, True)
+        s = Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool), 0.0, group, True)
         s.old_logp = (-rng.random(n) * mask).astype(np.float32)
         s.advantages = (rng.standard_normal(n) * mask).astype(np.float32)
         samples.append(s)
@@ -143,9 +162,10 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     cfg.algorithm.loss_agg_mode = mode
     kept = list(range(5))
 
-    def grads(max_tokens, padded):
+    def grads(max_tokens, layout):
         cfg.optim.micro_batch_tokens = max_tokens
-        fake = type("T", (), {"cfg": cfg, "rank": 0, "world": 1, "device": torch.device("cpu"), "_padded": padded})()
+        fake = type("T", (), {"cfg": cfg, "rank": 0, "world": 1, "device": torch.device("cpu"), "_layout": layout,
+                              "_token_cost": token_cost(model), "_pack": Trainer._pack})()
         model.zero_grad()
         plan = Trainer._micro_plan(fake, samples, kept)
         for mb in plan:
@@ -156,12 +176,15 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
             loss, _ = algorithms.policy_loss(logp, old, adv, mask, ent, None, cfg.algorithm, cu_seqlens=mb.cu_seqlens,
                                              norm_len=Trainer._norm_len(samples, kept))
             (loss * mb.scale).backward()
-        return len(plan), [p.grad.clone() for p in model.parameters()]
+        return plan, [p.grad.clone() for p in model.parameters()]
 
-    n_one, one = grads(10**6, False)
-    for padded in (False, True):
-        n_many, many = grads(16, padded)
-        assert n_one == 1 and n_many == 5
+    plan, one = grads(10**6, "packed")
+    assert len(plan) == 1
+    for layout in ("packed", "padded", "shared"):
+        plan, many = grads(16, layout)
+        # shared: the second trajectory of group 1 costs only its 3 tokens past the prompt, so it joins the first
+        assert [mb.indices for mb in plan] == ([[0], [1], [2], [3, 4]] if layout == "shared" else [[i] for i in kept])
+        assert (plan[-1].row_mask is not None) == (layout == "shared")
         for a, b in zip(one, many, strict=True):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
 
