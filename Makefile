@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build test test-fast lint bench-envs bench-vs-trl demo clean
+.PHONY: setup build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean
 
 # torch is installed first, pinned, on its own: anything that pulls torch in unpinned downloads a CUDA build.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -53,6 +53,18 @@ bench-vs-trl: build
 	assert triton.__version__ == '3.7.1'; print('trl', trl.__version__)"
 	$(BIN)/python bench/bench_vs_trl.py $(BENCH_VS_TRL_ARGS)
 	$(BIN)/python bench/plot_vs_trl.py
+
+# Equal learning: both sides train the same partly-SFT'd tiny agent (Bandit answers, 25% valid at T 1) for 30
+# steps, 3 seeds each; README "Performance vs TRL" quotes the rewards of the first and last 5 steps.
+LEARN_DIR ?= runs/bandit-sft
+bench-vs-trl-learning: build
+	$(BIN)/python -m pip install --quiet --no-deps $(TRL_PKGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m fastpo.sft --model fastpo/assets/tiny-agent --env bandit --no-think \
+	  --noise 0.5 --max-turns 1 --max-actions-per-turn 1 --episodes 2000 --steps 200 --lr 2e-3 --save-every 20 \
+	  --out $(LEARN_DIR)
+	$(BIN)/python bench/bench_vs_trl.py --model-dir bandit-sft-80=$(LEARN_DIR)/step-80 --models bandit-sft-80 \
+	  --task bandit --no-think --groups 4 --group-size 8 --response-length 16 --steps 30 --lr 5e-4 \
+	  --seeds 1,2,3 --no-sokoban $(BENCH_VS_TRL_ARGS)
 
 bench-envs: build
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_envs.py

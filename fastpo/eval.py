@@ -35,7 +35,7 @@ import numpy as np
 
 from .engine.base import Engine, SamplingParams
 from .prompts import prompt_spec
-from .rollout import ENV_LABELS, RolloutConfig, run_rollout
+from .rollout import RolloutConfig, env_label, run_rollout
 
 ENGINES = ("hf", "vllm")
 #: Per-trajectory means reported by ``evaluate`` (``val-env/<Env>/<key>`` in the metrics).
@@ -154,11 +154,10 @@ def evaluate(
     t0 = time.perf_counter()
     weighted: dict[str, float] = {}
     rewards: list[float] = []
-    label = None
+    label = env_label(env_name)
     for start in range(0, n, batch_size):
         seeds = np.arange(seed + start, seed + min(n, start + batch_size), dtype=np.int64)
         env = envs.make(env_name, len(seeds), backend=backend, **(env_kwargs or {}))
-        label = label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
         cfg = RolloutConfig(
             max_turns=max_turns,
             max_actions_per_turn=max_actions_per_turn,

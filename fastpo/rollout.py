@@ -83,7 +83,14 @@ from .prompts import EnvPromptSpec, Turn, build_messages, render_chat, turn_rewa
 
 #: Metric labels of the built-in envs (``env/<label>/...``), RAGEN's tags.
 ENV_LABELS = {"sokoban": "Sokoban", "frozenlake": "FrozenLake", "bandit": "Bandit", "countdown": "Countdown"}
-ENV_LABELS["qa"] = "MetamathQA"
+ENV_LABELS.update(qa="MetamathQA", metamathqa="MetamathQA")
+
+
+def env_label(name: str) -> str:
+    """Metric label of a configured env name: ``ENV_LABELS`` (RAGEN's tags of the base names), else the name in
+    CamelCase (bandit_test -> BanditTest, larger_sokoban -> LargerSokoban, as RAGEN tags them), so two variants of
+    one env class (validation on bandit and bandit_test) are reported apart, not averaged together."""
+    return ENV_LABELS.get(name) or "".join(part[:1].upper() + part[1:] for part in name.split("_"))
 
 
 @dataclass

@@ -71,7 +71,7 @@ from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTi
 from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost
 from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict, resolve_attn_implementation
 from .prompts import prompt_spec
-from .rollout import RolloutConfig, RolloutPart, run_rollouts
+from .rollout import RolloutConfig, RolloutPart, env_label, run_rollouts
 
 #: ``model.path`` placeholder of the tiny CPU agent (the ``tiny`` preset).
 TINY_MODEL = "tiny"
@@ -278,7 +278,8 @@ class Trainer:
                     format_penalty=cfg.rollout.format_penalty, max_model_len=cfg.rollout.max_model_len,
                     max_context_window=cfg.rollout.max_context_window, canonical=cfg.rollout.canonical,
                     train_on_observations=cfg.rollout.train_on_observations,
-                    use_turn_scores=cfg.rollout.reward_level == "turn", env_metric_prefix=prefix),
+                    use_turn_scores=cfg.rollout.reward_level == "turn", env_metric_prefix=prefix,
+                    env_label=env_label(name)),
             })
         return parts
 

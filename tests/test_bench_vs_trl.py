@@ -147,3 +147,35 @@ def test_plot_uses_the_latest_run(tmp_path):
     out = tmp_path / "p.png"
     assert plot_vs_trl.main(["--csv", str(path), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_answer_only_format_and_reward_after_n_steps(tmp_path):
+    """--no-think reaches fastpo's config and the prompts both sides see; the learning figures are the mean reward of
+    the first and last k steps (k = min(LAST_K, steps // 2)), pooled over repeats."""
+    s = small_settings("unused")
+    s.enable_think = False
+    cfg = bvt.fastpo_config(s, str(tmp_path / "run"))
+    assert cfg.rollout.enable_think is False and bvt.fastpo_config(small_settings("unused"), "r").rollout.enable_think
+    s.norm_adv_by_std = False  # --no-std: mean-centred advantages on both sides
+    assert bvt.fastpo_config(s, "r").algorithm.norm_adv_by_std is False
+    assert bvt.trl_config_kwargs(s, "t")["scale_rewards"] == "none"
+    assert bvt.trl_config_kwargs(small_settings("unused"), "t")["scale_rewards"] == "group"
+    s.steps, s.warmup = 6, 1
+    run = {"step_times": [1.0] * 6, "gen_tokens": [10] * 6, "phases": {"generate": 0.5}, "peak_rss_mb": 1.0,
+           "rewards": [[0.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [1.0, 0.0]]}
+    m = bvt.summarize([run, run], s)
+    assert m["last_k"] == 3 and m["reward_first"] == pytest.approx(3 / 6) and m["reward_last"] == pytest.approx(3 / 6)
+    run["rewards"][-1] = [1.0, 1.0]
+    assert bvt.summarize([run], s)["reward_last"] == pytest.approx(4 / 6)
+
+
+def test_local_model_dirs(tmp_path, tiny_path):
+    """--model-dir NAME=PATH benchmarks a local HF folder under NAME; a folder without config.json is refused."""
+    paths = bvt.build_models(tmp_path / "m", ("agent",), {"agent": tiny_path})
+    assert paths == {"agent": tiny_path}
+    with pytest.raises(ValueError, match="no config.json"):
+        bvt.build_models(tmp_path / "m2", ("agent",), {"agent": str(tmp_path)})
+    with pytest.raises(SystemExit):
+        bvt.main(["--models", "agent", "--model-dir", "agent", "--no-csv"])
+    with pytest.raises(SystemExit):
+        bvt.main(["--models", "nope", "--no-csv"])

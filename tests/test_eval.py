@@ -77,6 +77,17 @@ def test_bandit_always_high_risk(tiny):
     assert abs(res["reward"] - 0.25) < 0.08  # the high-risk arm pays 1.0 w.p. 0.25
     table = format_table([res])
     assert table.splitlines()[0].split(" | ")[0].strip() == "env" and "bandit" in table.splitlines()[2]
+    # the held-out names report under their own label (RAGEN's BanditTest), not averaged into Bandit
+    test = evaluate(None, tok, "bandit_test", n=8, engine=SolverEngine(tok, "bandit_test"))
+    assert test["success"] == 1.0 and "val-env/BanditTest/success" in test["metrics"]
+    assert "val-env/Bandit/success" in res["metrics"]
+
+
+def test_env_labels_keep_variants_apart():
+    from fastpo.rollout import env_label
+
+    assert [env_label(n) for n in ("bandit", "bandit_test", "sokoban", "larger_sokoban", "frozenlake", "qa")] == [
+        "Bandit", "BanditTest", "Sokoban", "LargerSokoban", "FrozenLake", "MetamathQA"]
 
 
 def test_hf_engine_is_deterministic_given_the_seed(tiny):
