@@ -192,6 +192,10 @@ def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: tor
         shared = _shared_rows(samples, g, token_cost) if layout == "shared" else None
         if shared is not None:
             g = shared[4]
+        elif layout == "shared" and sum(len(samples[i].input_ids) for i in g) > max_tokens:
+            # packed by its shared size but cheaper as padded rows: re-pack by full lengths to stay in the budget
+            out.extend(pack(samples, g, max_tokens, device, "padded"))
+            continue
         lens = [len(samples[i].input_ids) for i in g]
         ids = torch.from_numpy(np.concatenate([samples[i].input_ids for i in g])).to(device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)

@@ -135,6 +135,25 @@ def test_packed_logprobs_equal_full_logits(tmp_path, layout, attn):
             torch.testing.assert_close(values[cu[j] + 1:cu[j + 1]][m], ref[m], atol=2e-5, rtol=1e-5)
 
 
+def test_shared_layout_falls_back_within_the_token_budget():
+    """A micro-batch packed by its shared size that the cost estimate runs as padded rows is re-packed by full
+    lengths, so the forward never exceeds optim.micro_batch_tokens."""
+    from fastpo.microbatch import Sample, pack
+
+    rng = np.random.default_rng(3)
+    samples = []
+    for _ in range(2):  # one group, only 2 of 10 tokens in common: sharing saves too little to pay for the mask
+        ids = rng.integers(10, 100, 10)
+        ids[:2] = [1, 2]
+        samples.append(Sample(ids, np.ones(10, bool), np.zeros(10, np.float32), np.zeros(10, np.float32),
+                              np.zeros(10, bool), 0.0, 7, True))
+    micro = pack(samples, [0, 1], 18, torch.device("cpu"), "shared", token_cost=0.0)  # 10 + 8 fit, 20 do not
+    assert [m.indices for m in micro] == [[0], [1]] and all(m.row_mask is None for m in micro)
+    assert all(m.input_ids.shape[1] <= 18 for m in micro)
+    micro = pack(samples, [0, 1], 20, torch.device("cpu"), "shared", token_cost=0.0)
+    assert [m.indices for m in micro] == [[0, 1]] and micro[0].padded_ids.shape == (2, 10)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     """Accumulated over micro-batches (with their loss scales), the actor gradient equals the gradient of the same
