@@ -116,8 +116,8 @@ def _row_cost(widths: list[int], token_cost: float) -> float:
 
 def _clusters(samples: list[Sample], g: list[int]) -> list[tuple[int, list[int]]]:
     """The trajectories of one micro-batch grouped by Sample.group, in order of first appearance: (shared prefix
-    length, members). The prefix is the shortest common prefix of each member with the group's first member (the
-    whole first member for a group of one: it shares nothing)."""
+    length, members). The prefix is the shortest common prefix of each member with the group's first member (0 for
+    a group of one: it shares nothing)."""
     by_group: dict[int, list[int]] = {}
     for i in g:
         by_group.setdefault(samples[i].group, []).append(i)
