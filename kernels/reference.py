@@ -137,12 +137,13 @@ def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, retu
     return logp, entropy, lse
 
 
-def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, temperature):
+def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, temperature,
+                             need_weight=True, need_bias=True):
     """Backward of :func:`fused_linear_logprob_fwd`: recomputes each logits block from hidden and weight.
 
     dL/dz = g_logp * onehot + p * (-(g_logp - g_lse) - g_ent * (log p + entropy)), z = logits / temperature.
     Any grad may be None. Returns (grad_hidden, grad_weight, grad_bias or None) in the input dtypes; the
-    accumulation is fp32."""
+    accumulation is fp32. need_weight / need_bias False skip dW / db (returned as None): a frozen lm-head."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     inv_t = 1.0 / temperature
@@ -151,8 +152,8 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
     coef = -g if grad_lse is None else grad_lse.to(cd) - g
     g_ent = grad_entropy.to(cd) if grad_entropy is not None and grad_entropy.numel() else None
     d_hidden = torch.zeros(hidden.shape, dtype=cd, device=dev)
-    d_weight = torch.zeros(weight.shape, dtype=cd, device=dev)
-    d_bias = torch.zeros(vocab, dtype=cd, device=dev) if bias is not None else None
+    d_weight = torch.zeros(weight.shape, dtype=cd, device=dev) if need_weight else None
+    d_bias = torch.zeros(vocab, dtype=cd, device=dev) if bias is not None and need_bias else None
     tc, vc = _chunk_sizes(n_tokens, vocab)
     buf = torch.empty(tc * vc, dtype=cd, device=dev)
     ids = ids.long()
@@ -176,13 +177,14 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
             hit = ((idc >= v0) & (idc < v0 + width)).nonzero().squeeze(1)
             z.index_put_((hit, idc[hit] - v0), gc[hit], accumulate=True)
             d_hidden[n0 : n0 + rows].addmm_(z, wv)
-            d_weight[v0 : v0 + width].addmm_(z.t(), xs)
+            if d_weight is not None:
+                d_weight[v0 : v0 + width].addmm_(z.t(), xs)
             if d_bias is not None:
                 d_bias[v0 : v0 + width] += z.sum(0)
     d_hidden.mul_(inv_t)
     if d_bias is not None:
         d_bias = d_bias.mul_(inv_t).to(bias.dtype)
-    return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), d_bias
+    return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype) if d_weight is not None else None, d_bias
 
 
 class _FusedLinearLogprob(torch.autograd.Function):
@@ -198,7 +200,8 @@ class _FusedLinearLogprob(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         dh, dw, db = fused_linear_logprob_bwd(
-            grad_logp, grad_entropy, None, hidden, weight, bias, ids, lse, entropy, ctx.temperature
+            grad_logp, grad_entropy, None, hidden, weight, bias, ids, lse, entropy, ctx.temperature,
+            ctx.needs_input_grad[1], ctx.needs_input_grad[2],
         )
         return dh, dw, db, None, None, None
 

@@ -14,6 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+#: Tile sizes on CUDA: positions per GAE / GRPO tile, sequences per GRPO group-compare tile.
+GPU_BLOCK_T = 1024
+GPU_BLOCK_B = 1024
+
 
 @triton.jit
 def _affine2(a1, x1, a2, x2):
@@ -111,7 +115,7 @@ def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, cu_seq
     ret = torch.zeros_like(adv)
     n_seq = cu.shape[0] - 1
     if n_seq > 0 and mask.numel():
-        block = 1024 if mask.is_cuda else 256
+        block = GPU_BLOCK_T if mask.is_cuda else 256
         _gae_kernel[(n_seq,)](
             rewards.contiguous().reshape(-1), values.contiguous().reshape(-1), _mask_arg(mask),
             _mask_arg(reset) if reset is not None else _mask_arg(mask), cu, adv.view(-1), ret.view(-1),
@@ -168,5 +172,5 @@ def grpo_advantages(scores, group_ids, mask, norm_by_std: bool, eps: float, cu_s
         big = scores.is_cuda
         _grpo_kernel[(n_seq,)](scores.contiguous(), group_ids.contiguous(), _mask_arg(mask), cu, seq_adv,
                                out.view(-1), n_seq, float(eps), NORM=bool(norm_by_std),
-                               BLOCK_B=1024 if big else 256, BLOCK_T=1024 if big else 512)
+                               BLOCK_B=GPU_BLOCK_B if big else 256, BLOCK_T=GPU_BLOCK_T if big else 512)
     return seq_adv, out

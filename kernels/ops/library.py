@@ -156,17 +156,24 @@ def _(hidden, weight, bias, ids, temperature, return_entropy):
 @torch.library.custom_op("fastpo::fused_linear_logprob_backward", mutates_args=())
 def fused_linear_logprob_backward(grad_logp: Tensor, grad_entropy: Tensor, grad_lse: Tensor, hidden: Tensor,
                                   weight: Tensor, bias: Tensor | None, ids: Tensor, lse: Tensor, entropy: Tensor,
-                                  temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+                                  temperature: float, need_weight: bool = True,
+                                  need_bias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_hidden, d_weight, d_bias); d_weight / d_bias are empty [0] tensors when not needed (a frozen lm-head
+    or no bias): the backward then skips their GEMM / reduction."""
     impl = triton_module("logprob") if backend_for(hidden) == "triton" else ref
     d_hidden, d_weight, d_bias = impl.fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight,
-                                                               bias, ids, lse, entropy, temperature)
-    return d_hidden, d_weight, d_bias if d_bias is not None else _empty(hidden.device)
+                                                               bias, ids, lse, entropy, temperature, need_weight,
+                                                               need_bias)
+    return (d_hidden, d_weight if d_weight is not None else _empty(hidden.device),
+            d_bias if d_bias is not None else _empty(hidden.device))
 
 
 @fused_linear_logprob_backward.register_fake
-def _(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, temperature):
-    d_bias = torch.empty_like(bias) if bias is not None else hidden.new_empty((0,), dtype=torch.float32)
-    return torch.empty_like(hidden), torch.empty_like(weight), d_bias
+def _(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, temperature, need_weight=True,
+      need_bias=True):
+    empty = hidden.new_empty((0,), dtype=torch.float32)
+    d_bias = torch.empty_like(bias) if bias is not None and need_bias else empty
+    return torch.empty_like(hidden), torch.empty_like(weight) if need_weight else empty, d_bias
 
 
 def _flp_setup(ctx, inputs, output):
@@ -177,9 +184,11 @@ def _flp_setup(ctx, inputs, output):
 
 def _flp_backward(ctx, grad_logp, grad_entropy, grad_lse):
     hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+    need_weight, need_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
     d_hidden, d_weight, d_bias = fused_linear_logprob_backward(grad_logp, grad_entropy, grad_lse, hidden, weight,
-                                                               bias, ids, lse, entropy, ctx.temperature)
-    return d_hidden, d_weight, (d_bias if bias is not None else None), None, None, None
+                                                               bias, ids, lse, entropy, ctx.temperature,
+                                                               need_weight, need_bias)
+    return (d_hidden, d_weight if need_weight else None, d_bias if need_bias else None, None, None, None)
 
 
 fused_linear_logprob.register_autograd(_flp_backward, setup_context=_flp_setup)

@@ -2,32 +2,97 @@
 
 Imported lazily (only when the Triton path runs): this module imports triton at the top. Every kernel loads its
 inputs in whatever dtype they come, casts to fp32 right after the load and accumulates in fp32; the only
-low-precision compute is ``tl.dot`` on bf16/fp16 operands (fp32 accumulator) on a GPU. Under the Triton
-interpreter (CPU tensors) the dot operands are cast to fp32 first, since the interpreter's bf16 arithmetic is
-wrong. Entry points: :func:`selective_logprob_fwd` / ``_bwd`` and :func:`fused_linear_logprob_fwd` / ``_bwd``,
-with the same signatures and results as their namesakes in ``reference.py``.
+low-precision compute is ``tl.dot`` on a GPU: bf16/fp16 operands as they are, fp32 operands as TF32 unless
+``FASTPO_KERNELS_FP32=ieee`` (fp32 accumulator in every case). Under the Triton interpreter (CPU tensors) the
+dot operands are cast to fp32 first and the dot is exact, since the interpreter's bf16 arithmetic is wrong.
+Entry points: :func:`selective_logprob_fwd` / ``_bwd`` and :func:`fused_linear_logprob_fwd` / ``_bwd``, with the
+same signatures and results as their namesakes in ``reference.py``. CUDA tile configs: ``GPU_TILES``, checked by
+``python -m fastpo.kernels.aot`` (compiled for sm_90a / sm_80, no spills).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-# Interpreter-friendly sizes on CPU tensors, MMA-friendly ones on a GPU.
-_CPU = {"BLOCK_N": 16, "BLOCK_V": 512, "BLOCK_K": 32, "ROW_BLOCK": 4096, "GRAD_ELEMENTS": 1 << 16}
-_GPU = {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "ROW_BLOCK": 4096, "GRAD_ELEMENTS": 1 << 29}
+# Interpreter-friendly sizes on CPU tensors (the interpreter runs on CPU, where only exactness matters).
+_CPU = {"BLOCK_N": 16, "BLOCK_V": 512, "BLOCK_K": 32, "GROUP_V": 8, "num_warps": 4, "num_stages": 3,
+        "ROW_BLOCK": 4096, "GRAD_ELEMENTS": 1 << 16, "DOT_F32": True, "PREC": "ieee"}
+#: Vocab block and warps of the per-row selective-logprob kernels on CUDA.
+ROW_BLOCK, ROW_WARPS = 4096, 4
+#: Elements of the backward's dL/dlogits chunk buffer on CUDA (2^29: 1 GiB in bf16; for N below ~3.5K tokens
+#: the whole N x V gradient of a 151K vocab fits in one chunk).
+GRAD_ELEMENTS = 1 << 29
+#: CUDA tiles of the fused linear-logprob kernels (forward and grad), per dot mode, chosen from the sm_90a /
+#: sm_80 compile table of ``python -m fastpo.kernels.aot`` (docs/KERNELS.md): the largest tiles that compile
+#: without spills on both archs. "half": bf16 / fp16 operands; "tf32": fp32 operands rounded to TF32 on the
+#: tensor cores (fp32 accumulation); "ieee": exact fp32 FMAs, no tensor cores (FASTPO_KERNELS_FP32=ieee).
+#: 128 x 256 tiles spill on both archs; 64 x 128 with 4 warps spills in tf32 on sm_80.
+GPU_TILES = {
+    "half": {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    "tf32": {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3},
+    "ieee": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
+}
+FP32_MODES = ("tf32", "ieee")
 
 
-def _cfg(t: torch.Tensor) -> dict:
-    return _GPU if t.is_cuda else _CPU
+def fp32_mode() -> str:
+    """How fp32 operands enter ``tl.dot`` on CUDA: ``FASTPO_KERNELS_FP32=tf32`` (default: tensor cores, inputs
+    rounded to TF32's 10-bit mantissa, fp32 accumulation) or ``ieee`` (exact fp32, several times slower; the
+    GPU test run uses it to compare against fp32 truth at fp32 tolerances)."""
+    mode = os.environ.get("FASTPO_KERNELS_FP32", "").strip().lower() or "tf32"
+    if mode not in FP32_MODES:
+        raise ValueError(f"FASTPO_KERNELS_FP32 must be one of {FP32_MODES} (or unset), got {mode!r}")
+    return mode
 
 
-def _dot_opts(t: torch.Tensor) -> tuple[bool, str]:
-    """(cast dot operands to fp32, tl.dot input_precision): bf16/fp16 tensor-core dots on a GPU; exact fp32
-    ("ieee", no TF32) otherwise, and always fp32 operands under the interpreter."""
+def gpu_config(kind: str, mode: str) -> dict:
+    """Launch config of the fused kernels on CUDA: ``kind`` "fwd" or "grad", ``mode`` a key of GPU_TILES ->
+    tiles, warps, stages, GROUP_V, GRAD_ELEMENTS and the dot options (DOT_F32: cast operands to fp32 first;
+    PREC: tl.dot input_precision)."""
+    if kind not in ("fwd", "grad") or mode not in GPU_TILES:
+        raise ValueError(f"gpu_config: kind must be 'fwd' or 'grad' and mode one of {tuple(GPU_TILES)}, got "
+                         f"{kind!r}, {mode!r}")
+    return dict(GPU_TILES[mode], GROUP_V=8, GRAD_ELEMENTS=GRAD_ELEMENTS, ROW_BLOCK=ROW_BLOCK,
+                DOT_F32=mode == "ieee", PREC="ieee" if mode == "ieee" else "tf32")
+
+
+def _cfg(t: torch.Tensor, kind: str = "fwd") -> dict:
+    """The config for a kernel on ``t``'s device and dtype. Under the interpreter (CPU tensors) dot operands are
+    always fp32 and exact, since the interpreter's bf16 arithmetic is wrong."""
+    if not t.is_cuda:
+        return _CPU
     half = t.dtype in (torch.bfloat16, torch.float16)
-    return (not t.is_cuda) or not half, "tf32" if half else "ieee"
+    return gpu_config(kind, "half" if half else fp32_mode())
+
+
+def ctas_per_sm(regs: int, num_warps: int, shared: int, regs_per_sm: int = 65536, smem_per_sm: int = 233472,
+                max_threads: int = 2048) -> int:
+    """Resident CTAs per SM of a kernel using ``regs`` registers per thread, ``num_warps`` warps and ``shared``
+    bytes of shared memory per CTA. Registers are allocated per warp in 256-register units (8 per thread) and
+    the driver reserves 1 KiB of shared memory per CTA. Defaults: an sm_90 SM (H100 / H200)."""
+    warp_regs = -(-max(regs, 1) // 8) * 8 * 32
+    by_regs = regs_per_sm // (warp_regs * num_warps)
+    by_smem = smem_per_sm // (shared + 1024) if shared else by_regs
+    return max(0, min(by_regs, by_smem, max_threads // (32 * num_warps), 32))
+
+
+def n_splits(n_token_blocks: int, n_vocab_blocks: int, slots: int, max_splits: int = 64) -> int:
+    """Vocab splits of the fused forward for ``slots`` = SMs x resident CTAs per SM of the launched config. With
+    s splits the grid has blocks * s CTAs of equal work V / s, so the run time is proportional to
+    ceil(blocks * s / slots) / s (waves times the share of the vocab). Returns the smallest s in
+    [1, min(n_vocab_blocks, max_splits)] within 5% of the best (fewer splits: fewer partials to combine): the last
+    wave is never mostly idle (at least 94% of the slots busy over the whole run once blocks * max_splits >= 3 x
+    slots), where a fixed target of 2 x SMs CTAs left up to a third of them idle."""
+    if n_token_blocks < 1 or n_vocab_blocks < 1 or slots < 1:
+        raise ValueError(f"n_splits needs positive counts, got n_token_blocks={n_token_blocks}, "
+                         f"n_vocab_blocks={n_vocab_blocks}, slots={slots}")
+    cost = [-(-n_token_blocks * s // slots) / s for s in range(1, min(n_vocab_blocks, max_splits) + 1)]
+    best = min(cost)
+    return next(s for s, c in enumerate(cost, 1) if c <= best * 1.05)
 
 
 # --------------------------------------------------------------------------------------- logprob from logits
@@ -87,7 +152,7 @@ def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: 
         inner, s_outer, s_row = _row_layout(logits)
         block = min(_cfg(logits)["ROW_BLOCK"], triton.next_power_of_2(vocab))
         _selective_fwd_kernel[(ids.numel(),)](logits, ids.contiguous(), logp, lse, vocab, inner, s_outer, s_row,
-                                              1.0 / temperature, BLOCK_V=block)
+                                              1.0 / temperature, BLOCK_V=block, num_warps=ROW_WARPS)
     return logp, lse
 
 
@@ -101,7 +166,7 @@ def selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature: fl
         grid = (ids.numel(), triton.cdiv(vocab, block))
         _selective_bwd_kernel[grid](logits, ids.contiguous(), lse, grad_logp.float().contiguous(),
                                     grad_lse.float().contiguous(), out, vocab, inner, s_outer, s_row,
-                                    1.0 / temperature, BLOCK_V=block)
+                                    1.0 / temperature, BLOCK_V=block, num_warps=ROW_WARPS)
     return out
 
 
@@ -219,13 +284,27 @@ def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse
     tl.store(out, grad.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (local < Vc)[None, :])
 
 
-def _n_splits(hidden: torch.Tensor, n_token_blocks: int, vocab: int, block_v: int) -> int:
-    """Vocab splits so that the forward grid fills the GPU (one per SM is plenty); 1 under the interpreter."""
+_SLOTS: dict = {}
+
+
+def _slots(hidden: torch.Tensor, args: tuple, consts: dict) -> int:
+    """SMs x resident CTAs per SM of the forward kernel as it will launch (compiled once per device and
+    specialisation through ``warmup``, which launches nothing); 1 under the interpreter, where splitting only
+    costs time."""
     if not hidden.is_cuda:
         return 1
-    sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    want = max(1, triton.cdiv(2 * sms, n_token_blocks))
-    return max(1, min(want, triton.cdiv(vocab, block_v)))
+    key = (hidden.device.index, hidden.dtype, tuple(sorted(consts.items())))
+    if key not in _SLOTS:
+        props = torch.cuda.get_device_properties(hidden.device)
+        with torch.cuda.device(hidden.device):
+            kernel = _flp_fwd_kernel.warmup(*args, grid=(1, 1), **consts)
+            kernel._init_handles()  # loads the cubin: fills n_regs
+        per_sm = ctas_per_sm(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
+                             getattr(props, "regs_per_multiprocessor", 65536),
+                             getattr(props, "shared_memory_per_multiprocessor", 233472),
+                             getattr(props, "max_threads_per_multi_processor", 2048))
+        _SLOTS[key] = props.multi_processor_count * max(per_sm, 1)
+    return _SLOTS[key]
 
 
 def _combine(part: torch.Tensor):
@@ -245,19 +324,25 @@ def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, retu
     [0], lse [N]). Contiguous inputs of one dtype."""
     n_tokens, hid = hidden.shape
     vocab = weight.shape[0]
-    cfg = _cfg(hidden)
-    dot_f32, prec = _dot_opts(hidden)
+    cfg = _cfg(hidden, "fwd")
+    block_v = cfg["BLOCK_V"]
     n_blocks = triton.cdiv(n_tokens, cfg["BLOCK_N"])
-    splits = _n_splits(hidden, n_blocks, vocab, cfg["BLOCK_V"])
-    v_per_split = triton.cdiv(triton.cdiv(vocab, splits), cfg["BLOCK_V"]) * cfg["BLOCK_V"]
+    consts = {"HAS_BIAS": bias is not None, "WANT_ENT": return_entropy, "DOT_F32": cfg["DOT_F32"],
+              "PREC": cfg["PREC"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": block_v, "BLOCK_K": cfg["BLOCK_K"],
+              "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    args = [hidden, weight, bias if bias is not None else hidden, ids, None, n_tokens, vocab, hid, block_v,
+            1.0 / temperature]
+    splits = 1
+    if n_tokens:
+        part = torch.empty(4, 1, n_tokens, dtype=torch.float32, device=hidden.device)  # for the warmup only
+        slots = _slots(hidden, tuple(args[:4]) + (part,) + tuple(args[5:]), consts)
+        splits = n_splits(n_blocks, triton.cdiv(vocab, block_v), slots)
+    v_per_split = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
     splits = triton.cdiv(vocab, v_per_split)
     part = torch.empty(4, splits, n_tokens, dtype=torch.float32, device=hidden.device)
     if n_tokens:
-        _flp_fwd_kernel[(n_blocks, splits)](
-            hidden, weight, bias if bias is not None else hidden, ids, part, n_tokens, vocab, hid, v_per_split,
-            1.0 / temperature, HAS_BIAS=bias is not None, WANT_ENT=return_entropy, DOT_F32=dot_f32, PREC=prec,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-        )
+        args[4], args[8] = part, v_per_split
+        _flp_fwd_kernel[(n_blocks, splits)](*args, **consts)
     lse, entropy, target = _combine(part)
     if not return_entropy:
         entropy = torch.empty(0, dtype=torch.float32, device=hidden.device)
@@ -265,15 +350,16 @@ def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, retu
 
 
 def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy,
-                             temperature):
+                             temperature, need_weight: bool = True, need_bias: bool = True):
     """Recomputing backward. Loops over vocab chunks of at most GRAD_ELEMENTS / N columns (and token chunks when
     N alone exceeds that): the Triton kernel writes the chunk's dL/dlogits, cuBLAS does the three GEMMs. Peak
-    extra memory: one [tokens, Vc] buffer in hidden's dtype plus an fp32 dX accumulator [N, H]."""
+    extra memory: one [tokens, Vc] buffer in hidden's dtype plus an fp32 dX accumulator [N, H]. Returns
+    (d_hidden, d_weight or None when not need_weight, d_bias or None when there is no bias or not need_bias):
+    a frozen lm-head (LoRA) skips the 2NVH FLOP of dW."""
     n_tokens, hid = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    cfg = _cfg(hidden)
-    dot_f32, prec = _dot_opts(hidden)
+    cfg = _cfg(hidden, "grad")
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     zeros = torch.zeros(n_tokens, dtype=torch.float32, device=dev)
     g = grad_logp.float().contiguous() if grad_logp is not None else zeros
@@ -285,8 +371,10 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
     vocab_chunk = max(bv, min(triton.cdiv(vocab, bv) * bv, (cfg["GRAD_ELEMENTS"] // max(token_chunk, 1)) // bv * bv))
     d_hidden = torch.zeros(n_tokens, hid, dtype=torch.float32, device=dev)
     single = token_chunk >= n_tokens
-    d_weight = torch.empty_like(weight) if single else torch.zeros(weight.shape, dtype=torch.float32, device=dev)
-    d_bias = torch.zeros(vocab, dtype=torch.float32, device=dev) if bias is not None else None
+    d_weight = None
+    if need_weight:
+        d_weight = torch.empty_like(weight) if single else torch.zeros(weight.shape, dtype=torch.float32, device=dev)
+    d_bias = torch.zeros(vocab, dtype=torch.float32, device=dev) if bias is not None and need_bias else None
     buf = torch.empty(min(token_chunk, n_tokens) * vocab_chunk, dtype=hidden.dtype, device=dev)
     for n0 in range(0, n_tokens, token_chunk):
         n1 = min(n0 + token_chunk, n_tokens)
@@ -299,16 +387,17 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
             _flp_grad_kernel[grid](
                 x, weight, bias if bias is not None else hidden, ids[n0:n1], lse[n0:n1], ent[n0:n1] if has_gent
                 else ent, g[n0:n1], g_lse[n0:n1], g_ent[n0:n1] if has_gent else g_ent, grad, rows, vocab, hid,
-                v0, width, 1.0 / temperature, HAS_BIAS=bias is not None, HAS_GENT=has_gent, DOT_F32=dot_f32,
-                PREC=prec, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=cfg["BLOCK_K"], GROUP_V=8,
+                v0, width, 1.0 / temperature, HAS_BIAS=bias is not None, HAS_GENT=has_gent, DOT_F32=cfg["DOT_F32"],
+                PREC=cfg["PREC"], BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=cfg["BLOCK_K"], GROUP_V=cfg["GROUP_V"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
             w_chunk = weight[v0 : v0 + width]
             d_hidden[n0:n1] += torch.mm(grad, w_chunk).float()
-            if single:
+            if d_weight is not None and single:
                 d_weight[v0 : v0 + width] = torch.mm(grad.t(), x)
-            else:
+            elif d_weight is not None:
                 d_weight[v0 : v0 + width] += torch.mm(grad.t(), x).float()
             if d_bias is not None:
                 d_bias[v0 : v0 + width] += grad.sum(0, dtype=torch.float32)
-    return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype),
+    return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype) if d_weight is not None else None,
             d_bias.to(bias.dtype) if d_bias is not None else None)

@@ -19,8 +19,12 @@ from ..reference import LOG_RATIO_CLAMP
 _N_PPO_STATS = 7  # loss, clipped, dual clipped, sum(-log ratio), sum(entropy), sum(kl), n masked
 
 
+#: Tokens per program on CUDA (the CPU interpreter takes larger blocks: fewer programs to emulate).
+GPU_BLOCK = 1024
+
+
 def _block(t: torch.Tensor) -> int:
-    return 1024 if t.is_cuda else 4096
+    return GPU_BLOCK if t.is_cuda else 4096
 
 
 @triton.jit

@@ -1,7 +1,9 @@
 """Shared fixtures for the kernel tests: the device under test and a backend switch (FASTPO_KERNELS).
 
 CPU by default (Triton kernels run in the interpreter: TRITON_INTERPRET=1 is set by tests/conftest.py).
-With FASTPO_TEST_GPU=1 and a CUDA device the same tests run on CUDA tensors with compiled Triton kernels."""
+With FASTPO_TEST_GPU=1 and a CUDA device the same tests run on CUDA tensors with compiled Triton kernels; fp32
+dots then run exact (FASTPO_KERNELS_FP32=ieee, unless set otherwise), since the tests compare fp32 inputs with
+fp64 truth at fp32 tolerances, which the default TF32 tensor-core path does not meet (it has its own test)."""
 
 import os
 import sys
@@ -13,6 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 ON_GPU = os.environ.get("FASTPO_TEST_GPU") == "1" and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
+if ON_GPU:
+    os.environ.setdefault("FASTPO_KERNELS_FP32", "ieee")
 BACKENDS = ["torch", "triton"]
 
 

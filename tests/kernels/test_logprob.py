@@ -123,7 +123,7 @@ def test_triton_backward_chunking(monkeypatch, device):
     from fastpo.kernels.ops import logprob as tlp
 
     monkeypatch.setitem(tlp._CPU, "GRAD_ELEMENTS", 16 * 512)
-    monkeypatch.setitem(tlp._GPU, "GRAD_ELEMENTS", 64 * 256)
+    monkeypatch.setattr(tlp, "GRAD_ELEMENTS", 64 * 256)
     hidden, weight, b, ids = _inputs(137, 20, 1500, torch.float32, device)
     logp, ent, lse = tlp.fused_linear_logprob_fwd(hidden.detach(), weight.detach(), b.detach(), ids, 1.1, True)
     g, ge = torch.randn(137, device=device), torch.randn(137, device=device)
@@ -152,6 +152,51 @@ def test_gradcheck_fused_linear_logprob_custom_op(monkeypatch):
     logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     sel_ids = torch.randint(0, 7, (2, 3))
     assert torch.autograd.gradcheck(lambda x: K.selective_logprob(x, sel_ids, 0.5), (logits,))
+
+
+@pytest.mark.parametrize("frozen", ["weight", "bias", "both"])
+def test_frozen_lm_head_skips_its_gradient(backend, device, monkeypatch, frozen):
+    """A weight / bias that needs no gradient gets None, the backward is told to skip dW / db (no 2NVH FLOP for
+    a frozen or LoRA head), and the other gradients are bit-identical to the full backward's."""
+    from fastpo.kernels.ops import library as lib
+
+    impl = lib.triton_module("logprob") if backend == "triton" else ref
+    real, calls = impl.fused_linear_logprob_bwd, []
+    monkeypatch.setattr(impl, "fused_linear_logprob_bwd", lambda *a: calls.append(a[-2:]) or real(*a))
+    hidden, weight, b, ids = _inputs(9, 16, 300, torch.float32, device)
+    g_logp, g_ent = torch.randn(9, device=device), torch.randn(9, device=device)
+
+    def run(h, w, bb):
+        logp, ent = K.fused_linear_logprob(h, w, ids, bb, 0.9, return_entropy=True)
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+
+    run(hidden, weight, b)
+    h2 = hidden.detach().clone().requires_grad_(True)
+    w2 = weight.detach().clone().requires_grad_(frozen == "bias")
+    b2 = b.detach().clone().requires_grad_(frozen == "weight")
+    run(h2, w2, b2)
+    assert calls == [(True, True), (frozen == "bias", frozen == "weight")]
+    torch.testing.assert_close(h2.grad, hidden.grad, atol=0, rtol=0)
+    assert (w2.grad is None) == (frozen != "bias") and (b2.grad is None) == (frozen != "weight")
+    if w2.grad is not None:
+        torch.testing.assert_close(w2.grad, weight.grad, atol=0, rtol=0)
+    if b2.grad is not None:
+        torch.testing.assert_close(b2.grad, b.grad, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_fp32_takes_tf32_tensor_cores_by_default(monkeypatch):
+    """CUDA only: fp32 inputs run TF32 dots unless FASTPO_KERNELS_FP32=ieee; both stay within TF32's error of the
+    fp64 truth (10-bit mantissa: ~1e-3 relative per product), the exact path within fp32's."""
+    hidden, weight, _, ids = _inputs(300, 256, 5000, torch.float32, "cuda", bias=False, scale=0.1)
+    t_logp, _ = logprob_truth(hidden.double(), weight.double(), ids)
+    out = {}
+    for mode in ("tf32", "ieee"):
+        monkeypatch.setenv("FASTPO_KERNELS_FP32", mode)
+        out[mode] = K.fused_linear_logprob(hidden.detach(), weight.detach(), ids)
+    torch.testing.assert_close(out["ieee"].double(), t_logp, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out["tf32"].double(), t_logp, atol=5e-2, rtol=1e-2)
+    assert not torch.equal(out["tf32"], out["ieee"])  # the TF32 path really ran
 
 
 @pytest.mark.gpu
