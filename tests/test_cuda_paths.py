@@ -85,6 +85,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_adam_states(tmp_path):
 
     cfg = get_preset("tiny")
     cfg.model.dtype = "bfloat16"
+    cfg.env.names, cfg.env.kwargs = ("bandit",), {}  # pure Python: also runs from a bare copy (bench/gpu_suite.sh)
     cfg.algorithm.adv_estimator, cfg.algorithm.rollout_filter_ratio = "gae", 1.0
     cfg.env.env_groups, cfg.env.group_size, cfg.env.val_groups, cfg.env.max_turns = 2, 2, 2, 1
     cfg.optim.actor_lr = cfg.optim.critic_lr = 1e-6
