@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from itertools import product
 from typing import Any
 
 from .base import build_config
@@ -45,6 +44,8 @@ INSTRUCTION = (
 )
 
 MAX_ATTEMPTS = 10_000
+#: Distinct signed sums ``ragen_has_solution`` tracks at most (bounds its time and memory).
+MAX_SIGNED_SUMS = 1 << 20
 
 
 @dataclass
@@ -123,10 +124,19 @@ def generate_instance(seed: int, cfg: CountdownConfig | None = None) -> tuple[in
 
 
 def ragen_has_solution(nums: list[int], target: int) -> bool:
-    """RAGEN's ``has_solution``: some +-n1 +-n2 ... equals the target (it ignores * and /)."""
-    return any(
-        sum(s * n for s, n in zip(signs, nums, strict=True)) == target for signs in product((1, -1), repeat=len(nums))
-    )
+    """RAGEN's ``has_solution``: some +-n1 +-n2 ... equals the target (it ignores * and /).
+
+    RAGEN tries all 2^n sign patterns; the same answer comes from the set of reachable signed sums, which stays
+    at most 2 * sum(|n|) + 1 values (a few hundred for RAGEN's data), so a long row cannot hang the load. Rows
+    whose set would pass ``MAX_SIGNED_SUMS`` (many large numbers) raise ValueError instead."""
+    sums = {0}
+    for n in nums:
+        sums = {s + n for s in sums} | {s - n for s in sums}
+        if len(sums) > MAX_SIGNED_SUMS:
+            raise ValueError(f"countdown row with {len(nums)} numbers {nums!r:.120}: its +/- solvability check "
+                             f"exceeds {MAX_SIGNED_SUMS} distinct sums; use fewer or smaller numbers, or "
+                             f"ragen_filter=False")
+    return target in sums
 
 
 def score_equation(equation: str, target: int, nums: list[int], cfg: CountdownConfig | None = None) -> float:

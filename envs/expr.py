@@ -92,7 +92,11 @@ def parse(text: str, max_len: int = MAX_LEN, max_depth: int = MAX_DEPTH) -> Node
             pos += 1
             return node
         if tok[0].isdigit():
-            return ("num", Fraction(tok), tok)
+            try:
+                value = Fraction(tok)
+            except ValueError:  # longer than the interpreter's int <-> str digit limit (sys.set_int_max_str_digits)
+                raise ExprError(f"number of {len(tok)} characters is too long to convert") from None
+            return ("num", value, tok)
         raise ExprError(f"unexpected {tok!r}")
 
     tree = expr(0)

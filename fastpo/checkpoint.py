@@ -282,7 +282,8 @@ def resume(
         if not force:
             raise ValueError(
                 f"checkpoint {path} was saved with config hash {saved}, this run's config hash is {config_hash}; "
-                f"use a new run_dir, --resume never, or force the resume"
+                f"pass that run's config (--config <run_dir>/config.json), another --trainer.run_dir, or "
+                f"--trainer.resume never"
             )
         du.print0(f"resuming {path} saved with config hash {saved} under config hash {config_hash} (forced)")
     return load(path, model_state)

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -497,7 +498,9 @@ def config_hash(cfg: Config) -> str:
 def help_text() -> str:
     """``--help`` output: usage, presets, and every field with type, default and docstring."""
     lines = ["usage: python -m fastpo.train [--preset NAME] [--config FILE.yaml] [--section.field VALUE ...]", "",
-             "Precedence: defaults < --preset < --config < --section.field overrides.", "", "presets:"]
+             "Precedence: defaults < --preset < --config < --section.field overrides.", "",
+             "Exit status: 0 = trained; 1 = the run stopped itself (the 'training stopped:' line says why); 2 = bad "
+             "input, refused before any model loads (one 'config error:' line per problem).", "", "presets:"]
     for name, fn in PRESETS.items():
         lines.append(f"  {name:16s} {' '.join((fn.__doc__ or '').split())}")
     defaults, top_docs = Config(), _field_docs(Config)
@@ -565,16 +568,27 @@ def _load_yaml(path: str) -> dict[str, Any]:
             data = yaml.safe_load(f)
     except OSError as e:
         raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config: {path!r} is not a text file (a YAML / JSON mapping of sections is "
+                          f"expected)") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config: {path!r} is not valid YAML: {e}") from None
+        raise ConfigError(f"--config: {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
     return data or {}
 
 
 # ----------------------------------------------------------------------------------------------- validate
+#: Largest env / torch seed (seeds reach numpy and C++ as int64).
+INT64_MAX = 2**63 - 1
+#: Float fields whose docstring says "inf disables"; NaN is refused everywhere.
+_INF_OK = frozenset({"algorithm.clip_c", "trainer.entropy_jump_factor", "trainer.grad_norm_spike_factor",
+                     "trainer.logprob_gap_max"})
+
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Cross-field checks before any model loads; raises one ConfigError listing every problem, each line naming
-    its field(s). Returns cfg."""
-    from fastpo import algorithms, envs
+    its field(s). Returns cfg. Then ``fastpo.preflight.check_inputs``: model / run / resume paths, env keyword
+    arguments (each env built with one instance and reset), the resume checkpoint's config hash."""
+    from fastpo import algorithms, envs, preflight
 
     errors: list[str] = []
 
@@ -591,6 +605,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                     raise ConfigError(f"{section}.{key}: expected {_type_name(tp)}, got {value!r}")
             except ConfigError as err:
                 errors.append(str(err))
+    errors += [] if errors else preflight.finite_float_errors(cfg, _INF_OK)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     m, e, r, a, o, t = cfg.model, cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
@@ -638,11 +653,21 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(bool(e.action_sep), "env.action_sep must be non-empty")
     check(e.train_seed >= 0 and e.val_seed >= 0,
           f"env.train_seed / env.val_seed must be >= 0, got {e.train_seed} / {e.val_seed}")
+    # env seeds reach numpy / C++ as int64: the last training group's seed is train_seed + (iterations + 1) *
+    # env_groups - 1, the last validation state's val_seed + val_groups - 1
+    last_train = e.train_seed + (max(cfg.trainer.iterations, 0) + 1) * max(e.env_groups, 1) - 1
+    check(last_train <= INT64_MAX, f"env.train_seed ({e.train_seed}) must be <= {INT64_MAX - last_train + e.train_seed}"
+                                   f": the seed counter advances by env.env_groups ({e.env_groups}) per iteration "
+                                   f"over trainer.iterations ({cfg.trainer.iterations}) and env seeds are int64")
+    check(e.val_seed + max(e.val_groups, 1) - 1 <= INT64_MAX,
+          f"env.val_seed ({e.val_seed}) must be <= {INT64_MAX - max(e.val_groups, 1) + 1} (val_seed + env.val_groups "
+          f"- 1 must fit in int64)")
     # rollout
     check(r.response_length >= 1, f"rollout.response_length must be >= 1, got {r.response_length}")
     check(r.max_model_len > r.response_length,
           f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.response_length ({r.response_length})")
-    check(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    check(r.temperature > 0 and math.isfinite(r.temperature),
+          f"rollout.temperature must be a finite number > 0, got {r.temperature}")
     check(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
     check(0 < r.top_p <= 1, f"rollout.top_p must lie in (0, 1], got {r.top_p}")
     check(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {r.top_k}")
@@ -718,6 +743,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(t.grad_norm_spike_factor >= 1, f"trainer.grad_norm_spike_factor must be >= 1, got "
                                          f"{t.grad_norm_spike_factor}")
     check(t.logprob_gap_max > 0, f"trainer.logprob_gap_max must be > 0, got {t.logprob_gap_max}")
+    # vLLM seeds numpy's global RNG with trainer.seed + rank (np.random.seed: < 2**32); torch generators: int64
+    seed_max = (2**32 - 1 if r.engine == "vllm" else INT64_MAX) - (world_size - 1)
+    check(t.seed <= seed_max, f"trainer.seed must be <= {seed_max} (trainer.seed + rank seeds "
+                              f"{'vLLM (numpy: < 2**32)' if r.engine == 'vllm' else 'torch (int64)'}), got {t.seed}")
+    if not errors:  # the checks that touch files and build envs, only on a config that is sound in itself
+        errors += preflight.check_inputs(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg

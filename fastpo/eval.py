@@ -45,13 +45,31 @@ REQUEST_SEED_STRIDE = 1 << 32
 
 
 def resolve_model_dir(path: str) -> str:
-    """A checkpoint / run folder holding an HF export in ``hf/`` -> that folder; anything else unchanged (a model
-    dir or a hub id). The loader then reports a missing or incomplete path in one line."""
+    """A fastpo run or checkpoint folder holding an HF export in ``hf/`` -> that folder; anything else unchanged (a
+    model dir or a hub id). A run folder has a ``config.json`` of its own (the run's config, not a model's), so
+    ``hf/`` wins whenever the folder's own config.json is not a transformers one. A run folder without ``hf/``
+    raises ValueError (the run has not finished its export). The loader reports any other bad path in one line."""
     path = os.path.expanduser(str(path))
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-        if os.path.exists(os.path.join(path, "hf", "config.json")):  # the trainer's export: <run_dir>/hf
-            return os.path.join(path, "hf")
+    if not os.path.isdir(path):
+        return path
+    own = os.path.join(path, "config.json")
+    if os.path.exists(os.path.join(path, "hf", "config.json")) and not _is_model_config(own):
+        return os.path.join(path, "hf")  # the trainer's export: <run_dir>/hf
+    if os.path.exists(own) and not _is_model_config(own):
+        raise ValueError(f"{path!r} is a fastpo run folder without an hf/ export (the run has not finished, or "
+                         f"stopped before exporting); pass a finished run, or a model directory")
     return path
+
+
+def _is_model_config(path: str) -> bool:
+    """True for a transformers config.json (it names its ``model_type``); false for a missing file or a fastpo
+    run config (sections such as ``trainer``)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" in data
 
 
 def _check_env(env_name: str) -> None:
@@ -89,6 +107,24 @@ def _make_engine(engine: Engine | str, model: Any, tokenizer: Any, batch_size: i
     from .engine.hf import HFEngine
 
     return HFEngine(model, tokenizer, max_batch_size=batch_size)
+
+
+def check_prompt_room(tokenizer: Any, env_name: str, seed: int, max_new_tokens: int, max_model_len: int,
+                      enable_think: bool = True, env_kwargs: dict[str, Any] | None = None,
+                      backend: str = "default") -> None:
+    """ValueError when the first prompt (env seed `seed`) plus `max_new_tokens` exceeds `max_model_len`: every
+    episode would end with 0 turns and the evaluation would report 0.0 as if it were a result."""
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_model_len", max_model_len, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    from .preflight import first_prompt_len, prompt_fit_error
+
+    first = first_prompt_len(tokenizer, env_name, seed, enable_think=enable_think, backend=backend,
+                             env_kwargs=env_kwargs)
+    message = prompt_fit_error(first, env_name, seed, max_new_tokens, max_model_len, "--max-model-len",
+                               "--max-new-tokens")
+    if message:
+        raise ValueError(message)
 
 
 def evaluate(
@@ -147,6 +183,7 @@ def evaluate(
             f"tokenizer {name!r} has no chat template; pass an instruct model's tokenizer (e.g."
             " Qwen/Qwen2.5-0.5B-Instruct) or a directory with chat_template.jinja"
         )
+    check_prompt_room(tokenizer, env_name, seed, max_new_tokens, max_model_len, enable_think, env_kwargs, backend)
     eng = _make_engine(engine, model, tokenizer, batch_size, max_model_len)
     own_engine = isinstance(engine, str)  # built here: closed here (vLLM holds memory and worker threads)
     spec = prompt_spec(env_name, enable_think=enable_think)
@@ -245,6 +282,9 @@ def _run(args: argparse.Namespace) -> int:
     _make_engine(args.engine, None, None, 1, check_only=True)  # a bad name fails before any model loads
     path = resolve_pretrained(resolve_model_dir(args.model), ("config.json",), "model")  # says what to pass
     tokenizer = load_tokenizer(args.tokenizer or path)
+    for name in names:  # before the model loads
+        check_prompt_room(tokenizer, name, args.seed, args.max_new_tokens, args.max_model_len, not args.no_think,
+                          env_kwargs)
     cuda = torch.cuda.is_available()
     if args.engine == "vllm":
         model: Any = path  # vLLM loads the weights itself

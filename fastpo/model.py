@@ -89,6 +89,9 @@ def resolve_pretrained(path_or_id: str | os.PathLike, required: tuple[str, ...],
                 f"{what} directory {name!r} has none of {list(required)}; pass a directory written by save_pretrained"
             )
         return name
+    if os.path.exists(name):
+        raise ValueError(f"{what} path {name!r} is a file, not a directory; pass the directory written by "
+                         "save_pretrained (the folder holding config.json) or a hub id")
     if _looks_like_path(name):
         raise ValueError(
             f"{what} path {name!r} does not exist; pass a directory written by save_pretrained or a hub id such as"

@@ -8,9 +8,15 @@
 ``--model.path tiny`` (the tiny preset) is the tiny CPU agent shipped in the package (``fastpo.tiny_agent``).
 The run directory receives ``config.json`` (resolved config), ``metrics.jsonl``, ``checkpoints/step-XXXXXX``
 and, at the end, the Hugging Face export ``hf/``, the training curves ``curves.png`` and ``report.txt`` (the
-per-env validation success before vs after training, also printed; ``fastpo.report``). Exit status: 0 on
-success, 1 when training stopped itself (logprob gap after a weight sync, too many non-finite steps; the
-message says why), 2 for a bad config.
+per-env validation success before vs after training, also printed; ``fastpo.report``).
+
+Exit status (also in ``--help``):
+    0  trained: every iteration ran, the model is exported.
+    1  the run stopped itself (a logprob gap after a weight sync, too many non-finite steps in a row, an
+       iteration without a single trained token); the ``training stopped:`` line says why; nothing is exported.
+    2  bad input, refused before any model loads: one ``config error:`` line per problem naming the field, the
+       value and what is accepted (``config.validate``, ``fastpo.preflight``).
+Anything else (a traceback) is a bug.
 """
 
 from __future__ import annotations
@@ -39,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from .trainer import Trainer, TrainingAborted
 
-        trainer = Trainer(cfg, info)
+        try:
+            trainer = Trainer(cfg, info)
+        except ConfigError as err:  # found once the tokenizer is loaded (a prompt that leaves no room for a turn)
+            if info.is_main:
+                print(f"config error: {err}", file=sys.stderr)
+            return 2
         try:
             trainer.train()
         except TrainingAborted as err:

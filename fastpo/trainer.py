@@ -70,6 +70,7 @@ from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
 from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost
 from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict, resolve_attn_implementation
+from .preflight import check_prompt_fits
 from .prompts import prompt_spec
 from .rollout import RolloutConfig, RolloutPart, env_label, run_rollouts
 
@@ -164,6 +165,7 @@ class Trainer:
         self.config_hash = config_hash(cfg)
         self.model_path = resolve_model_path(cfg.model.path, self.run_dir)
         self.tokenizer = load_tokenizer(self.model_path)
+        check_prompt_fits(cfg, self.tokenizer)  # ConfigError before any model loads when no turn could fit
         self._build_models()
         self._build_envs()
         self.step = 0
@@ -649,6 +651,11 @@ class Trainer:
             local, metrics = self._rollout(self.train_parts, self.train_seed, 0, cfg.rollout.temperature, self.step)
             samples = all_gather_list(local)
         self.train_seed += cfg.env.env_groups
+        if not any(s.loss_mask.any() for s in samples):  # every rank holds all samples: all stop together
+            raise TrainingAborted(
+                f"iteration {self.step}: no trajectory has a trained token (mean turns per episode "
+                f"{metrics.get('rollout/num_turns', 0.0):g}): the prompts leave no room for rollout.response_length "
+                f"({cfg.rollout.response_length}) within rollout.max_model_len ({cfg.rollout.max_model_len})")
         scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group for s in samples], dtype=torch.int64)
         keep, fmetrics = algorithms.filter_groups(scores, groups, cfg.algorithm.rollout_filter_ratio,

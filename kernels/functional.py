@@ -149,6 +149,10 @@ def _weights(mask: Tensor, loss_agg_mode: str, cu_seqlens, norm_len) -> Tensor:
         _number(norm_len, "norm_len", 0.0, math.inf, low_open=True)
     if mask.dim() == 1 and cu_seqlens is None and loss_agg_mode != "token-mean":
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} on a packed [N] mask needs cu_seqlens")
+    if cu_seqlens is not None and not torch.compiler.is_compiling():
+        # the same check the advantage ops run (one host sync); skipped while dynamo traces, where reading the
+        # values back would break the graph
+        lib.check_cu_seqlens(cu_seqlens, mask.shape[0])
     return ref.aggregation_weights(mask, loss_agg_mode, cu_seqlens, norm_len)
 
 

@@ -163,3 +163,33 @@ def test_cli_vllm_engine_on_the_tiny_agent(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads(out.read_text())["results"][0]
     assert result["n"] == 16 and result["action_is_valid"] > 0.9 and result["success"] > 0.1  # the agent plays
+
+
+def test_cli_on_a_run_dir_and_a_prompt_that_cannot_fit(tiny, tmp_path, capsys):
+    """A run folder (its own config.json, metrics, checkpoints, hf/ export) evaluates its hf/ export; one that has
+    no export yet, or a --max-model-len that leaves no room for a turn, is refused in one line (exit 2)."""
+    import shutil
+
+    from fastpo.config import get_preset, to_json
+    from fastpo.eval import main
+
+    path, _ = tiny
+    run = tmp_path / "runs" / "demo"
+    (run / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run / "config.json").write_text(to_json(get_preset("tiny")) + "\n")  # the run's config, not a model's
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["--model", str(run), "--env", "bandit", "--n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a fastpo run folder without an hf/ export" in err
+    shutil.copytree(path, run / "hf")
+    out = tmp_path / "res.json"
+    assert main(["--model", str(run), "--env", "bandit", "--n", "2", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["model"] == str(run / "hf")
+    assert resolve_model_dir(str(run / "hf")) == str(run / "hf")  # a model folder stays itself
+    capsys.readouterr()
+    assert main(["--model", str(run), "--env", "bandit", "--n", "2", "--max-model-len", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-model-len (5) is too short" in err and "tokens" in err
+    with pytest.raises(ValueError, match=r"--max-model-len \(60\) is too short"):
+        evaluate(None, testing.build_tiny_tokenizer(tmp_path / "tok"), "sokoban", max_model_len=60,
+                 max_new_tokens=20, engine=SolverEngine(testing.build_tiny_tokenizer(tmp_path / "tok2"), "sokoban"))

@@ -224,3 +224,33 @@ def test_bad_actions(actions):
     env.reset(np.arange(2))
     with pytest.raises(ValueError):
         env.step(actions)
+
+
+def test_ragen_filter_agrees_with_all_sign_patterns_and_long_rows_load(tmp_path):
+    import itertools
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        nums = [int(v) for v in rng.integers(1, 100, rng.integers(1, 8))]
+        target = int(rng.integers(-50, 300))
+        patterns = itertools.product((1, -1), repeat=len(nums))
+        want = any(sum(s * n for s, n in zip(signs, nums, strict=True)) == target for signs in patterns)
+        assert ragen_has_solution(nums, target) == want, (nums, target)
+    # 40 numbers: 2^40 sign patterns, but at most 2 * 40 * 99 + 1 distinct sums
+    path = tmp_path / "countdown.jsonl"
+    path.write_text(json.dumps({"target": 40, "nums": [1] * 40}) + "\n" + json.dumps({"target": 41, "nums": [1] * 40}))
+    env = fastpo.envs.make("countdown", 1, data_path=str(path))
+    assert env.reset(np.array([1])) == [f"Target: 40, nums: {[1] * 40}"]  # 41 = +-1 x 40 is odd: dropped
+    # many large numbers: every sign pattern is a distinct sum; refused by name instead of exploding
+    path.write_text(json.dumps({"target": 1, "nums": [2**k for k in range(40)]}) + "\n")
+    with pytest.raises(ValueError, match=r"40 numbers.*ragen_filter=False"):
+        fastpo.envs.make("countdown", 1, data_path=str(path))
+
+
+@pytest.mark.parametrize("max_len", [512, 5000, 100_000])
+def test_a_number_past_the_int_digit_limit_scores_zero(max_len):
+    cfg = CountdownConfig(max_len=max_len)
+    for digits in (4000, 4400, 60_000):
+        answer = "1" * digits + " + 3 + 5"
+        assert score_equation(answer, TARGET, NUMS, cfg) == 0.0
+    assert score_equation("(5 - 3) * 2", TARGET, NUMS, cfg) == 1.0

@@ -53,6 +53,11 @@ CASES = [
      "cu_seqlens must start at 0, be non-decreasing"),
     (lambda: K.grpo_advantages(torch.randn(2), torch.tensor([0, 1]), m.reshape(-1), cu_seqlens=torch.tensor([0, 3, 9])),
      r"end at most at N = 6"),
+    *[(lambda cu=cu, f=f, mode=mode: f(x.reshape(-1), x.reshape(-1), x.reshape(-1), m.reshape(-1),
+                                       cu_seqlens=torch.tensor(cu), loss_agg_mode=mode), msg)
+      for f in (K.ppo_loss, K.value_loss)
+      for cu, msg in (([0, 4, 3], "smallest step -1"), ([1, 3, 6], "start 1"), ([0, 3, 9], "end at most at N = 6"))
+      for mode in ("token-mean", "seq-mean-token-mean")],
     (lambda: K.ppo_loss(x, x.to("meta"), x, m), "old_logp must be on logp's device cpu"),
     (lambda: K.fused_linear_logprob(hidden, weight.to("meta"), ids), "weight must be on hidden's device cpu"),
     (lambda: K.gae_advantages(x, x, m.to("meta")), "rewards must be on mask's device"),

@@ -1,0 +1,199 @@
+"""Checks of a config against the world outside it (files, env constructors, the tokenizer), run before any model
+loads so that bad input ends in one ``ConfigError`` line and exit status 2, never a traceback mid-run.
+
+    errors = check_inputs(cfg)             # list of one-line problems (config.validate calls it)
+    check_prompt_fits(cfg, tokenizer)      # ConfigError when no episode could take a single turn
+    first_prompt_len(tokenizer, "sokoban", seed=123, max_model_len=...)   # token count of turn 1's prompt
+
+``config.validate`` covers what the config alone decides (ranges, types, cross-field rules); this module covers
+what needs the file system or building an env of one instance (cheap: no model, no tokenizer). The prompt check
+needs the tokenizer, so the trainer runs it right after loading the tokenizer and before the models.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import Config, ConfigError, config_hash
+
+#: Failures an env raises for bad keyword arguments or for levels it cannot generate.
+_ENV_ERRORS = (ValueError, TypeError, RuntimeError, OSError, KeyError)
+#: The tiny agent placeholder of ``model.path`` (resolved by the trainer, never a path).
+_TINY = "tiny"
+
+
+def check_inputs(cfg: Config) -> list[str]:
+    """One line per problem with the model / run / resume paths, the env keyword arguments and the resume
+    checkpoint's config hash; [] when all is well. Builds each env with one instance and resets it at the first
+    training / validation seed (no model is loaded)."""
+    errors = _model_paths(cfg) + _run_paths(cfg) + _env_kwargs(cfg)
+    if not errors:
+        errors += _resume_hash(cfg)
+    return errors
+
+
+def _model_paths(cfg: Config) -> list[str]:
+    from .model import _looks_like_path, resolve_pretrained
+
+    errors = []
+    for field, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path)):
+        # hub ids are left to the loader (it checks the offline cache); local paths are checked here
+        if not path or path == _TINY or not _looks_like_path(os.path.expanduser(path)):
+            continue
+        try:
+            resolve_pretrained(path, ("config.json",), "model")
+            if field == "model.path" and os.path.isdir(os.path.expanduser(path)):
+                resolve_pretrained(path, ("tokenizer_config.json", "tokenizer.json"), "tokenizer")
+        except ValueError as err:
+            errors.append(f"{field}: {err}")
+    return errors
+
+
+def _first_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _run_paths(cfg: Config) -> list[str]:
+    t, errors = cfg.trainer, []
+    run_dir = Path(os.path.expanduser(t.run_dir))
+    base = _first_existing(run_dir.absolute())
+    if not base.is_dir():
+        what = "is a file" if base == run_dir.absolute() else f"lies under the file {str(base)!r}"
+        errors.append(f"trainer.run_dir {t.run_dir!r} {what}; pass a directory (it is created if missing)")
+    elif not os.access(base, os.W_OK | os.X_OK):
+        errors.append(f"trainer.run_dir {t.run_dir!r}: {str(base)!r} is not writable; pass a writable directory")
+    if t.resume not in ("auto", "never"):
+        path = Path(os.path.expanduser(t.resume))
+        if not path.is_dir():
+            errors.append(f"trainer.resume {t.resume!r}: no such checkpoint directory; accepted: 'auto', 'never' "
+                          f"or the path of a checkpoint directory (e.g. <run_dir>/checkpoints/step-000010)")
+    return errors
+
+
+def _env_kwargs(cfg: Config) -> list[str]:
+    from fastpo import envs
+
+    e, errors = cfg.env, []
+    seeds: dict[str, list[int]] = {}
+    for name in e.names:
+        seeds.setdefault(name.lower(), []).append(e.train_seed)
+    for name in e.val_names or e.names:
+        seeds.setdefault(name.lower(), []).append(e.val_seed)
+    for name, first in seeds.items():
+        what = f"env.kwargs {e.kwargs!r}" if e.kwargs else "env.kwargs {}"
+        env = None
+        try:
+            env = envs.make(name, 1, backend=e.backend, **e.kwargs)
+            for seed in dict.fromkeys(first):
+                env.reset(np.array([seed], dtype=np.int64))
+        except _ENV_ERRORS as err:
+            text = " ".join(str(err).split()) or type(err).__name__
+            errors.append(f"{what}: env {name!r} (env.backend {e.backend}) refuses them: {text}")
+        finally:
+            if env is not None:
+                env.close()
+    return errors
+
+
+def _resume_hash(cfg: Config) -> list[str]:
+    """The checkpoint a resume would load was saved under another config: refuse now rather than after the models
+    load. Unreadable checkpoints are left to the loader, which reports (or skips) them."""
+    from . import checkpoint
+
+    t = cfg.trainer
+    if t.resume == "never":
+        return []
+    try:
+        path = checkpoint.latest(t.run_dir) if t.resume == "auto" else Path(os.path.expanduser(t.resume))
+        if path is None:
+            return []
+        saved = checkpoint.read_meta(path).get("config_hash")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    mine = config_hash(cfg)
+    if saved is None or saved == mine:
+        return []
+    return [f"trainer.resume {t.resume!r}: checkpoint {str(path)!r} was saved with config hash {saved}, this config's "
+            f"hash is {mine} (a field that changes the training math differs from that run's config.json); pass "
+            f"that run's config (--config <run_dir>/config.json), another --trainer.run_dir, or --trainer.resume "
+            f"never"]
+
+
+def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: bool = True, action_sep: str = "||",
+                     max_actions_per_traj: int | None = None, max_context_window: int = -1, backend: str = "default",
+                     env_kwargs: dict[str, Any] | None = None) -> int:
+    """Token count of the first turn's prompt of env `env_name` at env seed `seed`, rendered as the rollout
+    renders it (``prompts.build_messages`` + ``render_chat``, no special tokens added)."""
+    from fastpo import envs
+
+    from .prompts import Turn, build_messages, prompt_spec, render_chat
+
+    overrides: dict[str, Any] = {"enable_think": enable_think, "action_sep": action_sep}
+    if max_actions_per_traj is not None:
+        overrides["max_actions_per_traj"] = max_actions_per_traj
+    spec = prompt_spec(env_name, **overrides)
+    env = envs.make(env_name, 1, backend=backend, **(env_kwargs or {}))
+    try:
+        obs = env.reset(np.array([seed], dtype=np.int64))[0]
+    finally:
+        env.close()
+    turns = [Turn(obs, actions_left=spec.max_actions_per_traj)]
+    window = max_context_window if max_context_window > 0 else -1
+    text = render_chat(tokenizer, build_messages(spec, turns, window), enable_think)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_fit_error(prompt_len: int, env_name: str, seed: int, response_length: int, max_model_len: int,
+                     len_name: str = "rollout.max_model_len", response_name: str = "rollout.response_length") -> str:
+    """The one-line message for a first prompt that leaves no room for a turn ('' when it fits)."""
+    if prompt_len + response_length <= max_model_len:
+        return ""
+    return (f"{len_name} ({max_model_len}) is too short: the first prompt of env {env_name!r} (seed {seed}) is "
+            f"{prompt_len} tokens and a turn needs {response_name} ({response_length}) more, so no episode could take "
+            f"a turn; set {len_name} >= {prompt_len + response_length} or lower {response_name}")
+
+
+def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
+    """ConfigError when a training or validation env's first prompt plus ``rollout.response_length`` exceeds
+    ``rollout.max_model_len`` (every episode would end with 0 turns and nothing would be trained)."""
+    e, r = cfg.env, cfg.rollout
+    errors, failed = [], set()
+    for names, seed in ((e.names, e.train_seed), (e.val_names or e.names, e.val_seed)):
+        for name in dict.fromkeys(n.lower() for n in names):
+            n = first_prompt_len(tokenizer, name, seed, enable_think=r.enable_think, action_sep=e.action_sep,
+                                 max_actions_per_traj=e.max_actions_per_traj, max_context_window=r.max_context_window,
+                                 backend=e.backend, env_kwargs=e.kwargs)
+            msg = prompt_fit_error(n, name, seed, r.response_length, r.max_model_len)
+            if msg and name not in failed:  # one line per env
+                failed.add(name)
+                errors.append(msg)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def finite_float_errors(cfg: Config, inf_ok: frozenset[str]) -> list[str]:
+    """NaN in any float field, or +-inf in one not listed in `inf_ok` (``section.field`` names that document
+    "inf disables")."""
+    import dataclasses
+
+    errors = []
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            value, name = getattr(obj, f.name), f"{section.name}.{f.name}"
+            values = value if isinstance(value, tuple) else (value,)
+            for v in values:
+                if not isinstance(v, float) or math.isfinite(v):
+                    continue
+                if math.isnan(v) or name not in inf_ok:
+                    allowed = "a finite number or inf" if name in inf_ok else "a finite number"
+                    errors.append(f"{name} must be {allowed}, got {value!r}")
+                    break
+    return errors
