@@ -19,7 +19,8 @@ import os
 import sys
 
 from . import distributed as du
-from .config import ConfigError, parse_args, validate
+from .config import ConfigError, config_hash, parse_args, validate
+from .storage import DiskFullError, claim_run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,25 +30,34 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    info = du.init()
+    timeout = cfg.trainer.collective_timeout_s
+    info = du.init(timeout_s=timeout if 0 < timeout < float("inf") else None)  # validate reports a bad value
     try:
         try:
             validate(cfg, info.world_size)
+            claim_run_dir(cfg.trainer.run_dir, cfg.trainer.resume, cfg.trainer.overwrite, config_hash(cfg))
         except ConfigError as err:
             if info.is_main:
                 print(f"config error: {err}", file=sys.stderr)
             return 2
         from .trainer import Trainer, TrainingAborted
 
-        trainer = Trainer(cfg, info)
         try:
-            trainer.train()
-        except TrainingAborted as err:
-            if info.is_main:
-                print(f"training stopped: {err}", file=sys.stderr, flush=True)
-            trainer.close(export=False)
+            trainer = Trainer(cfg, info)
+            try:
+                trainer.train()
+            except TrainingAborted as err:
+                if info.is_main:
+                    print(f"training stopped: {err}", file=sys.stderr, flush=True)
+                trainer.close(export=False)
+                return 1
+            trainer.close()
+        except (DiskFullError, RuntimeError) as err:
+            message = str(err) if isinstance(err, DiskFullError) else du.collective_failure(err, timeout)
+            if message is None:
+                raise
+            print(f"training stopped (rank {info.rank}): {message}", file=sys.stderr, flush=True)
             return 1
-        trainer.close()
         if info.is_main:
             from .report import write_report
 
