@@ -202,6 +202,11 @@ def test_fsdp2_two_ranks_save_then_load_in_new_run(tmp_path):
         str(tmp_path / "hf"),
     )
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:  # tied to the embeddings: stored once
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    assert (tmp_path / "hf" / checkpoint.EXPORT_MARKER).is_file()
     for (name, a), (_, b) in zip(original.state_dict().items(), exported.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     ref, resumed = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "resumed.pt")
