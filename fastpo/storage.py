@@ -9,7 +9,7 @@ Node-local disks. Every rank writes a probe file into its run directory and look
 that see each other's probes share a disk, and the lowest of them is that disk's *leader* (it creates, publishes
 and prunes checkpoint folders there). With one shared filesystem there is one leader, rank 0. With node-local
 disks every node has its own leader and :mod:`fastpo.checkpoint` copies each checkpoint file to every disk, so
-any node can resume (also with another world size) without reading another node's disk.
+every node resumes without reading another node's disk.
 
 Fault injection for tests: ``FASTPO_INJECT_DISK_FULL=checkpoint`` (or ``export``) makes the next checkpoint
 (export) write fail the way a full disk does (a half-written file, then ``OSError(ENOSPC)``) on rank 0.

@@ -688,6 +688,8 @@ class Trainer:
             metrics = self.validate()
             metrics.update(self.timer.pop())  # step 0's phases (the first weight sync, validation), not step 1's
             self.logger.log(0, metrics)
+        else:
+            self.timer.pop()  # the start-up weight sync is no part of the first iteration
         while self.step < t.iterations:
             self.step += 1
             start = time.perf_counter()
