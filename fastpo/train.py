@@ -9,8 +9,9 @@
 The run directory receives ``config.json`` (resolved config), ``metrics.jsonl``, ``checkpoints/step-XXXXXX``
 and, at the end, the Hugging Face export ``hf/``, the training curves ``curves.png`` and ``report.txt`` (the
 per-env validation success before vs after training, also printed; ``fastpo.report``). Exit status: 0 on
-success, 1 when training stopped itself (logprob gap after a weight sync, too many non-finite steps; the
-message says why), 2 for a bad config.
+success, 1 when training stopped itself (logprob gap after a weight sync, too many non-finite steps, a full disk,
+a collective that timed out or lost a rank; the message says why), 2 for a bad config or a run directory that may
+not be used (docs/OPERATIONS.md).
 """
 
 from __future__ import annotations

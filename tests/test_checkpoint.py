@@ -370,3 +370,12 @@ def test_short_write_inside_dcp_is_reported_as_disk_full(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.dcp, "save", short_write)
     with pytest.raises(DiskFullError, match="disk full while writing the checkpoint of step 1"):
         _save(tmp_path, 1)
+
+
+def test_verify_parts_share_the_hashing(tmp_path):
+    path = _save(tmp_path, 1)
+    names = sorted(json.loads((path / "COMPLETE").read_text())["files"])
+    _flip_bit(path / names[1])
+    assert checkpoint.verify(path, (0, 2)) is None  # hashes files 0, 2, ...: not the damaged one
+    assert "fails its sha256 check" in checkpoint.verify(path, (1, 2))
+    assert "fails its sha256 check" in checkpoint.verify(path)

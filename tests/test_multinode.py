@@ -145,3 +145,14 @@ def test_bad_collective_timeout_is_a_config_error(tmp_path):
     rc, _, err = run_killable([sys.executable, "-m", "fastpo.train", *TINY, "--trainer.collective_timeout_s", "0",
                                "--trainer.run_dir", str(tmp_path / "run")], tmp_path, ENV, 120)
     assert rc == 2 and "trainer.collective_timeout_s must be > 0 and finite, got 0" in err
+
+
+def test_collective_failure_messages():
+    from fastpo.distributed import collective_failure
+
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to "
+                        "complete")
+    assert collective_failure(gloo, 5).startswith("a collective timed out after 5 s (trainer.collective_timeout_s)")
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    assert collective_failure(peer, 5).startswith("another rank died or closed its connection")
+    assert collective_failure(RuntimeError("CUDA out of memory"), 5) is None
