@@ -37,8 +37,9 @@ from .config import ConfigError
 INJECT_DISK_FULL_ENV = "FASTPO_INJECT_DISK_FULL"
 #: What makes a run directory "hold a run" (refused by resume=never without trainer.overwrite).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "hf", "report.txt", "curves.png")
-# torch's zip writer reports a short write as "unexpected pos N vs M" (a RuntimeError without an errno)
-_SHORT_WRITE_MARKERS = ("unexpected pos", "No space left on device", "file write failed")
+# torch's zip writer reports a short write as "unexpected pos N vs M" (a RuntimeError without an errno), safetensors
+# as SafetensorError("... No space left on device (os error 28)")
+_SHORT_WRITE_MARKERS = ("unexpected pos", "No space left on device", "file write failed", "os error 28")
 
 
 class DiskFullError(OSError):
@@ -159,7 +160,7 @@ def _is_disk_full(err: BaseException) -> bool:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(e, RuntimeError) and any(m in str(e) for m in _SHORT_WRITE_MARKERS):
+        if any(m in str(e) for m in _SHORT_WRITE_MARKERS):
             return True
         stack += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)

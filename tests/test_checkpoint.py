@@ -379,3 +379,38 @@ def test_verify_parts_share_the_hashing(tmp_path):
     assert checkpoint.verify(path, (0, 2)) is None  # hashes files 0, 2, ...: not the damaged one
     assert "fails its sha256 check" in checkpoint.verify(path, (1, 2))
     assert "fails its sha256 check" in checkpoint.verify(path)
+
+
+def test_real_full_disk_is_reported_as_disk_full(tmp_path):
+    """A 1 MiB tmpfs (needs root and mount rights; skipped otherwise): torch's writer fails with "unexpected pos",
+    safetensors with "os error 28"; both errors say disk full and name the folder, and nothing is published."""
+    import subprocess
+
+    from fastpo.storage import DiskFullError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(400, 400)  # 640 KB of weights + 1.3 MB of AdamW state: more than the disk
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 400)).sum().backward()
+        optim.step()
+        with pytest.raises(DiskFullError, match=r"disk full while writing the checkpoint of step 1 to .*tmp-\d+ "
+                                                r"\(0\.\d MiB free\)") as info:
+            checkpoint.save(disk / "run", 1, {"model": model, "optim": optim}, {})
+        assert "unexpected pos" in repr(info.value.__cause__)
+        assert checkpoint.latest(disk / "run") is None
+        from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+
+        tok = build_tiny_tokenizer(tmp_path / "tiny")
+        tiny = build_tiny_model(tmp_path / "tiny", tok, hidden=64, layers=2, heads=2, kv_heads=1)
+        with pytest.raises(DiskFullError, match="disk full while writing the Hugging Face export"):
+            checkpoint.export_hf(tiny, tok, disk / "run" / "hf")  # safetensors says "os error 28"
+        assert sorted(p.name for p in (disk / "run").iterdir()) == ["checkpoints"]  # no hf/, no hf.tmp-*
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
