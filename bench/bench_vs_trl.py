@@ -183,6 +183,7 @@ def fastpo_argv(s: Settings, run_dir: str, engine: str = "hf") -> list[str]:
         "--trainer.iterations", str(s.steps), "--trainer.val_every", "0", "--trainer.val_before_train", "false",
         "--trainer.save_every", "0", "--trainer.resume", "never", "--trainer.seed", str(s.seed),
         "--trainer.run_dir", run_dir, "--trainer.log_console", "false",
+        "--trainer.overwrite", "true",  # each side reruns in the same work folder: start it fresh
         "--rollout.enable_think", str(s.enable_think).lower(),
     ]
 

@@ -11,14 +11,21 @@ per-rank RNG states, atomic publication, pruning, resume with a config-hash chec
 Layout of ``<run_dir>/checkpoints/step-000042/``:
     *.distcp, .metadata      DCP shards of every object in `model_state` (each rank writes its own shards)
     rng-rank-00000.json ...  each rank's python / numpy / torch RNG state (fastpo.distributed.rng_state)
-    trainer_state.json       {"step", "world_size", "config_hash", "trainer_state": {...}}
-    COMPLETE                 written last; a directory without it is never resumed
+    trainer_state.json       {"step", "world_size", "config_hash", "num_threads", "trainer_state": {...}}
+    COMPLETE                 the manifest {"step", "files": {name: [sha256, size]}} of every other file, written
+                             last; a directory without it is never resumed, one whose files do not match it is
+                             skipped by ``resume="auto"`` (with a message) and refused by :func:`load`
 
-Multi-node: `run_dir` must be on a filesystem every node sees (each rank writes its own shards there).
+Atomicity: everything is written into ``step-000042.tmp-<pid of rank 0>``; after every rank has reported its
+files (name, size, sha256) rank 0's manifest goes into COMPLETE and the directory is renamed. A crash leaves a
+``.tmp-`` directory, which :func:`latest` ignores and the next save removes.
 
-Atomicity: everything is written into ``step-000042.tmp-<pid of rank 0>``; after a barrier rank 0 writes
-COMPLETE and renames the directory. A crash leaves a ``.tmp-`` directory, which :func:`latest` ignores
-and the next save removes.
+Multi-node: `run_dir` may be one shared filesystem or a node-local disk per node (``fastpo.storage.disk_layout``
+finds out). On node-local disks every checkpoint file is copied to every node's disk before COMPLETE is written
+there, so each node resumes from its own disk (at the cost of sending the checkpoint once per extra node).
+
+Trust: loading a checkpoint unpickles its DCP ``.metadata`` (torch.distributed.checkpoint does), which can run
+code: load only checkpoints written by you or your own runs. The sha256 manifest detects damage, not tampering.
 
 Models and optimisers go through ``torch.distributed.checkpoint.state_dict`` (get/set_model_state_dict,
 get/set_optimizer_state_dict), so FSDP2-sharded parameters and optimiser states round-trip as DTensors
@@ -30,10 +37,12 @@ group. An optimiser is paired with the module in `model_state` that owns its par
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -51,8 +61,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import distributed as du
+from . import storage
 
 MARKER = "COMPLETE"
+#: Written last into a Hugging Face export (:func:`export_hf`); a folder without it is a cut-short export.
+EXPORT_MARKER = "COMPLETE"
 TRAINER_STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp-\d+$")
@@ -112,6 +125,54 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def _hash_file(path: Path) -> list[Any]:
+    """[sha256 hex digest, size in bytes] of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return [h.hexdigest(), path.stat().st_size]
+
+
+def _write_rank_files(tmp: Path, step: int, meta: dict[str, Any]) -> dict[str, list[Any]]:
+    """This rank's RNG file (and rank 0's trainer state) next to its DCP shards; returns name -> [sha256, size]
+    of every file this rank wrote."""
+    rank = du.get_rank()
+    storage.inject_disk_full("checkpoint", tmp)
+    _write_json(tmp / _rng_file(rank), du.rng_state())
+    names = [p.name for p in tmp.glob(f"__{rank}_*.distcp")] + [_rng_file(rank)]
+    if rank == 0:
+        _write_json(tmp / TRAINER_STATE_FILE, meta)
+        names += [".metadata", TRAINER_STATE_FILE]
+    return {name: _hash_file(tmp / name) for name in sorted(names)}
+
+
+def _replicate(tmp: Path, files_by_rank: list[dict[str, list[Any]]], layout: storage.DiskLayout) -> None:
+    """Node-local disks: copy every rank's files to every other disk (collective), so each disk holds the whole
+    checkpoint. DCP stores a replicated tensor once, in the file of whichever rank it picked, so a rank's own
+    shard files alone would not always be enough to resume."""
+    rank = du.get_rank()
+    for owner, files in enumerate(files_by_rank):
+        for name in sorted(files):
+            data = du.broadcast_object((tmp / name).read_bytes() if rank == owner else None, src=owner)
+            if layout.is_leader and layout.leader != layout.disk_of[owner]:
+                with open(tmp / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, final: Path, step: int, manifest: dict[str, list[Any]], keep_last: int | None) -> None:
+    """On each disk's leader: write the COMPLETE marker (the manifest), rename the folder into place, prune."""
+    if not storage.disk_layout(final.parent.parent).is_leader:
+        return
+    _write_json(tmp / MARKER, {"step": step, "files": manifest})  # last file written, fsynced before the rename
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _prune(final.parent, keep_last, step)
+
+
 def save(
     run_dir: str | os.PathLike,
     step: int,
@@ -131,6 +192,9 @@ def save(
 
     Returns:
         The final checkpoint directory.
+
+    Raises:
+        fastpo.storage.DiskFullError: the disk filled up (on every rank; the previous checkpoints are intact).
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -140,35 +204,27 @@ def save(
         json.dumps(trainer_state)
     except TypeError as e:
         raise TypeError(f"trainer_state must be JSON-serialisable: {e}") from e
-    rank = du.get_rank()
+    layout = storage.disk_layout(run_dir)
     root = checkpoint_dir(run_dir)
     final = root / step_dir_name(step)
     tmp = root / f"{step_dir_name(step)}.tmp-{du.broadcast_object(os.getpid())}"
-    if rank == 0:
+    if layout.is_leader:
         if tmp.exists():  # left by an earlier failed save of this step in this process
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     du.barrier()
 
-    with _single_process_quiet():
-        dcp.save(_state_dicts(model_state), checkpoint_id=str(tmp), no_dist=not du.is_distributed())
-    _write_json(tmp / _rng_file(rank), du.rng_state())
-    if rank == 0:
-        meta = {
-            "step": step,
-            "world_size": du.get_world_size(),
-            "config_hash": config_hash,
-            "trainer_state": trainer_state,
-        }
-        _write_json(tmp / TRAINER_STATE_FILE, meta)
-    du.barrier()  # every rank's shards and RNG file are on disk
-
-    if rank == 0:
-        _write_json(tmp / MARKER, {"step": step})  # last file written, fsynced before the rename
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _prune(root, keep_last, step)
+    meta = {"step": step, "world_size": du.get_world_size(), "config_hash": config_hash,
+            "num_threads": torch.get_num_threads(), "trainer_state": trainer_state}
+    with storage.disk_full_as_error(tmp, f"checkpoint of step {step}"):
+        with _single_process_quiet():  # a failure on any rank raises on every rank (DCP gathers them)
+            dcp.save(_state_dicts(model_state), checkpoint_id=str(tmp), no_dist=not du.is_distributed())
+        files_by_rank = storage.all_gather_object(storage.agree(_write_rank_files, tmp, step, meta))
+        if not layout.shared:
+            storage.agree(_replicate, tmp, files_by_rank, layout)
+        # every rank has reported its files (and they are on every disk): only now is the checkpoint complete
+        manifest = {name: digest for files in files_by_rank for name, digest in files.items()}
+        storage.agree(_publish, tmp, final, step, manifest, keep_last)
     du.barrier()
     return final
 
@@ -199,32 +255,87 @@ def _complete_steps(root: Path) -> list[tuple[int, Path]]:
 
 def latest(run_dir: str | os.PathLike) -> Path | None:
     """Newest complete checkpoint (``step-XXXXXX`` with its COMPLETE marker) under `run_dir`, or None.
-    ``.tmp-`` directories and directories without the marker are ignored."""
+    ``.tmp-`` directories and directories without the marker are ignored; the files are not verified
+    (:func:`verify`, :func:`resume` do that)."""
     complete = _complete_steps(checkpoint_dir(run_dir))
     return max(complete)[1] if complete else None
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's trainer_state.json: {"step", "world_size", "config_hash", "trainer_state"}."""
+    """The checkpoint's trainer_state.json: {"step", "world_size", "config_hash", "num_threads", "trainer_state"}."""
     path = Path(path)
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     return json.loads((path / TRAINER_STATE_FILE).read_text())
 
 
-def load(path: str | os.PathLike, model_state: dict[str, Any], restore_rng: bool = True) -> dict[str, Any]:
+def verify(path: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> str | None:
+    """Check a checkpoint folder against the manifest in its COMPLETE marker (every file present, with its size
+    and sha256). Returns None when intact, else what is wrong. Checkpoints written before the manifest existed
+    only get their JSON files checked.
+
+    Args:
+        part: (i, n) hashes only every n-th file of the sorted manifest starting at the i-th, so n processes
+            reading one disk can share the work; sizes and JSON files are always checked.
+    """
+    path = Path(path)
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        files = marker.get("files") if isinstance(marker, dict) else None
+    except (OSError, ValueError) as e:
+        return f"unreadable {MARKER} marker ({e})"
+    for k, (name, (sha, size)) in enumerate(sorted((files or {}).items())):
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != size:
+            return f"{name} has {p.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
+        if k % part[1] == part[0] and _hash_file(p)[0] != sha:
+            return f"{name} fails its sha256 check (flipped or overwritten bytes)"
+    try:
+        meta = json.loads((path / TRAINER_STATE_FILE).read_text())
+        if not isinstance(meta, dict) or not {"step", "trainer_state"} <= set(meta):
+            return f"{TRAINER_STATE_FILE} lacks step / trainer_state"
+    except (OSError, ValueError) as e:
+        return f"unreadable {TRAINER_STATE_FILE} ({e})"
+    return None
+
+
+def _verify_everywhere(path: Path) -> str | None:
+    """:func:`verify` by the ranks of each node together (each hashes its share of the files: node-local disks each
+    hold a copy), agreed by all ranks; the first problem found, with the rank that saw it when there are several."""
+    part = (int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    mine = verify(path, part if 0 <= part[0] < part[1] else (0, 1))
+    problems = [(r, p) for r, p in enumerate(storage.all_gather_object(mine)) if p is not None]
+    if not problems:
+        return None
+    rank, problem = problems[0]
+    return problem if du.get_world_size() == 1 else f"{problem} (seen by rank {rank})"
+
+
+def load(path: str | os.PathLike, model_state: dict[str, Any], restore_rng: bool = True,
+         check: bool = True) -> dict[str, Any]:
     """Restore `model_state` in place from the checkpoint at `path` (collective on every rank).
 
     The objects must have the same structure (and, for FSDP2, the same sharding mesh) as when saved;
     optimisers are restored before their step counters are used. Each rank restores its own RNG state
     when ``restore_rng`` and the checkpoint has a file for this rank (a different world size cannot resume
-    the RNG streams exactly: rank 0 prints a note and keeps the current states).
+    the RNG streams exactly: rank 0 prints a note and keeps the current states). With ``check`` the files are
+    first verified against the checkpoint's manifest (ValueError naming the problem).
+
+    Trust: torch.distributed.checkpoint unpickles the ``.metadata`` file, so loading a checkpoint runs whatever
+    code its author put there. Load only checkpoints you (or your own runs) wrote; the manifest detects damage,
+    not tampering.
 
     Returns:
         The saved trainer_state dict.
     """
     path = Path(path)
     meta = read_meta(path)
+    if check:
+        problem = _verify_everywhere(path)
+        if problem is not None:
+            raise ValueError(f"checkpoint {path} is damaged: {problem}")
     state = _state_dicts(model_state)  # templates: DCP loads into these tensors in place
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not du.is_distributed())
@@ -244,8 +355,26 @@ def load(path: str | os.PathLike, model_state: dict[str, Any], restore_rng: bool
                 f"checkpoint {path.name}: saved with world_size {meta.get('world_size')}, now "
                 f"{du.get_world_size()}; RNG states not restored"
             )
+    threads = meta.get("num_threads")
+    if threads is not None and threads != torch.get_num_threads():
+        # CPU reductions split their work by thread count, so sums differ in the last bits (~1e-7 relative)
+        du.print0(f"warning: checkpoint {path.name} was saved with {threads} torch threads, this run has "
+                  f"{torch.get_num_threads()} (OMP_NUM_THREADS); the resumed run is not bit-exact on CPU. Set "
+                  f"OMP_NUM_THREADS={threads} to resume exactly.", file=sys.stderr, flush=True)
     du.barrier()
     return meta["trainer_state"]
+
+
+def _check_hash(path: Path, config_hash: str | None, force: bool) -> None:
+    saved = read_meta(path).get("config_hash")
+    if config_hash is not None and saved is not None and saved != config_hash:
+        if not force:
+            raise ValueError(
+                f"checkpoint {path} was saved with config hash {saved}, this run's config hash is {config_hash}; "
+                f"pass that run's config (--config <run_dir>/config.json), another --trainer.run_dir, or "
+                f"--trainer.resume never --trainer.overwrite true (replaces the run)"
+            )
+        du.print0(f"resuming {path} saved with config hash {saved} under config hash {config_hash} (forced)")
 
 
 def resume(
@@ -255,45 +384,69 @@ def resume(
     config_hash: str | None = None,
     force: bool = False,
 ) -> dict[str, Any] | None:
-    """Load the checkpoint chosen by `mode` into `model_state`; None means start fresh.
+    """Load the checkpoint chosen by `mode` into `model_state`; None means start fresh (collective).
 
     Args:
-        mode: "never" (always fresh), "auto" (the newest complete checkpoint under `run_dir`, fresh if none),
-            or the path of a checkpoint directory (must be complete).
+        mode: "never" (always fresh), "auto" (the newest intact checkpoint under `run_dir`, fresh if none: a
+            damaged newer one, e.g. a truncated shard, a bad ``.metadata`` or JSON file, flipped bits, is skipped
+            with a message on stderr naming it and why), or the path of a checkpoint directory (must be complete
+            and intact).
         config_hash: this run's config hash; a checkpoint saved with a different one is refused
             (ValueError naming both) unless ``force``.
+
+    The choice is made once (rank 0, from what every node's disk holds) and broadcast, so every rank loads the
+    same step. Loading trusts the checkpoint: see :func:`load`.
 
     Returns:
         The saved trainer_state, or None when nothing was loaded.
     """
     if mode == "never":
         return None
-    if mode == "auto":
-        path = latest(run_dir)
-        if path is None:
-            return None
-    else:
+    if mode != "auto":
         path = Path(mode)
         if not path.is_dir():
             raise FileNotFoundError(f"resume path {path} does not exist (mode is 'auto', 'never' or a path)")
-    meta = read_meta(path)
-    saved = meta.get("config_hash")
-    if config_hash is not None and saved is not None and saved != config_hash:
-        if not force:
-            raise ValueError(
-                f"checkpoint {path} was saved with config hash {saved}, this run's config hash is {config_hash}; "
-                f"pass that run's config (--config <run_dir>/config.json), another --trainer.run_dir, or "
-                f"--trainer.resume never"
-            )
-        du.print0(f"resuming {path} saved with config hash {saved} under config hash {config_hash} (forced)")
-    return load(path, model_state)
+        if not (path / MARKER).is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+        problem = _verify_everywhere(path)
+        if problem is not None:
+            raise ValueError(f"checkpoint {path} is damaged: {problem}")
+        _check_hash(path, config_hash, force)
+        return load(path, model_state, check=False)
+    root = checkpoint_dir(run_dir)
+    steps = sorted({s for part in storage.all_gather_object([s for s, _ in _complete_steps(root)]) for s in part})
+    for step in reversed(steps):
+        path = root / step_dir_name(step)
+        problem = _verify_everywhere(path)
+        if problem is None:
+            _check_hash(path, config_hash, force)  # a config change is refused, not skipped
+            try:
+                return load(path, model_state, check=False)
+            # e.g. a checkpoint from before manifests with a bad .metadata (DCP raises a BaseException subclass)
+            except (Exception, CheckpointException) as err:
+                problem = f"{type(err).__name__}: {err}"
+        du.print0(f"resume: skipping checkpoint {path.name}: {problem}", file=sys.stderr, flush=True)
+    return None
+
+
+def _drop_tied_head(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Without ``lm_head.weight`` when the model ties it to the input embeddings: the gathered full state dict holds
+    it as a separate copy (single-process state dicts share the storage, which safetensors dedups), and
+    from_pretrained re-ties it anyway."""
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in full:
+        return {k: v for k, v in full.items() if k != "lm_head.weight"}
+    return full
 
 
 def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> Path:
     """Save a Hugging Face checkpoint (safetensors + config + tokenizer with its chat template) to `out_dir`.
 
     Collective: every rank gathers the full state dict (FSDP2 shards are all-gathered, offloaded to CPU);
-    rank 0 writes. The result loads with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+    rank 0 writes into ``<out_dir>.tmp-<pid>``, adds :data:`EXPORT_MARKER` and renames it to `out_dir` (replacing
+    an older export), so `out_dir` exists only complete. The result loads with
+    ``AutoModelForCausalLM.from_pretrained(out_dir)``. A full disk raises ``fastpo.storage.DiskFullError`` on
+    every rank and leaves no temporary folder.
 
     A peft LoRA model is exported MERGED (``W + scaling * B @ A`` under the plain model's names, a model that
     needs no peft to load); the adapter alone is saved beside it in ``<out_dir>/adapter`` (``PeftModel`` format).
@@ -302,20 +455,39 @@ def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> P
     from .model import is_lora, merged_state_dict, unwrap_peft
 
     out = Path(out_dir)
+    tmp = out.with_name(f"{out.name}.tmp-{du.broadcast_object(os.getpid())}")
     options = StateDictOptions(full_state_dict=True, cpu_offload=du.is_distributed())
     full = get_model_state_dict(model, options=options)
     lora = is_lora(model)
-    if du.is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        if lora:
-            unwrap_peft(model).save_pretrained(str(out), state_dict=merged_state_dict(model, full),
-                                               safe_serialization=True)
-            # save_embedding_layers=False: "auto" would look the base model up (on the hub for a hub id)
-            model.save_pretrained(str(out / "adapter"), state_dict=full, safe_serialization=True,
-                                  save_embedding_layers=False)
-        else:
-            model.save_pretrained(str(out), state_dict=full, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(out))
+
+    def write() -> None:
+        if not du.is_main():
+            return
+        try:
+            with storage.disk_full_as_error(tmp, "Hugging Face export"):
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+                storage.inject_disk_full("export", tmp)
+                if lora:
+                    plain = unwrap_peft(model)
+                    plain.save_pretrained(str(tmp), state_dict=_drop_tied_head(plain, merged_state_dict(model, full)),
+                                          safe_serialization=True)
+                    # save_embedding_layers=False: "auto" would look the base model up (on the hub for a hub id)
+                    model.save_pretrained(str(tmp / "adapter"), state_dict=full, safe_serialization=True,
+                                          save_embedding_layers=False)
+                else:
+                    model.save_pretrained(str(tmp), state_dict=_drop_tied_head(model, full), safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(tmp))
+                _write_json(tmp / EXPORT_MARKER, {"complete": True})
+                if out.exists():
+                    shutil.rmtree(out)
+                os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    storage.agree(write)
     du.barrier()
     return out

@@ -236,6 +236,11 @@ class TrainerConfig:
     """Directory for checkpoints, metrics.jsonl, TensorBoard events and the final Hugging Face export."""
     resume: str = "auto"
     """auto: continue from the newest checkpoint in run_dir if any; never: start fresh; else a checkpoint path."""
+    overwrite: bool = False
+    """With resume=never: delete a previous run in run_dir (checkpoints, metrics.jsonl, hf/) instead of refusing."""
+    collective_timeout_s: float = 300.0
+    """Seconds a rank waits in a collective for the others (> 0) before the job fails with a message (a stalled
+    or dead rank); raise it when one rank alone works longer than this (e.g. a large Hugging Face export)."""
     seed: int = 42
     """Global seed (>= 0) for torch / Python RNGs and per-request sampling seeds."""
     deterministic: bool = False
@@ -266,6 +271,7 @@ class TrainerConfig:
         "iterations", "val_every", "val_before_train", "save_every", "keep_last", "run_dir", "resume",
         "log_console", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
+        "overwrite", "collective_timeout_s",
     })
 
 
@@ -736,6 +742,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
     check(bool(t.run_dir), "trainer.run_dir must be non-empty")
     check(bool(t.resume), "trainer.resume must be 'auto', 'never' or a checkpoint path, got ''")
+    check(0 < t.collective_timeout_s < float("inf"),
+          f"trainer.collective_timeout_s must be > 0 and finite, got {t.collective_timeout_s}")
     check(t.min_in_group_std >= 0, f"trainer.min_in_group_std must be >= 0, got {t.min_in_group_std}")
     check(0 <= t.entropy_drop_factor <= 1, f"trainer.entropy_drop_factor must lie in [0, 1], got "
                                            f"{t.entropy_drop_factor}")

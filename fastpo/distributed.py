@@ -21,6 +21,7 @@ one thing that needs a process group is FSDP2 ``fully_shard``: the trainer only 
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 from dataclasses import dataclass
@@ -66,12 +67,19 @@ def _launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def init(backend: str | None = None) -> DistInfo:
+#: Collective timeout when :func:`init` is not given one (torch's own default is 30 minutes for gloo).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Initialise the process group when launched by torchrun, else stay a plain single process.
 
     Args:
         backend: "gloo" or "nccl"; default nccl when CUDA is available, gloo otherwise. Ignored for a
             single process. Calling init again returns the same DistInfo.
+        timeout_s: how long a rank waits in a collective (barrier, all-gather, ...) for the others before it
+            raises (default :data:`DEFAULT_TIMEOUT_S`): a stalled or dead rank then fails the job instead of
+            hanging it. Under nccl torch enforces it through its watchdog (async error handling on by default).
 
     Returns:
         DistInfo; ``device`` is ``cuda:<local_rank>`` (made current) when CUDA is available, else cpu.
@@ -84,8 +92,11 @@ def init(backend: str | None = None) -> DistInfo:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        if not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be > 0 and finite, got {timeout_s}")
         if not is_distributed():
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     else:
         local_rank = 0
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -96,6 +107,18 @@ def shutdown() -> None:
     """Destroy the process group if there is one (safe to call for a single process or twice)."""
     if is_distributed():
         dist.destroy_process_group()
+
+
+def collective_failure(err: BaseException, timeout_s: float) -> str | None:
+    """A one-line explanation when `err` is a collective that timed out or lost its peer (a stalled, killed or
+    unreachable rank), else None."""
+    text = str(err)
+    if "Timed out" in text or "timed out" in text or "Watchdog caught collective operation timeout" in text:
+        return (f"a collective timed out after {timeout_s:g} s (trainer.collective_timeout_s): another rank is "
+                f"stalled or unreachable ({text.strip().splitlines()[-1][:200]})")
+    if "Connection closed by peer" in text or "Connection reset by peer" in text:
+        return f"another rank died or closed its connection ({text.strip().splitlines()[-1][:200]})"
+    return None
 
 
 def is_main() -> bool:

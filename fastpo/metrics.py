@@ -90,6 +90,7 @@ def _require(package: str, flag: str) -> None:
 class _Jsonl:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.file = open(path, "a")  # noqa: SIM115 (kept open for the run, closed in close())
 
     def write(self, record: dict[str, Any]) -> None:
@@ -192,6 +193,31 @@ class MetricsLogger:
             self._print(line)
         if self._bar is not None:
             self._bar.update(1)
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the metrics.jsonl rows of steps after `step` (a resumed run replays them; -1 drops every row), so
+        the file holds each step once. Rewritten atomically (temp file + rename); an unparsable line (the torn last
+        line of a killed run) is dropped too. Returns the number of rows dropped (0 on other ranks)."""
+        if self._jsonl is None:
+            return 0
+        path = self._jsonl.path
+        self._jsonl.close()
+        kept, dropped = [], 0
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                keep = int(json.loads(line)["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(f"{line}\n" for line in kept))
+            os.replace(tmp, path)
+        self._jsonl = _Jsonl(path)
+        return dropped
 
     def warn(self, message: str) -> None:
         """A warning line on rank 0's console (e.g. from EchoTrapMonitor)."""

@@ -216,7 +216,7 @@ def format_report(run_dir: str | os.PathLike, png: Path | None, rows: Sequence[d
     if png is not None:
         lines.append(f"training curves: {png}")
     export = run_dir / "hf"
-    if (export / "config.json").is_file():
+    if (export / "COMPLETE").is_file():  # fastpo.checkpoint.EXPORT_MARKER: written last, then the folder renamed
         lines.append(f"Hugging Face export: {export}   (python -m fastpo.eval --model {export} ...)")
     else:
         lines.append(f"Hugging Face export: none under {export} (the run did not finish)")

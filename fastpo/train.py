@@ -10,12 +10,14 @@ The run directory receives ``config.json`` (resolved config), ``metrics.jsonl``,
 and, at the end, the Hugging Face export ``hf/``, the training curves ``curves.png`` and ``report.txt`` (the
 per-env validation success before vs after training, also printed; ``fastpo.report``).
 
-Exit status (also in ``--help``):
+Exit status (also in ``--help``; docs/OPERATIONS.md):
     0  trained: every iteration ran, the model is exported.
     1  the run stopped itself (a logprob gap after a weight sync, too many non-finite steps in a row, an
-       iteration without a single trained token); the ``training stopped:`` line says why; nothing is exported.
+       iteration without a single trained token, a full disk, a collective that timed out or lost a rank);
+       the ``training stopped:`` line says why; nothing is exported.
     2  bad input, refused before any model loads: one ``config error:`` line per problem naming the field, the
-       value and what is accepted (``config.validate``, ``fastpo.preflight``).
+       value and what is accepted (``config.validate``, ``fastpo.preflight``), or a run directory that may not
+       be used.
 Anything else (a traceback) is a bug.
 """
 
@@ -25,7 +27,8 @@ import os
 import sys
 
 from . import distributed as du
-from .config import ConfigError, parse_args, validate
+from .config import ConfigError, config_hash, parse_args, validate
+from .storage import DiskFullError, claim_run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    info = du.init()
+    timeout = cfg.trainer.collective_timeout_s
+    info = du.init(timeout_s=timeout if 0 < timeout < float("inf") else None)  # validate reports a bad value
     try:
         try:
             validate(cfg, info.world_size)
+            claim_run_dir(cfg.trainer.run_dir, cfg.trainer.resume, cfg.trainer.overwrite, config_hash(cfg))
         except ConfigError as err:
             if info.is_main:
                 print(f"config error: {err}", file=sys.stderr)
@@ -46,19 +51,26 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer import Trainer, TrainingAborted
 
         try:
-            trainer = Trainer(cfg, info)
-        except ConfigError as err:  # found once the tokenizer is loaded (a prompt that leaves no room for a turn)
-            if info.is_main:
-                print(f"config error: {err}", file=sys.stderr)
-            return 2
-        try:
-            trainer.train()
-        except TrainingAborted as err:
-            if info.is_main:
-                print(f"training stopped: {err}", file=sys.stderr, flush=True)
-            trainer.close(export=False)
+            try:
+                trainer = Trainer(cfg, info)
+            except ConfigError as err:  # found once the tokenizer is loaded (a prompt that leaves no room for a turn)
+                if info.is_main:
+                    print(f"config error: {err}", file=sys.stderr)
+                return 2
+            try:
+                trainer.train()
+            except TrainingAborted as err:
+                if info.is_main:
+                    print(f"training stopped: {err}", file=sys.stderr, flush=True)
+                trainer.close(export=False)
+                return 1
+            trainer.close()
+        except (DiskFullError, RuntimeError) as err:
+            message = str(err) if isinstance(err, DiskFullError) else du.collective_failure(err, timeout)
+            if message is None:
+                raise
+            print(f"training stopped (rank {info.rank}): {message}", file=sys.stderr, flush=True)
             return 1
-        trainer.close()
         if info.is_main:
             from .report import write_report
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import algorithms, checkpoint, envs, kernels
+from . import algorithms, checkpoint, envs, kernels, storage
 from . import distributed as du
 from .config import Config, config_hash, to_json
 from .config import validate as validate_config
@@ -155,6 +155,8 @@ class Trainer:
         self.rank, self.world = self.info.rank, self.info.world_size
         self.device = self.info.device
         self.run_dir = Path(cfg.trainer.run_dir)
+        # refuses mismatched ranks and resume=never over a previous run (unless overwrite), before anything is written
+        storage.claim_run_dir(self.run_dir, cfg.trainer.resume, cfg.trainer.overwrite, config_hash(cfg))
         if du.is_main():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(to_json(cfg) + "\n")
@@ -325,6 +327,11 @@ class Trainer:
     def _resume(self) -> str | None:
         state = checkpoint.resume(self.run_dir, self._stateful(), mode=self.cfg.trainer.resume,
                                   config_hash=self.config_hash)
+        # metrics.jsonl keeps the rows up to the resumed step: the steps after it are replayed and logged again
+        dropped = self.logger.truncate_after(-1 if state is None else int(state["step"]))
+        if dropped:
+            du.print0(f"metrics.jsonl: dropped {dropped} row(s) after step {-1 if state is None else state['step']} "
+                      f"(replayed by this run)")
         if state is None:
             return None
         self.load_state_dict(state)
@@ -688,16 +695,17 @@ class Trainer:
         """Run until trainer.iterations; validation, checkpoints and metrics as configured."""
         t = self.cfg.trainer
         if t.val_before_train and self.step == 0:
-            self.logger.log(0, self.validate())
+            metrics = self.validate()
+            metrics.update(self.timer.pop())  # step 0's phases (the first weight sync, validation), not step 1's
+            self.logger.log(0, metrics)
+        else:
+            self.timer.pop()  # the start-up weight sync is no part of the first iteration
         while self.step < t.iterations:
             self.step += 1
             start = time.perf_counter()
             metrics = self.iteration()
             if t.val_every and self.step % t.val_every == 0:
                 metrics.update(self.validate())
-            if t.save_every and self.step % t.save_every == 0:
-                with self.timer("save"):
-                    self.save()
             metrics.update(self.timer.pop())
             metrics["timing/iteration"] = time.perf_counter() - start
             metrics["perf/tokens_per_s"] = metrics.get("perf/rollout_tokens", 0.0) / metrics["timing/iteration"]
@@ -706,12 +714,18 @@ class Trainer:
                 self.logger.warn(warning)
             metrics.update(self.trap.metrics())
             self.logger.log(self.step, metrics)
+            # after the metrics line (and the echo-trap update): a checkpoint never runs ahead of metrics.jsonl, so a
+            # kill in between loses no row; the save's time lands in the next row's timing/save
+            if t.save_every and self.step % t.save_every == 0:
+                with self.timer("save"):
+                    self.save()
 
     def close(self, export: bool = True) -> None:
         """Final checkpoint (unless this step is saved already) and Hugging Face export to <run_dir>/hf."""
         if export:
-            latest = checkpoint.latest(self.run_dir)
-            if latest is None or checkpoint.read_meta(latest)["step"] != self.step:
+            latest = checkpoint.latest(self.run_dir) if du.is_main() else None
+            # decided once on rank 0: node-local disks may differ, and a rank that skips the collective save hangs
+            if du.broadcast_object(latest is None or checkpoint.read_meta(latest)["step"] != self.step):
                 self.save()
             checkpoint.export_hf(self.actor, self.tokenizer, self.run_dir / "hf")
             if du.is_main():

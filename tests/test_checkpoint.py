@@ -202,6 +202,11 @@ def test_fsdp2_two_ranks_save_then_load_in_new_run(tmp_path):
         str(tmp_path / "hf"),
     )
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:  # tied to the embeddings: stored once
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    assert (tmp_path / "hf" / checkpoint.EXPORT_MARKER).is_file()
     for (name, a), (_, b) in zip(original.state_dict().items(), exported.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     ref, resumed = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "resumed.pt")
@@ -210,3 +215,202 @@ def test_fsdp2_two_ranks_save_then_load_in_new_run(tmp_path):
         assert torch.equal(ref["params"][k], resumed["params"][k]), k
     ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
     assert (ckpt / "rng-rank-00000.json").is_file() and (ckpt / "rng-rank-00001.json").is_file()
+
+
+# ------------------------------------------------------------------------- integrity, fallback, disk full
+def _two_checkpoints(run_dir):
+    """Checkpoints at steps 1 and 2 of one training run (different weights); returns the step-1 weights."""
+    _seed(1)
+    objs = _make()
+    _train(objs, 1)
+    checkpoint.save(run_dir, 1, objs, {"env_seed": 1})
+    weights = [p.detach().clone() for p in objs["model"].parameters()]
+    _train(objs, 1)
+    checkpoint.save(run_dir, 2, objs, {"env_seed": 2})
+    return weights
+
+
+def test_complete_marker_holds_the_manifest(tmp_path):
+    path = _save(tmp_path, 3)
+    files = json.loads((path / "COMPLETE").read_text())["files"]
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != "COMPLETE")
+    assert sorted(files) == on_disk and ".metadata" in files and "trainer_state.json" in files
+    import hashlib
+
+    for name, (sha, size) in files.items():
+        data = (path / name).read_bytes()
+        assert (hashlib.sha256(data).hexdigest(), len(data)) == (sha, size)
+    assert checkpoint.verify(path) is None
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+_DAMAGE = {
+    "truncated_shard": (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
+                        "__0_0.distcp has 100 bytes"),
+    "flipped_bit": (lambda d: _flip_bit(d / "__0_0.distcp"), "__0_0.distcp fails its sha256 check"),
+    "bad_metadata": (lambda d: (d / ".metadata").write_bytes(b"\x80\x04garbage"), ".metadata has 9 bytes"),
+    "bad_json": (lambda d: (d / "trainer_state.json").write_text("{\"step\": 2,"), "trainer_state.json has"),
+    "bad_marker": (lambda d: (d / "COMPLETE").write_text("{not json"), "unreadable COMPLETE marker"),
+    "missing_rng": (lambda d: (d / "rng-rank-00000.json").unlink(), "rng-rank-00000.json is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_auto_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys, damage):
+    step1 = _two_checkpoints(tmp_path)
+    newest = tmp_path / "checkpoints" / "step-000002"
+    spoil, reason = _DAMAGE[damage]
+    spoil(newest)
+    assert reason in checkpoint.verify(newest)
+    resumed = _make()
+    assert checkpoint.resume(tmp_path, resumed, mode="auto") == {"env_seed": 1}
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step-000002" in err and reason in err
+    assert all(torch.equal(a, b) for a, b in zip(step1, resumed["model"].parameters(), strict=True))
+    with pytest.raises(ValueError, match="step-000002 is damaged"):  # an explicit path is refused, not skipped
+        checkpoint.resume(tmp_path, _make(), mode=str(newest))
+
+
+def test_checkpoint_without_manifest_and_bad_metadata_is_skipped(tmp_path, capsys):
+    """A checkpoint written before manifests existed: its unreadable .metadata fails the load, which falls back."""
+    _two_checkpoints(tmp_path)
+    newest = tmp_path / "checkpoints" / "step-000002"
+    (newest / "COMPLETE").write_text(json.dumps({"step": 2}))
+    (newest / ".metadata").write_bytes(b"\x80\x04garbage")
+    assert checkpoint.verify(newest) is None  # nothing to check it against
+    assert checkpoint.resume(tmp_path, _make(), mode="auto") == {"env_seed": 1}
+    assert "skipping checkpoint step-000002" in capsys.readouterr().err
+
+
+def test_every_checkpoint_damaged_starts_fresh(tmp_path, capsys):
+    _two_checkpoints(tmp_path)
+    for d in (tmp_path / "checkpoints").iterdir():
+        _flip_bit(d / "__0_0.distcp")
+    assert checkpoint.resume(tmp_path, _make(), mode="auto") is None
+    assert capsys.readouterr().err.count("skipping checkpoint") == 2
+
+
+def test_disk_full_during_save_says_so(tmp_path, monkeypatch):
+    from fastpo.storage import DiskFullError
+
+    _save(tmp_path, 1)
+    monkeypatch.setenv("FASTPO_INJECT_DISK_FULL", "checkpoint")
+    with pytest.raises(DiskFullError, match=r"disk full while writing the checkpoint of step 2 to .*step-000002\.tmp-"
+                                            r"\d+ \(\d+\.\d MiB free\)"):
+        _save(tmp_path, 2)
+    assert checkpoint.latest(tmp_path).name == "step-000001" and checkpoint.verify(checkpoint.latest(tmp_path)) is None
+    monkeypatch.delenv("FASTPO_INJECT_DISK_FULL")
+    _save(tmp_path, 2)  # space freed: the next save works and removes the torn folder
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+
+
+def test_torch_short_write_is_reported_as_disk_full(tmp_path, monkeypatch):
+    """torch's zip writer reports ENOSPC as "unexpected pos N vs M"."""
+    from fastpo.storage import DiskFullError
+
+    def short_write(state_dict, checkpoint_id, **kw):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", short_write)
+    with pytest.raises(DiskFullError, match="disk full while writing the checkpoint of step 1") as info:
+        _save(tmp_path, 1)
+    assert "unexpected pos 704 vs 598" in str(info.value.__cause__)
+
+
+def test_export_is_atomic_and_a_cut_short_export_leaves_nothing(tmp_path, monkeypatch):
+    from fastpo.report import format_report
+    from fastpo.storage import DiskFullError
+    from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(tmp_path / "tiny")
+    model = build_tiny_model(tmp_path / "tiny", tok, hidden=32, layers=1, heads=2, kv_heads=1)
+    monkeypatch.setenv("FASTPO_INJECT_DISK_FULL", "export")
+    with pytest.raises(DiskFullError, match="disk full while writing the Hugging Face export"):
+        checkpoint.export_hf(model, tok, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no hf/, no hf.tmp-*
+    assert "Hugging Face export: none" in format_report(tmp_path, None, [])
+    monkeypatch.delenv("FASTPO_INJECT_DISK_FULL")
+    out = checkpoint.export_hf(model, tok, tmp_path / "hf")
+    assert (out / checkpoint.EXPORT_MARKER).is_file()
+    assert f"Hugging Face export: {out}" in format_report(tmp_path, None, [])
+    (out / checkpoint.EXPORT_MARKER).unlink()  # an export cut short by a crash, as older versions left them
+    assert "Hugging Face export: none" in format_report(tmp_path, None, [])
+
+
+def test_resume_under_another_thread_count_warns(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _save(tmp_path, 1)
+        torch.set_num_threads(2)
+        checkpoint.resume(tmp_path, _make())
+        err = capsys.readouterr().err
+        assert "saved with 1 torch threads, this run has 2" in err and "OMP_NUM_THREADS=1" in err
+        torch.set_num_threads(1)
+        checkpoint.resume(tmp_path, _make())
+        assert "torch threads" not in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_short_write_inside_dcp_is_reported_as_disk_full(tmp_path, monkeypatch):
+    """The same failure as DCP reports it: wrapped in its CheckpointException (a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fastpo.storage import DiskFullError
+
+    def short_write(state_dict, checkpoint_id, **kw):
+        raise CheckpointException("save", {0: (RuntimeError("unexpected pos 704 vs 598"), None)})
+
+    monkeypatch.setattr(checkpoint.dcp, "save", short_write)
+    with pytest.raises(DiskFullError, match="disk full while writing the checkpoint of step 1"):
+        _save(tmp_path, 1)
+
+
+def test_verify_parts_share_the_hashing(tmp_path):
+    path = _save(tmp_path, 1)
+    names = sorted(json.loads((path / "COMPLETE").read_text())["files"])
+    _flip_bit(path / names[1])
+    assert checkpoint.verify(path, (0, 2)) is None  # hashes files 0, 2, ...: not the damaged one
+    assert "fails its sha256 check" in checkpoint.verify(path, (1, 2))
+    assert "fails its sha256 check" in checkpoint.verify(path)
+
+
+def test_real_full_disk_is_reported_as_disk_full(tmp_path):
+    """A 1 MiB tmpfs (needs root and mount rights; skipped otherwise): torch's writer fails with "unexpected pos",
+    safetensors with "os error 28"; both errors say disk full and name the folder, and nothing is published."""
+    import subprocess
+
+    from fastpo.storage import DiskFullError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(400, 400)  # 640 KB of weights + 1.3 MB of AdamW state: more than the disk
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 400)).sum().backward()
+        optim.step()
+        with pytest.raises(DiskFullError, match=r"disk full while writing the checkpoint of step 1 to .*tmp-\d+ "
+                                                r"\(0\.\d MiB free\)") as info:
+            checkpoint.save(disk / "run", 1, {"model": model, "optim": optim}, {})
+        assert "unexpected pos" in repr(info.value.__cause__)
+        assert checkpoint.latest(disk / "run") is None
+        from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+
+        tok = build_tiny_tokenizer(tmp_path / "tiny")
+        tiny = build_tiny_model(tmp_path / "tiny", tok, hidden=64, layers=2, heads=2, kv_heads=1)
+        with pytest.raises(DiskFullError, match="disk full while writing the Hugging Face export"):
+            checkpoint.export_hf(tiny, tok, disk / "run" / "hf")  # safetensors says "os error 28"
+        assert sorted(p.name for p in (disk / "run").iterdir()) == ["checkpoints"]  # no hf/, no hf.tmp-*
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

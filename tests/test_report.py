@@ -65,6 +65,7 @@ def test_write_report_and_cli(tmp_path, capsys):
     assert (run / "curves.png").stat().st_size > 0 and (run / "report.txt").read_text().strip() == text
     (run / "hf").mkdir()
     (run / "hf" / "config.json").write_text("{}")
+    (run / "hf" / "COMPLETE").write_text("{}")  # fastpo.checkpoint.export_hf's marker: the export finished
     assert main([str(run)]) == 0
     assert f"Hugging Face export: {run / 'hf'}" in capsys.readouterr().out
 

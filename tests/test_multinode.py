@@ -1,0 +1,158 @@
+"""Multi-node runs on localhost and failing ranks: the real entry point under torchrun.
+
+Two "nodes" are two torchrun launchers (``--nnodes=2 --node_rank=0/1``, 1 process each, static rendezvous on
+127.0.0.1), each started in its own folder with the same relative ``--trainer.run_dir``: two node-local disks that
+do not see each other's files. A stalled rank is a worker stopped with SIGSTOP.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastpo.testing import run_killable
+
+TINY = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
+        "--env.env_groups", "4", "--env.group_size", "4", "--optim.mini_batch_size", "8",
+        "--optim.micro_batch_tokens", "800", "--rollout.max_model_len", "800", "--trainer.val_every", "0",
+        "--trainer.val_before_train", "false", "--trainer.save_every", "1"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(tmp_path: Path, args: list[str], node1_extra: tuple[str, ...] = (), timeout: float = 240):
+    """Launch both nodes at once; returns [(exit code, stdout, stderr)] for node 0 and node 1."""
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+               "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "fastpo.train", *TINY, *args,
+               "--trainer.run_dir", "run", *(node1_extra if node else ())]
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      start_new_session=True))
+    results, deadline = [], time.monotonic() + timeout
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out.decode(), err.decode()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"two-node run timed out after {timeout}s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return results
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if ".tmp-" in p.name or ".disk-probe-" in p.name)
+
+
+@pytest.mark.slow
+def test_two_nodes_with_node_local_run_dirs_train_and_resume(tmp_path):
+    """Each node keeps a complete, identical copy of every checkpoint on its own disk and resumes from it."""
+    for rc, out, err in _two_nodes(tmp_path, ["--trainer.iterations", "1"]):
+        assert rc == 0, (out + err)[-4000:]
+    results = _two_nodes(tmp_path, ["--trainer.iterations", "2"])
+    for rc, out, err in results:
+        assert rc == 0, (out + err)[-4000:]
+    assert "resumed from step 1" in results[0][1]
+    for step in ("step-000001", "step-000002"):
+        markers = [json.loads((tmp_path / f"node{n}" / "run" / "checkpoints" / step / "COMPLETE").read_text())
+                   for n in (0, 1)]
+        assert markers[0] == markers[1]
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng-rank-00001.json"} <= set(markers[0]["files"])
+    from fastpo import checkpoint
+
+    for n in (0, 1):
+        assert checkpoint.verify(tmp_path / f"node{n}" / "run" / "checkpoints" / "step-000002") is None
+    assert _leftovers(tmp_path) == []
+    rows = [json.loads(line) for line in (tmp_path / "node0" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (tmp_path / "node0" / "run" / "hf" / "COMPLETE").is_file()  # rank 0 exports on its own disk
+
+
+def test_nodes_started_with_different_run_dirs_are_refused(tmp_path):
+    results = _two_nodes(tmp_path, ["--trainer.iterations", "1"], ("--trainer.run_dir", "elsewhere"), timeout=120)
+    # torchrun exits 1 when a worker fails; the worker's own status (2: bad input) is in its failure summary
+    assert [rc for rc, _, _ in results] == [1, 1], [(out + err)[-2000:] for _, out, err in results]
+    assert all(re.search(r"exitcode\s*: 2 ", err) for _, _, err in results)
+    err = results[0][2]
+    assert "different trainer.run_dir or configs" in err and "'run'" in err and "'elsewhere'" in err
+    assert not (tmp_path / "node0" / "run" / "checkpoints").exists()
+
+
+def _worker_pids(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes (children of the launcher)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError):
+            continue
+        if "RANK" in env:
+            out[int(env["RANK"])] = int(d.name)
+    return out
+
+
+@pytest.mark.slow
+def test_stalled_rank_fails_the_job_with_a_message(tmp_path):
+    """SIGSTOP rank 1 mid-run: rank 0's next collective times out after trainer.collective_timeout_s and the job
+    exits non-zero with a message, well before torch's 30-minute default."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fastpo.train",
+           *TINY, "--trainer.iterations", "100", "--trainer.save_every", "0", "--trainer.collective_timeout_s", "10",
+           "--trainer.run_dir", str(run)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 1"
+            time.sleep(0.5)
+        os.kill(_worker_pids(proc.pid)[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    err = err.decode()
+    assert proc.returncode != 0
+    assert "training stopped (rank 0): a collective timed out after 10 s (trainer.collective_timeout_s)" in err, \
+        err[-3000:]
+    assert time.monotonic() - stopped < 120
+
+
+def test_bad_collective_timeout_is_a_config_error(tmp_path):
+    rc, _, err = run_killable([sys.executable, "-m", "fastpo.train", *TINY, "--trainer.collective_timeout_s", "0",
+                               "--trainer.run_dir", str(tmp_path / "run")], tmp_path, ENV, 120)
+    assert rc == 2 and "trainer.collective_timeout_s must be > 0 and finite, got 0" in err
+
+
+def test_collective_failure_messages():
+    from fastpo.distributed import collective_failure
+
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to "
+                        "complete")
+    assert collective_failure(gloo, 5).startswith("a collective timed out after 5 s (trainer.collective_timeout_s)")
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    assert collective_failure(peer, 5).startswith("another rank died or closed its connection")
+    assert collective_failure(RuntimeError("CUDA out of memory"), 5) is None
