@@ -154,8 +154,9 @@ def gigpo(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None]:
     """GiGPO (arXiv 2505.10978): episode-level group advantage of the trajectory + gigpo_step_weight * step-level
     advantage of the turn among the group's turns that start from the same env state (discounted turn returns,
     gigpo_step_gamma), both normalised by gigpo_norm; on each turn's trained tokens. Fills batch.metrics:
-    adv/gigpo_nonsingleton_turn_fraction (turns whose step group has >= 2 members), adv/gigpo_step_group_size
-    (mean step group size over turns), adv/gigpo_step_abs_mean (mean |step advantage| over turns)."""
+    adv/gigpo_nonsingleton_turn_fraction (turns whose step group has >= 2 members), the same over the turns after
+    the first (..._later_turn_fraction: states reached again after a move, not the shared initial state),
+    adv/gigpo_step_group_size (mean step group size over turns), adv/gigpo_step_abs_mean (mean |step advantage|)."""
     missing = [n for n in ("turn_keys", "turn_rewards", "cu_turns", "turn_ids") if getattr(batch, n) is None]
     if missing:
         raise ValueError(f"algorithm.adv_estimator='gigpo' needs the batch's per-turn data; missing {missing}")
@@ -164,7 +165,10 @@ def gigpo(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None]:
         batch.loss_mask, step_weight=cfg.gigpo_step_weight, step_gamma=cfg.gigpo_step_gamma,
         norm_by_std=cfg.gigpo_norm == "mean_std")
     n = max(size.numel(), 1)
+    later = torch.arange(size.numel()) > batch.cu_turns[:-1].repeat_interleave(batch.cu_turns.diff())  # turn >= 1
     batch.metrics.update({"adv/gigpo_nonsingleton_turn_fraction": float((size > 1).sum()) / n,
+                          "adv/gigpo_nonsingleton_later_turn_fraction": float((size[later] > 1).sum()) /
+                          max(int(later.sum()), 1),
                           "adv/gigpo_step_group_size": float(size.sum()) / n,
                           "adv/gigpo_step_abs_mean": float(step.abs().sum()) / n})
     return adv, None

@@ -257,6 +257,7 @@ def test_gigpo_by_hand_through_the_registry():
     assert adv.tolist() == [0, t[0], t[0], t[1], t[1]] + [0, t[2], t[3]] + [t[4], t[4]] + [0, t[5]]
     assert ret is None
     assert b.metrics == {"adv/gigpo_nonsingleton_turn_fraction": 4 / 6, "adv/gigpo_step_group_size": 18 / 6,
+                         "adv/gigpo_nonsingleton_later_turn_fraction": 1 / 2,
                          "adv/gigpo_step_abs_mean": (0.625 + 0.875 + 0.375 + 0.625) / 6}
 
 
