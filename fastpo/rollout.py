@@ -157,7 +157,7 @@ class Trajectory:
         finish_reasons, response_lengths: per generated turn, the engine's finish reason and sampled tokens.
         turn_rewards, turn_penalties: per generated turn (turn_rewards as printed in the prompts).
         turn_state_keys: per generated turn, the key of the env state it starts from (``env.state_keys()``:
-            exact for the grid envs, a hash of the observation text otherwise; uint64 values as Python ints).
+            exact for the grid envs, a hash of the observation text otherwise; the uint64 bits read as int64).
         logprobs_exact: ``sample_logprobs`` are the sampling logprobs of exactly these tokens in this context.
         env_done: the env reported done; context_truncated: ended by ``max_model_len``.
         messages: the chat the sequence renders (``build_messages(..., for_update=True)``), for logging.
@@ -233,10 +233,10 @@ def _decode(tokenizer: Any, ids: Sequence[int], skip_special: bool) -> str:
 
 
 def _state_keys(env: Any, obs: Sequence[str]) -> list[int]:
-    """The env's state key per instance (``state_keys()``), or a hash of the observation text for an env without
-    that method (a user's env that does not subclass BatchEnv)."""
+    """The env's state key per instance (``state_keys()``, or a hash of the observation text for an env without
+    that method: a user's env that does not subclass BatchEnv), as signed int64 values (the uint64 bits)."""
     fn = getattr(env, "state_keys", None)
-    return [int(k) for k in np.asarray(fn() if callable(fn) else text_state_keys(obs), dtype=np.uint64).tolist()]
+    return np.asarray(fn() if callable(fn) else text_state_keys(obs), dtype=np.uint64).view(np.int64).tolist()
 
 
 def _split_stop(tokenizer: Any, result: GenerationResult, stop_ids: set[int]) -> tuple[list[int], str]:

@@ -686,9 +686,12 @@ def gigpo_advantages(scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_
     traj = torch.repeat_interleave(torch.arange(scores.shape[0], device=scores.device), cu_turns.diff(),
                                    output_size=n_turns)
     returns = gigpo_turn_returns(turn_rewards, cu_turns, step_gamma)
-    pairs = torch.stack([group_ids.to(torch.int64)[traj], turn_keys.to(torch.int64)], dim=1)
-    _, step_inv = torch.unique(pairs, dim=0, return_inverse=True)
-    step, size = _group_normalize(returns, step_inv.reshape(-1), norm_by_std, eps)
+    # step group = (group, key): two 1-D uniques and one of their combination (exact; unique(dim=0) on pairs is
+    # ~100x slower on CPU)
+    _, key_inv = torch.unique(turn_keys, return_inverse=True)
+    pair = seq_inv[traj] * (int(key_inv.max()) + 1 if n_turns else 1) + key_inv
+    _, step_inv = torch.unique(pair, return_inverse=True)
+    step, size = _group_normalize(returns, step_inv, norm_by_std, eps)
     turn_adv = episode[traj] + step_weight * step
     out = torch.zeros(mask.shape[0], dtype=torch.float64, device=mask.device)
     if n_turns:

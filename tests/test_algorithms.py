@@ -272,7 +272,7 @@ def test_gigpo_needs_turn_data_and_a_valid_config():
 def test_turn_data_keeps_the_sequence_turns():
     from fastpo.microbatch import turn_data
 
-    keys, rewards = turn_data([0, 1, 0, 1], [5, 2**64 - 1, 6], [1.0, -0.1, 0.5], [0.0, -0.1, 0.0])
+    keys, rewards = turn_data([0, 1, 0, 1], [5, -1, 6], [1.0, -0.1, 0.5], [0.0, -0.1, 0.0])
     assert keys.dtype == np.int64 and keys.tolist() == [-1, 6]  # the last 2 of 3 turns (a context window)
     assert rewards.dtype == np.float32 and rewards.tolist() == pytest.approx([-0.2, 0.5])
     assert turn_data([0, 0], [], [], [])[0].shape == (0,)

@@ -425,11 +425,11 @@ def test_turn_state_keys(tok):
     assert s0 == s1 == r0 != r1  # instance 0 came back to the start; instance 1 moved right
     probe = E.make("frozenlake", 1, is_slippery=False, backend="python")
     probe.reset_from_layouts([FROZEN])
-    assert int(probe.state_keys()[0]) == s0
+    assert int(probe.state_keys().view(np.int64)[0]) == s0
     probe.step(np.array([3], np.int32))
-    assert int(probe.state_keys()[0]) == r1
+    assert int(probe.state_keys().view(np.int64)[0]) == r1
     bandit = E.make("bandit", 2)
     obs = bandit.reset(np.array([4, 4]))
     batch, _ = _rollout(tok, bandit, prompt_spec("bandit"), [["x</think><answer>Dragon</answer>"]] * 2)
     keys = [t.turn_state_keys for t in batch.trajectories]
-    assert keys[0] == keys[1] == [int(E.base.text_state_keys(obs[:1])[0])]
+    assert keys[0] == keys[1] == [int(E.base.text_state_keys(obs[:1]).view(np.int64)[0])]
