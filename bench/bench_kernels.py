@@ -536,7 +536,7 @@ def main() -> None:
         rows += bench_ppo_cpu(8, 512, 5) if args.quick else bench_ppo_cpu(128, 3600, 11)
     if "gigpo" in only:
         it, note = tiny_iteration_s()
-        rows += bench_gigpo_cpu(16, 8, 5, 60, 5 if args.quick else 21, it, note)  # the tiny preset's batch
+        rows += bench_gigpo_cpu(16, 8, 5, 430, 5 if args.quick else 21, it, note)  # tiny preset: 55k tokens
         if not args.quick:
             rows += bench_gigpo_cpu(16, 8, 5, 3000, 11, it, note)  # 16 x 8 x 5 turns of 3k-token trajectories
     torch.set_num_threads(threads)
