@@ -180,14 +180,17 @@ def token_turn_ids(turn_end: Tensor, cu_seqlens: Tensor, cu_turns: Tensor) -> Te
     first answer belongs to turn 0, the template text after the last turn_end to the last turn). turn_end bool [N],
     cu_seqlens int [B + 1], cu_turns int [B + 1] (trajectory b has cu_turns[b + 1] - cu_turns[b] turns)."""
     n = turn_end.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=turn_end.device)
     lengths = cu_seqlens.diff()
     seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=turn_end.device), lengths, output_size=n)
     ends = (turn_end != 0).to(torch.int64)
     before = torch.cumsum(ends, 0) - ends  # turn_ends strictly before each token, over the whole batch
-    local = before - before[cu_seqlens[:-1].clamp(max=max(n - 1, 0))][seq] if n else before
-    count = cu_turns.diff()[seq]
-    ids = cu_turns[:-1][seq] + torch.minimum(local, count - 1)
-    return torch.where(count > 0, ids, -1).to(torch.int64)
+    # id = cu_turns[b] + (flags before the token within b), capped at b's last turn; the cap is -1 without turns
+    first = cu_turns[:-1].to(torch.int64)
+    last = torch.where(cu_turns.diff() > 0, cu_turns[1:].to(torch.int64) - 1, -1)
+    table = torch.stack([first - before[cu_seqlens[:-1].clamp(max=n - 1)], last], dim=1)[seq]  # one gather
+    return torch.minimum(before + table[:, 0], table[:, 1])
 
 
 def _broadcast(per_seq: Tensor, batch: PackedBatch) -> Tensor:
