@@ -169,9 +169,11 @@ def test_random_matches_truth(backend, device, norm_by_std, seed):
     assert (size > 1).any() and (size == 1).any()  # both kinds of step group are exercised
 
 
-def test_triton_equals_torch_on_a_realistic_batch(device, monkeypatch):
-    """16 groups x 8 trajectories x up to 5 turns: the two backends agree (fp32 kernel vs fp64 reference)."""
-    trajs = random_trajs(random.Random(5), n_groups=16, group_size=8, max_turns=5, n_keys=6)
+@pytest.mark.parametrize("n_groups,max_turns", [(16, 5), (33, 1)])
+def test_triton_equals_torch_on_a_realistic_batch(device, monkeypatch, n_groups, max_turns):
+    """16 groups x 8 trajectories x up to 5 turns (more turns than one tile of the step kernel), and 264
+    trajectories (more than one tile of the episode kernel): the two backends agree (fp32 kernel vs fp64)."""
+    trajs = random_trajs(random.Random(5), n_groups=n_groups, group_size=8, max_turns=max_turns, n_keys=6)
     outs = {}
     for name in ("torch", "triton"):
         monkeypatch.setenv("FASTPO_KERNELS", name)
