@@ -30,6 +30,7 @@ if "--dry" in sys.argv:  # the Triton interpreter must be on before triton is im
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("FASTPO_KERNELS", "triton")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -402,6 +403,98 @@ def bench_gpu(token_counts, dry: bool, emit) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
+def gigpo_batch(groups: int, group: int, turns: int, length: int, seed: int = 0) -> list[dict]:
+    """Trajectories as the rollout hands them to the trainer: per-token turn_end / loss_mask / rewards arrays of
+    `length` tokens split into `turns` turns (the first tokens of each turn are the observation, untrained), and
+    per-turn state keys (turn 0 shares the group's initial state; later turns draw from 3 states per group, so
+    anchors repeat as in a grid env) and rewards."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        for _ in range(group):
+            turn_end = np.zeros(length, bool)
+            mask = np.zeros(length, bool)
+            bounds = sorted(rng.sample(range(1, length - 1), turns - 1)) + [length - 1]
+            start = 0
+            for end in bounds:
+                turn_end[end] = True
+                mask[start + (end - start) // 2:end + 1] = True
+                start = end + 1
+            rewards = np.zeros(length, np.float32)
+            rewards[bounds[-1]] = rng.uniform(-1, 1)
+            keys = [g * 1000] + [g * 1000 + rng.randrange(1, 4) for _ in range(turns - 1)]
+            out.append(dict(turn_end=turn_end, mask=mask, rewards=rewards, score=float(rewards.sum()), group=g,
+                            keys=keys, turn_rewards=[rng.uniform(-1, 1) for _ in range(turns)],
+                            penalties=[0.0] * turns))
+    return out
+
+
+def bench_gigpo_cpu(groups: int, group: int, turns: int, length: int, repeats: int, iteration_s: float | None,
+                    iteration_note: str) -> list[dict]:
+    """GiGPO's extra cost per iteration on the trainer's CPU path: everything it adds to GRPO's (the per-turn
+    arrays of each trajectory, their concatenation, the token -> turn map, the estimator) minus GRPO's estimator."""
+    from fastpo import algorithms as alg
+    from fastpo.config import AlgorithmConfig
+    from fastpo.microbatch import turn_data
+
+    trajs = gigpo_batch(groups, group, turns, length)
+    cu = torch.tensor([0, *np.cumsum([length] * len(trajs))], dtype=torch.int64)
+
+    def packed() -> alg.PackedBatch:
+        return alg.PackedBatch(
+            token_rewards=torch.from_numpy(np.concatenate([t["rewards"] for t in trajs])),
+            loss_mask=torch.from_numpy(np.concatenate([t["mask"] for t in trajs])),
+            turn_end=torch.from_numpy(np.concatenate([t["turn_end"] for t in trajs])), cu_seqlens=cu,
+            scores=torch.tensor([t["score"] for t in trajs]), group_ids=torch.tensor([t["group"] for t in trajs]))
+
+    grpo_cfg, gigpo_cfg = AlgorithmConfig(adv_estimator="grpo"), AlgorithmConfig(adv_estimator="gigpo")
+    base = packed()
+
+    def grpo():
+        return alg.compute_advantages(base, grpo_cfg)
+
+    def gigpo():
+        data = [turn_data(t["turn_end"], t["keys"], t["turn_rewards"], t["penalties"]) for t in trajs]
+        base.cu_turns = torch.tensor([0, *np.cumsum([len(k) for k, _ in data])], dtype=torch.int64)
+        base.turn_keys = torch.from_numpy(np.concatenate([k for k, _ in data]))
+        base.turn_rewards = torch.from_numpy(np.concatenate([r for _, r in data]))
+        base.turn_ids = alg.token_turn_ids(base.turn_end, cu, base.cu_turns)
+        return alg.compute_advantages(base, gigpo_cfg)
+
+    t_grpo, t_gigpo = time_median(grpo, repeats), time_median(gigpo, repeats)
+    n_tok = len(trajs) * length
+    shared = base.metrics.get("adv/gigpo_nonsingleton_turn_fraction", 0.0)
+    config = (f"{groups} groups x {group} x {turns} turns, {length} tokens each (N={n_tok}), threads=1; gigpo = "
+              f"turn_data + concat + token_turn_ids + estimator; nonsingleton turns {shared:.2f}")
+    rows = [_row("gigpo_estimator", "grpo", "forward", "time", "ms", "N", n_tok, tuple(v * 1e3 for v in t_grpo),
+                 config),
+            _row("gigpo_estimator", "gigpo", "forward", "time", "ms", "N", n_tok, tuple(v * 1e3 for v in t_gigpo),
+                 config)]
+    extra = t_gigpo[0] - t_grpo[0]
+    rows.append(_row("gigpo_estimator", "gigpo-grpo", "forward", "extra_time", "ms", "N", n_tok, (extra * 1e3,) * 3,
+                     config + "; difference of medians"))
+    if iteration_s:
+        share = 100 * extra / iteration_s
+        rows.append(_row("gigpo_estimator", "gigpo-grpo/iteration", "forward", "share", "%", "N", n_tok,
+                         (share,) * 3, config + f"; of a {iteration_s:.3f} s iteration ({iteration_note})"))
+    return rows
+
+
+def tiny_iteration_s() -> tuple[float | None, str]:
+    """The newest bench/results/train.csv median iteration time of the tiny preset (1 process), and its source."""
+    import csv
+
+    path = Path(__file__).resolve().parent / "results" / "train.csv"
+    if not path.exists():
+        return None, "no train.csv"
+    rows = [r for r in csv.DictReader(path.open()) if r["mode"] == "iteration" and r["x_value"] == "1"
+            and "preset=tiny env=preset" in r["config"]]
+    if not rows:
+        return None, "no tiny iteration row"
+    r = rows[-1]
+    return float(r["p50"]), f"bench/results/train.csv tiny iteration of {r['timestamp']} at {r['commit']}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu", action="store_true", help="GPU benchmarks (triton do_bench)")
@@ -409,7 +502,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU: small shapes")
     ap.add_argument("--tokens", default=None, help="fused logprob token counts, comma separated")
     ap.add_argument("--repeats", type=int, default=4, help="CPU fused logprob repeats (interleaved)")
-    ap.add_argument("--only", default="fused,gae,grpo,ppo", help="CPU sections to run")
+    ap.add_argument("--only", default="fused,gae,grpo,ppo,gigpo", help="CPU sections to run")
     ap.add_argument("--results-dir", default=None, help="where kernels.csv goes (default bench/results)")
     ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -441,6 +534,11 @@ def main() -> None:
             rows += bench_grpo_cpu(128, 16, 3600, 21)
     if "ppo" in only:
         rows += bench_ppo_cpu(8, 512, 5) if args.quick else bench_ppo_cpu(128, 3600, 11)
+    if "gigpo" in only:
+        it, note = tiny_iteration_s()
+        rows += bench_gigpo_cpu(16, 8, 5, 430, 5 if args.quick else 21, it, note)  # tiny preset: 55k tokens
+        if not args.quick:
+            rows += bench_gigpo_cpu(16, 8, 5, 3000, 11, it, note)  # 16 x 8 x 5 turns of 3k-token trajectories
     torch.set_num_threads(threads)
     print_table(rows)
     path = append_rows("kernels", rows, args.results_dir)

@@ -229,6 +229,19 @@ py::list render_batch(Batch& b) {
   return render_observations(b);
 }
 
+// state_keys() for either batch: uint64[N], one exact key per instance (see state_key.h).
+template <typename Batch>
+py::array_t<uint64_t> state_keys_batch(Batch& b) {
+  require_ready(b);
+  py::array_t<uint64_t> keys(b.num_envs());
+  uint64_t* k = keys.mutable_data();
+  {
+    py::gil_scoped_release release;
+    b.state_keys(k);
+  }
+  return keys;
+}
+
 template <typename Batch>
 py::list reset_batch(Batch& b, const py::handle& seeds_obj, const py::handle& mask_obj) {
   const py::ssize_t n = b.num_envs();
@@ -301,6 +314,8 @@ PYBIND11_MODULE(_C, m) {
            "int32[N] ids (1 Up, 2 Down, 3 Left, 4 Right) -> (obs, reward f32[N], terminated, truncated, success, "
            "action_is_valid, action_is_effective bool[N]).")
       .def("render", &render_batch<SokobanBatch>)
+      .def("state_keys", &state_keys_batch<SokobanBatch>,
+           "uint64[N]: FNV-1a 64 of room_fixed then room_state (the exact state without the step counter).")
       .def("get_state", [](SokobanBatch& b) {
         require_ready(b);
         const py::ssize_t n = b.num_envs(), r = b.params().rows, c = b.params().cols;
@@ -356,6 +371,8 @@ PYBIND11_MODULE(_C, m) {
            "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up) -> (obs, reward f32[N], terminated, truncated, success, "
            "action_is_valid, action_is_effective bool[N]).")
       .def("render", &render_batch<FrozenLakeBatch>)
+      .def("state_keys", &state_keys_batch<FrozenLakeBatch>,
+           "uint64[N]: FNV-1a 64 of the map then the player cell (int32 little-endian).")
       .def("get_state", [](FrozenLakeBatch& b) {
         require_ready(b);
         const py::ssize_t n = b.num_envs(), s = b.size();

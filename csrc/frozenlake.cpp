@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "state_key.h"
+
 namespace fastpo {
 
 namespace {
@@ -195,6 +197,19 @@ void FrozenLakeBatch::render_codes(uint8_t* out) {
       }
       const uint8_t letter = map[position[i]];
       o[position[i]] = letter == 'H' ? 4 : letter == 'G' ? 5 : 3;
+    }
+  });
+}
+
+void FrozenLakeBatch::state_keys(uint64_t* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int cells = size_ * size_;
+  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t cell = static_cast<uint32_t>(position[i]);
+      const uint8_t le[4] = {static_cast<uint8_t>(cell), static_cast<uint8_t>(cell >> 8),
+                             static_cast<uint8_t>(cell >> 16), static_cast<uint8_t>(cell >> 24)};
+      out[i] = fnv1a64(le, 4, fnv1a64(&desc[static_cast<size_t>(i) * cells], cells));
     }
   });
 }

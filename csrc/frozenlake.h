@@ -40,6 +40,9 @@ class FrozenLakeBatch {
   // Render codes num_envs * size * size: 0 _, 1 O (hole), 2 G, 3 P, 4 X (player in hole),
   // 5 U+221A (player on goal); the bindings map them to text.
   void render_codes(uint8_t* out);
+  // Exact state key per instance (num_envs): FNV-1a 64 over the map (size * size ASCII) then the player cell as
+  // 4 little-endian bytes. Step counter and slip stream are not part of it.
+  void state_keys(uint64_t* out);
   bool all_ready() const;
 
   int num_envs() const { return n_; }

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "state_key.h"
+
 namespace fastpo {
 
 namespace {
@@ -532,6 +534,16 @@ void SokobanBatch::render_codes(uint8_t* out) {
     const uint8_t* fixed = room_fixed.data();
     for (size_t c = lo; c < hi; ++c)
       out[c] = (state[c] == kPlayer && fixed[c] == kTarget) ? static_cast<uint8_t>(kPlayerOnTarget) : state[c];
+  });
+}
+
+void SokobanBatch::state_keys(uint64_t* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const size_t at = static_cast<size_t>(i) * cells_;
+      out[i] = fnv1a64(&room_state[at], cells_, fnv1a64(&room_fixed[at], cells_));
+    }
   });
 }
 

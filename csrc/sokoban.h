@@ -113,6 +113,9 @@ class SokobanBatch {
             uint8_t* valid, uint8_t* effective);
   // Render cell codes 0..6 (6 = player on target), num_envs * rows * cols; the bindings map them to symbols().
   void render_codes(uint8_t* out);
+  // Exact state key per instance (num_envs): FNV-1a 64 over room_fixed then room_state (walls, targets, boxes,
+  // player); the step counter is not part of it, so a state reached at different turns has one key.
+  void state_keys(uint64_t* out);
   bool all_ready() const;
 
   int num_envs() const { return n_; }

@@ -9,6 +9,7 @@ Nothing resets by itself: a finished instance stays finished (stepping it is a n
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -65,6 +66,32 @@ class BatchEnv(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release resources (nothing to do for most envs)."""
+
+    def state_keys(self) -> np.ndarray:
+        """``uint64[num_envs]``: a key of each instance's current state, equal for equal states (GiGPO's anchor
+        states). Default: :func:`text_state_keys` of ``render()``; grid envs override it with an exact key of
+        their state."""
+        return text_state_keys(self.render())
+
+
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def fnv1a64(data: bytes, h: int = _FNV_OFFSET) -> int:
+    """FNV-1a 64 of ``data``, continuing from ``h``: the grid envs' exact state key (csrc/state_key.h computes the
+    same function)."""
+    for byte in data:
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK64
+    return h
+
+
+def text_state_keys(observations: Sequence[str]) -> np.ndarray:
+    """``uint64[len(observations)]``: the first 8 bytes (little-endian) of BLAKE2b of each observation's UTF-8 text;
+    equal texts give equal keys, and distinct texts collide with probability ~2^-64 per pair."""
+    return np.array([int.from_bytes(hashlib.blake2b(o.encode("utf-8"), digest_size=8).digest(), "little")
+                     for o in observations], dtype=np.uint64)
 
 
 def check_num_envs(num_envs: Any) -> int:

@@ -75,6 +75,12 @@ class FrozenLakeEnv(BatchEnv):
     def render(self) -> list[str]:
         return self._batch.render()
 
+    def state_keys(self) -> np.ndarray:
+        """``uint64[num_envs]``: exact key of each instance's current state:
+        FNV-1a 64 of the map then the player cell (int32 little-endian;
+        not the step counter or the slip stream), equal to ``PyFrozenLakeEnv``'s."""
+        return self._batch.state_keys()
+
     def instruction(self) -> str:
         legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
         return f"{FROZENLAKE_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"

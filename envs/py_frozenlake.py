@@ -13,7 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds, empty_info
+from .base import (
+    BatchEnv,
+    StepResult,
+    build_config,
+    check_discrete_actions,
+    check_mask,
+    check_seeds,
+    empty_info,
+    fnv1a64,
+)
 from .layouts import (
     FROZENLAKE_ACTIONS,
     FROZENLAKE_GRID_VOCAB,
@@ -170,6 +179,12 @@ class PyFrozenLakeEnv(BatchEnv):
 
     def render(self) -> list[str]:
         return [game.render() for game in self._games()]
+
+    def state_keys(self) -> np.ndarray:
+        """``uint64[num_envs]``: FNV-1a 64 of the map bytes then the player cell (int32 little-endian), as
+        ``FrozenLakeEnv``."""
+        return np.array([fnv1a64(g.position.to_bytes(4, "little"), fnv1a64(g.desc.tobytes())) for g in self._games()],
+                        dtype=np.uint64)
 
     def instruction(self) -> str:
         legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())

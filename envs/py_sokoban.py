@@ -25,7 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds, empty_info
+from .base import (
+    BatchEnv,
+    StepResult,
+    build_config,
+    check_discrete_actions,
+    check_mask,
+    check_seeds,
+    empty_info,
+    fnv1a64,
+)
 from .layouts import (
     SOKOBAN_ACTIONS,
     SOKOBAN_INSTRUCTION,
@@ -376,6 +385,11 @@ class PySokobanEnv(BatchEnv):
 
     def render(self) -> list[str]:
         return [game.render(self.symbols) for game in self._games()]
+
+    def state_keys(self) -> np.ndarray:
+        """``uint64[num_envs]``: FNV-1a 64 of room_fixed then room_state (row-major bytes), as ``SokobanEnv``."""
+        return np.array([fnv1a64(g.room_state.tobytes(), fnv1a64(g.room_fixed.tobytes())) for g in self._games()],
+                        dtype=np.uint64)
 
     def instruction(self) -> str:
         legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())

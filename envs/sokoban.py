@@ -85,6 +85,12 @@ class SokobanEnv(BatchEnv):
     def render(self) -> list[str]:
         return self._batch.render()
 
+    def state_keys(self) -> np.ndarray:
+        """``uint64[num_envs]``: exact key of each instance's current state:
+        FNV-1a 64 of room_fixed then room_state (walls, targets, boxes,
+        player; not the step counter): equal states give equal keys at any turn, equal to ``PySokobanEnv``'s."""
+        return self._batch.state_keys()
+
     def instruction(self) -> str:
         legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
         return f"{SOKOBAN_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"

@@ -14,7 +14,7 @@ only picks the variant and its arguments. Add a variant with ``@register_adv_est
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -41,6 +41,17 @@ class PackedBatch:
     """int [B]: group label (trajectories of one group share an initial state)."""
     values: Tensor | None = None
     """fp32 [N]: critic values (old, detached) for gae / bilevel_gae; None otherwise."""
+    turn_keys: Tensor | None = None
+    """int64 [M] (gigpo): key of the env state each trained turn starts from (uint64 viewed as int64); trajectory i's
+    turns are cu_turns[i]:cu_turns[i + 1], in order."""
+    turn_rewards: Tensor | None = None
+    """fp32 [M] (gigpo): each turn's reward r_t (env reward of its actions + its format penalty)."""
+    cu_turns: Tensor | None = None
+    """int [B + 1] (gigpo): turn offsets of the trajectories; cu_turns[0] == 0, cu_turns[B] == M."""
+    turn_ids: Tensor | None = None
+    """int64 [N] (gigpo): the turn (index into [M]) each token belongs to, -1 for none (see :func:`token_turn_ids`)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Filled by estimators that report statistics of their own (gigpo: ``adv/gigpo_*``)."""
 
 
 AdvantageFn = Callable[[PackedBatch, AlgorithmConfig], "tuple[Tensor, Tensor | None]"]
@@ -136,6 +147,50 @@ def reinforce_pp(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None
     adv, _ = kernels.gae_advantages(batch.token_rewards, zeros, batch.loss_mask, cfg.gamma, 1.0, whiten=True,
                                     cu_seqlens=batch.cu_seqlens)
     return adv, None
+
+
+@register_adv_estimator("gigpo")
+def gigpo(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None]:
+    """GiGPO (arXiv 2505.10978): episode-level group advantage of the trajectory + gigpo_step_weight * step-level
+    advantage of the turn among the group's turns that start from the same env state (discounted turn returns,
+    gigpo_step_gamma), both normalised by gigpo_norm; on each turn's trained tokens. Fills batch.metrics:
+    adv/gigpo_nonsingleton_turn_fraction (turns whose step group has >= 2 members), the same over the turns after
+    the first (..._later_turn_fraction: states reached again after a move, not the shared initial state),
+    adv/gigpo_step_group_size (mean step group size over turns), adv/gigpo_step_abs_mean (mean |step advantage|)."""
+    missing = [n for n in ("turn_keys", "turn_rewards", "cu_turns", "turn_ids") if getattr(batch, n) is None]
+    if missing:
+        raise ValueError(f"algorithm.adv_estimator='gigpo' needs the batch's per-turn data; missing {missing}")
+    adv, step, size = kernels.gigpo_advantages(
+        batch.scores, batch.group_ids, batch.turn_keys, batch.turn_rewards, batch.cu_turns, batch.turn_ids,
+        batch.loss_mask, step_weight=cfg.gigpo_step_weight, step_gamma=cfg.gigpo_step_gamma,
+        norm_by_std=cfg.gigpo_norm == "mean_std")
+    n = max(size.numel(), 1)
+    later = torch.arange(size.numel()) > batch.cu_turns[:-1].repeat_interleave(batch.cu_turns.diff())  # turn >= 1
+    batch.metrics.update({"adv/gigpo_nonsingleton_turn_fraction": float((size > 1).sum()) / n,
+                          "adv/gigpo_nonsingleton_later_turn_fraction": float((size[later] > 1).sum()) /
+                          max(int(later.sum()), 1),
+                          "adv/gigpo_step_group_size": float(size.sum()) / n,
+                          "adv/gigpo_step_abs_mean": float(step.abs().sum()) / n})
+    return adv, None
+
+
+def token_turn_ids(turn_end: Tensor, cu_seqlens: Tensor, cu_turns: Tensor) -> Tensor:
+    """int64 [N]: the turn of each packed token (an index into the [M] turn arrays), -1 in a trajectory without
+    turns. Turn k of a trajectory spans the tokens after its (k - 1)-th turn_end up to its k-th (the prompt before the
+    first answer belongs to turn 0, the template text after the last turn_end to the last turn). turn_end bool [N],
+    cu_seqlens int [B + 1], cu_turns int [B + 1] (trajectory b has cu_turns[b + 1] - cu_turns[b] turns)."""
+    n = turn_end.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=turn_end.device)
+    lengths = cu_seqlens.diff()
+    seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=turn_end.device), lengths, output_size=n)
+    ends = (turn_end != 0).to(torch.int64)
+    before = torch.cumsum(ends, 0) - ends  # turn_ends strictly before each token, over the whole batch
+    # id = cu_turns[b] + (flags before the token within b), capped at b's last turn; the cap is -1 without turns
+    first = cu_turns[:-1].to(torch.int64)
+    last = torch.where(cu_turns.diff() > 0, cu_turns[1:].to(torch.int64) - 1, -1)
+    table = torch.stack([first - before[cu_seqlens[:-1].clamp(max=n - 1)], last], dim=1)[seq]  # one gather
+    return torch.minimum(before + table[:, 0], table[:, 1])
 
 
 def _broadcast(per_seq: Tensor, batch: PackedBatch) -> Tensor:

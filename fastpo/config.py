@@ -149,7 +149,7 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """Advantage estimator: gae (critic), grpo, bilevel_gae (critic), rloo, reinforce_pp (fastpo.algorithms)."""
+    """Advantage estimator: gae (critic), grpo, bilevel_gae (critic), rloo, reinforce_pp, gigpo (fastpo.algorithms)."""
     gamma: float = 1.0
     """Token-level discount, in [0, 1]."""
     lam: float = 1.0
@@ -182,6 +182,12 @@ class AlgorithmConfig:
     """Critic value clip around the old values (>= 0) [cliprange_value]."""
     policy_loss: str = "ppo"
     """Policy loss (fastpo.algorithms registry): ppo = clipped ratio with clip-higher and dual clip."""
+    gigpo_step_weight: float = 1.0
+    """gigpo: weight w of the step-level (anchor state) advantage, >= 0: A_turn = A_episode + w * A_step."""
+    gigpo_step_gamma: float = 0.95
+    """gigpo: discount over turns of the step-level returns G_t = r_t + gamma * G_{t+1}, in [0, 1]."""
+    gigpo_norm: Literal["mean_std", "mean"] = "mean_std"
+    """gigpo: both levels normalise as (x - mean) / (std + 1e-6) (mean_std) or x - mean (mean), within the group."""
 
 
 @dataclass
@@ -710,7 +716,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(a.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0, got {a.entropy_coef}")
     check(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
     check(a.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {a.value_clip}")
-    if a.adv_estimator in ("grpo", "rloo"):
+    check(a.gigpo_step_weight >= 0, f"algorithm.gigpo_step_weight must be >= 0, got {a.gigpo_step_weight}")
+    check(0 <= a.gigpo_step_gamma <= 1, f"algorithm.gigpo_step_gamma must lie in [0, 1], got {a.gigpo_step_gamma}")
+    if a.adv_estimator in ("grpo", "rloo", "gigpo"):
         check(e.group_size >= 2, f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} "
                                  f"(a group of one has zero advantage), got {e.group_size}")
     if a.adv_estimator in algorithms.ADV_ESTIMATORS:

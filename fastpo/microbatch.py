@@ -39,6 +39,11 @@ class Sample:
     values: np.ndarray | None = None
     advantages: np.ndarray | None = None
     returns: np.ndarray | None = None
+    turn_keys: np.ndarray | None = None
+    """int64 [K]: key of the env state each turn of the sequence starts from (the uint64 bits read as int64; K = the
+    number of turn_end flags, the last K generated turns), from :func:`turn_data`."""
+    turn_rewards: np.ndarray | None = None
+    """fp32 [K]: each of those turns' reward plus its format penalty."""
 
 
 LAYOUTS = ("packed", "padded", "shared")
@@ -228,6 +233,21 @@ def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: tor
             mb.padded_index = torch.from_numpy(flat).to(device)
         out.append(mb)
     return out
+
+
+def turn_data(turn_end: np.ndarray, state_keys: list[int], rewards: list[float],
+              penalties: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(turn_keys int64 [K], turn_rewards fp32 [K]) of the K turns a training sequence holds (K = turn_end's count:
+    all generated turns, or the last K under a context window), from a Trajectory's per-turn lists (state_keys as
+    ``Trajectory.turn_state_keys``: int64 values)."""
+    k = int(np.count_nonzero(turn_end))
+    n = len(state_keys)
+    if not len(rewards) == len(penalties) == n >= k:
+        raise ValueError(f"per-turn lists of lengths {n} (keys), {len(rewards)} (rewards), {len(penalties)} "
+                         f"(penalties) do not cover the sequence's {k} turns")
+    keys = np.asarray(state_keys[n - k:], dtype=np.int64)
+    total = np.asarray(rewards[n - k:], dtype=np.float64) + np.asarray(penalties[n - k:], dtype=np.float64)
+    return keys, total.astype(np.float32)
 
 
 def cat_tokens(samples: list[Sample], indices: list[int], field: str, device: torch.device) -> Tensor:

@@ -78,6 +78,7 @@ from typing import Any
 import numpy as np
 
 from .engine.base import Engine, GenerationResult, SamplingParams
+from .envs.base import text_state_keys
 from .parsing import FORMAT_PENALTY, canonical_response, generation_prefix, parse_actions, parse_generation
 from .prompts import EnvPromptSpec, Turn, build_messages, render_chat, turn_reward
 
@@ -155,6 +156,8 @@ class Trajectory:
             executed actions the env flagged valid / effective; num_format_penalties: penalised turns.
         finish_reasons, response_lengths: per generated turn, the engine's finish reason and sampled tokens.
         turn_rewards, turn_penalties: per generated turn (turn_rewards as printed in the prompts).
+        turn_state_keys: per generated turn, the key of the env state it starts from (``env.state_keys()``:
+            exact for the grid envs, a hash of the observation text otherwise; the uint64 bits read as int64).
         logprobs_exact: ``sample_logprobs`` are the sampling logprobs of exactly these tokens in this context.
         env_done: the env reported done; context_truncated: ended by ``max_model_len``.
         messages: the chat the sequence renders (``build_messages(..., for_update=True)``), for logging.
@@ -178,6 +181,7 @@ class Trajectory:
     response_lengths: list[int]
     turn_rewards: list[float] = field(default_factory=list)
     turn_penalties: list[float] = field(default_factory=list)
+    turn_state_keys: list[int] = field(default_factory=list)
     logprobs_exact: bool = True
     env_done: bool = False
     context_truncated: bool = False
@@ -217,6 +221,7 @@ class _Episode:
     stop_text: str = ""
     context_len: int = 0
     stop_texts: list[str] = field(default_factory=list)
+    state_keys: list[int] = field(default_factory=list)  # one per entry of turns: the state that turn starts from
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -225,6 +230,13 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 def _decode(tokenizer: Any, ids: Sequence[int], skip_special: bool) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+
+
+def _state_keys(env: Any, obs: Sequence[str]) -> list[int]:
+    """The env's state key per instance (``state_keys()``, or a hash of the observation text for an env without
+    that method: a user's env that does not subclass BatchEnv), as signed int64 values (the uint64 bits)."""
+    fn = getattr(env, "state_keys", None)
+    return np.asarray(fn() if callable(fn) else text_state_keys(obs), dtype=np.uint64).view(np.int64).tolist()
 
 
 def _split_stop(tokenizer: Any, result: GenerationResult, stop_ids: set[int]) -> tuple[list[int], str]:
@@ -444,9 +456,11 @@ class _PartRun:
         self.sessions: list[int] = []
         t0 = time.perf_counter()
         obs = env.render() if cfg.already_reset else env.reset(np.asarray(seeds, dtype=np.int64))
+        keys = _state_keys(env, obs)
         self.timings["env_s"] += time.perf_counter() - t0
         self.eps = [
-            _Episode(seed=seeds[i], group=groups[i], turns=[Turn(obs[i], actions_left=self.budget)]) for i in range(n)
+            _Episode(seed=seeds[i], group=groups[i], turns=[Turn(obs[i], actions_left=self.budget)],
+                     state_keys=[keys[i]]) for i in range(n)
         ]
         self.sessions = engine.open_sessions(n) if self.kv else []
 
@@ -530,6 +544,7 @@ class _PartRun:
                 if terminated[i] or truncated[i]:
                     stopped.add(i)
         obs = env.render()
+        keys = _state_keys(env, obs)
         self.timings["env_s"] += time.perf_counter() - t0
         # -- bookkeeping, next observation ------------------------------------------------------------------------
         for i in todo:
@@ -540,6 +555,7 @@ class _PartRun:
             ep.last_effective.append(flags.get(i, (0.0, 0.0))[1])
             ep.env_done = i in stopped
             ep.turns.append(Turn(obs[i], actions_left=self.budget - ep.actions_used))
+            ep.state_keys.append(keys[i])
             if ep.env_done or ep.actions_used >= self.budget or turn + 1 >= cfg.max_turns:
                 ep.active = False
 
@@ -611,6 +627,7 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
         response_lengths=[len(r.token_ids) for r in ep.samples],
         turn_rewards=turn_values,
         turn_penalties=list(ep.penalties),
+        turn_state_keys=ep.state_keys[:num_turns],
         logprobs_exact=exact,
         env_done=ep.env_done,
         context_truncated=ep.context_truncated,

@@ -68,7 +68,7 @@ from .engine.base import Engine, SamplingParams
 from .engine.fsdp import full_state_dict, init_single_rank_group, load_sharded, make_adamw, needs_master_weights
 from .engine.hf import HFEngine
 from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
-from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost
+from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost, turn_data
 from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict, resolve_attn_implementation
 from .preflight import check_prompt_fits
 from .prompts import prompt_spec
@@ -379,6 +379,8 @@ class Trainer:
                                       np.asarray(t.sample_logprobs, np.float32),
                                       np.asarray(t.token_rewards, np.float32), np.asarray(t.turn_end, bool),
                                       float(t.reward), int(t.group), bool(t.logprobs_exact)))
+                samples[-1].turn_keys, samples[-1].turn_rewards = turn_data(
+                    samples[-1].turn_end, t.turn_state_keys, t.turn_rewards, t.turn_penalties)
             n = len(batch.trajectories)
             for key, value in batch.metrics.items():  # parts share the rollout/* keys: combine, don't overwrite
                 if key.endswith("_max"):
@@ -632,8 +634,9 @@ class Trainer:
                     "actor/lr": self.actor_sched.get_last_lr()[0]})
         return out
 
-    def _advantages(self, samples: list[Sample], kept: list[int]) -> None:
-        """algorithms.compute_advantages over the whole kept batch (identical on every rank)."""
+    def _advantages(self, samples: list[Sample], kept: list[int]) -> dict[str, float]:
+        """algorithms.compute_advantages over the whole kept batch (identical on every rank); returns the
+        estimator's own metrics (gigpo's adv/gigpo_*, else none)."""
         cpu = torch.device("cpu")
         lens = [len(samples[i].input_ids) for i in kept]
         cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64)
@@ -643,12 +646,19 @@ class Trainer:
             cu_seqlens=cu, scores=torch.tensor([samples[i].score for i in kept], dtype=torch.float32),
             group_ids=torch.tensor([samples[i].group for i in kept], dtype=torch.int64),
             values=cat_tokens(samples, kept, "values", cpu) if self.critic is not None else None)
+        if all(samples[i].turn_keys is not None for i in kept):  # per-turn data: the gigpo estimator reads it
+            turns = [len(samples[i].turn_keys) for i in kept]
+            batch.cu_turns = torch.tensor([0, *np.cumsum(turns)], dtype=torch.int64)
+            batch.turn_keys = cat_tokens(samples, kept, "turn_keys", cpu)
+            batch.turn_rewards = cat_tokens(samples, kept, "turn_rewards", cpu)
+            batch.turn_ids = algorithms.token_turn_ids(batch.turn_end, cu, batch.cu_turns)
         adv, ret = algorithms.compute_advantages(batch, self.cfg.algorithm)
         for i, a in zip(kept, split_tokens(adv, cu), strict=True):
             samples[i].advantages = a
         if ret is not None:
             for i, r in zip(kept, split_tokens(ret, cu), strict=True):
                 samples[i].returns = r
+        return batch.metrics
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def iteration(self) -> dict[str, float]:
@@ -682,7 +692,7 @@ class Trainer:
             metrics.update(gap)
             self._check_gap(gap)
         with self.timer("update"):
-            self._advantages(samples, kept)
+            metrics.update(self._advantages(samples, kept))
             if self.critic is not None:
                 metrics.update(self._update_critic(samples, kept))
             metrics.update(self._update_actor(samples, kept))

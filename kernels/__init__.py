@@ -17,6 +17,7 @@ else:
         bilevel_gae_advantages,
         fused_linear_logprob,
         gae_advantages,
+        gigpo_advantages,
         grpo_advantages,
         ppo_loss,
         selective_logprob,
@@ -32,6 +33,7 @@ else:
         "gae_advantages",
         "bilevel_gae_advantages",
         "grpo_advantages",
+        "gigpo_advantages",
         "FastPOFusedLinearGRPOLoss",
         "FastPOGRPOLoss",
     ]

@@ -321,3 +321,40 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std
     _same_device(scores=scores, group_ids=group_ids, mask=mask, cu_seqlens=cu_seqlens)
     _number(eps, "eps", 0.0)
     return lib.grpo_advantages(scores.detach(), group_ids, mask, cu_seqlens, bool(norm_by_std), float(eps))
+
+
+def gigpo_advantages(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_rewards: Tensor, cu_turns: Tensor,
+                     turn_ids: Tensor, mask: Tensor, step_weight: float = 1.0, step_gamma: float = 0.95,
+                     norm_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
+    """GiGPO (Group-in-Group Policy Optimization): per turn, A = episode advantage + step_weight * step advantage,
+    on that turn's trained tokens (docs/KERNELS.md has every edge case).
+
+    Episode advantage of trajectory i: (R_i - mean) / (std + eps) over its group (unbiased std; a group of one
+    gets 0), or R_i - mean with norm_by_std=False. Step advantage of a turn: the same normalisation of its
+    discounted return G_t = r_t + step_gamma * G_{t+1} within its step group (the turns of the same group that start
+    from the same state key, at any turn index, both visits when one trajectory comes back to a state); a singleton
+    step group gets 0.
+
+    scores float ``[B]``, group_ids int ``[B]`` (any labels); turn_keys int ``[M]`` (key of the state each turn
+    starts from; uint64 keys viewed as int64), turn_rewards float ``[M]``, cu_turns int ``[B + 1]`` (trajectory b
+    owns turns ``cu_turns[b]:cu_turns[b + 1]``, in order); turn_ids int ``[N]`` (the turn index in ``[0, M)`` of each
+    packed token, -1 for tokens outside any turn), mask ``[N]``. Returns (advantages fp32 ``[N]``, 0 on untrained
+    tokens and tokens without a turn; step advantages fp32 ``[M]``; step group sizes int64 ``[M]``)."""
+    for name, t, kind in (("scores", scores, "float"), ("group_ids", group_ids, "int"), ("turn_keys", turn_keys, "int"),
+                          ("turn_rewards", turn_rewards, "float"), ("cu_turns", cu_turns, "int"),
+                          ("turn_ids", turn_ids, "int"), ("mask", mask, "any")):
+        _tensor(t, name, kind)
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    _same_shape(group_ids, "group_ids", scores.shape, "scores' shape [B]")
+    _same_shape(turn_rewards, "turn_rewards", turn_keys.shape, "turn_keys' shape [M]")
+    _same_shape(turn_ids, "turn_ids", mask.shape, "mask's shape [N]")
+    if cu_turns.shape[0] != scores.shape[0] + 1:
+        raise ValueError(f"cu_turns must have len(scores) + 1 = {scores.shape[0] + 1} entries, got {cu_turns.shape[0]}")
+    _same_device(scores=scores, group_ids=group_ids, turn_keys=turn_keys, turn_rewards=turn_rewards,
+                 cu_turns=cu_turns, turn_ids=turn_ids, mask=mask)
+    _number(step_weight, "step_weight", 0.0)
+    _number(step_gamma, "step_gamma", 0.0, 1.0)
+    _number(eps, "eps", 0.0)
+    return lib.gigpo_advantages(scores.detach(), group_ids, turn_keys, turn_rewards.detach(), cu_turns, turn_ids, mask,
+                                float(step_weight), float(step_gamma), bool(norm_by_std), float(eps))

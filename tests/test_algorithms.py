@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,3 +223,58 @@ def test_critic_loss_by_hand():
     assert loss.item() == pytest.approx(0.5 * (1.0 + 2.25) / 2)
     assert m["critic/vf_clipfrac"].item() == pytest.approx(0.5)
     assert m["critic/vf_loss"].item() == pytest.approx(loss.item())
+
+
+# -------------------------------------------------------------------------------------------------- gigpo
+def test_token_turn_ids_by_hand():
+    # seq 0: [prompt, answer, answer|end, obs, answer|end, closing] 2 turns; seq 1: no turn; seq 2: 1 turn, the
+    # closing text after its end included; seq 3: empty
+    turn_end = torch.tensor([0, 0, 1, 0, 1, 0] + [0, 0] + [0, 1, 0], dtype=torch.bool)
+    cu = torch.tensor([0, 6, 8, 11, 11])
+    ids = alg.token_turn_ids(turn_end, cu, torch.tensor([0, 2, 2, 3, 3]))
+    assert ids.tolist() == [0, 0, 0, 1, 1, 1, -1, -1, 2, 2, 2]
+
+
+def gigpo_batch():
+    """Group 0: three trajectories from state 7, one of which (traj 1) stays on 7 for a second turn; group 1: one
+    trajectory. Turn rewards: traj 0 [1, 2] (states 7, 9), traj 1 [0, 1] (7, 7), traj 2 [2] (7), traj 3 [5] (7)."""
+    b = packed([5, 3, 2, 2], [0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1], scores=[3, 1, 2, 5], group_ids=[0, 0, 0, 1],
+               turn_end=[0, 0, 1, 0, 1, 0, 1, 1, 0, 1, 0, 1])
+    b.turn_keys = torch.tensor([7, 9, 7, 7, 7, 7])
+    b.turn_rewards = torch.tensor([1.0, 2.0, 0.0, 1.0, 2.0, 5.0])
+    b.cu_turns = torch.tensor([0, 2, 4, 5, 6])
+    b.turn_ids = alg.token_turn_ids(b.turn_end, b.cu_seqlens, b.cu_turns)
+    return b
+
+
+def test_gigpo_by_hand_through_the_registry():
+    # gamma 0.5: G = [2, 2], [0.5, 1], [2], [5]; episode (mean mode): group 0 mean 2 -> [1, -1, 0], group 1 -> 0;
+    # step group (0, 7) = {2, 0.5, 1, 2} (mean 1.375), (0, 9) and (1, 7) are singletons (0); w = 2
+    b = gigpo_batch()
+    cfg = AlgorithmConfig(adv_estimator="gigpo", gigpo_norm="mean", gigpo_step_gamma=0.5, gigpo_step_weight=2.0)
+    adv, ret = alg.compute_advantages(b, cfg)
+    t = [1 + 2 * 0.625, 1.0, -1 + 2 * -0.875, -1 + 2 * -0.375, 2 * 0.625, 0.0]  # per turn
+    assert adv.tolist() == [0, t[0], t[0], t[1], t[1]] + [0, t[2], t[3]] + [t[4], t[4]] + [0, t[5]]
+    assert ret is None
+    assert b.metrics == {"adv/gigpo_nonsingleton_turn_fraction": 4 / 6, "adv/gigpo_step_group_size": 18 / 6,
+                         "adv/gigpo_nonsingleton_later_turn_fraction": 1 / 2,
+                         "adv/gigpo_step_abs_mean": (0.625 + 0.875 + 0.375 + 0.625) / 6}
+
+
+def test_gigpo_needs_turn_data_and_a_valid_config():
+    with pytest.raises(ValueError, match="gigpo.*missing.*turn_keys"):
+        alg.compute_advantages(packed([2], [1, 1]), AlgorithmConfig(adv_estimator="gigpo"))
+    with pytest.raises(ValueError, match="step_gamma must lie in"):
+        alg.compute_advantages(gigpo_batch(), AlgorithmConfig(adv_estimator="gigpo", gigpo_step_gamma=-0.1))
+    assert not alg.needs_critic(AlgorithmConfig(adv_estimator="gigpo"))
+
+
+def test_turn_data_keeps_the_sequence_turns():
+    from fastpo.microbatch import turn_data
+
+    keys, rewards = turn_data([0, 1, 0, 1], [5, -1, 6], [1.0, -0.1, 0.5], [0.0, -0.1, 0.0])
+    assert keys.dtype == np.int64 and keys.tolist() == [-1, 6]  # the last 2 of 3 turns (a context window)
+    assert rewards.dtype == np.float32 and rewards.tolist() == pytest.approx([-0.2, 0.5])
+    assert turn_data([0, 0], [], [], [])[0].shape == (0,)
+    with pytest.raises(ValueError, match="do not cover"):
+        turn_data([1, 1], [3], [0.0], [0.0])

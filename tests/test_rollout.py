@@ -411,3 +411,25 @@ def test_hf_engine_end_to_end(tok, tmp_path):
         pos = [j for j, m in enumerate(t.loss_mask) if m]
         fresh = torch.stack([logp[j - 1, t.input_ids[j]] for j in pos])
         torch.testing.assert_close(fresh, torch.tensor([t.sample_logprobs[j] for j in pos]), atol=1e-4, rtol=0)
+
+
+def test_turn_state_keys(tok):
+    """Each turn records the key of the state it starts from: equal for a state reached again (at another turn, or
+    by another trajectory), the env's own key after the same moves; text envs hash the observation."""
+    env = E.make("frozenlake", 2, is_slippery=False)
+    env.reset_from_layouts([FROZEN] * 2)
+    script = [["a</think><answer>Right || Left</answer>", "b</think><answer>Right</answer>"],
+              ["c</think><answer>Right</answer>", "d</think><answer>Left</answer>"]]
+    batch, _ = _rollout(tok, env, prompt_spec("frozenlake"), script, max_turns=2)
+    (s0, s1), (r0, r1) = (t.turn_state_keys for t in batch.trajectories)
+    assert s0 == s1 == r0 != r1  # instance 0 came back to the start; instance 1 moved right
+    probe = E.make("frozenlake", 1, is_slippery=False, backend="python")
+    probe.reset_from_layouts([FROZEN])
+    assert int(probe.state_keys().view(np.int64)[0]) == s0
+    probe.step(np.array([3], np.int32))
+    assert int(probe.state_keys().view(np.int64)[0]) == r1
+    bandit = E.make("bandit", 2)
+    obs = bandit.reset(np.array([4, 4]))
+    batch, _ = _rollout(tok, bandit, prompt_spec("bandit"), [["x</think><answer>Dragon</answer>"]] * 2)
+    keys = [t.turn_state_keys for t in batch.trajectories]
+    assert keys[0] == keys[1] == [int(E.base.text_state_keys(obs[:1]).view(np.int64)[0])]

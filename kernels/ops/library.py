@@ -300,3 +300,40 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, cu_seqlens:
 @grpo_advantages.register_fake
 def _(scores, group_ids, mask, cu_seqlens, norm_by_std, eps):
     return mask.new_empty(mask.shape, dtype=torch.float32)
+
+
+def check_turn_layout(cu_turns: Tensor, n_turns: int, turn_ids: Tensor) -> None:
+    """ValueError unless cu_turns starts at 0, never decreases and ends at M = n_turns, and every turn id lies in
+    [-1, M) (one sync): the GiGPO kernels index memory with both."""
+    steps = cu_turns[1:] - cu_turns[:-1]
+    ids = turn_ids if turn_ids.numel() else cu_turns.new_full((1,), -1)
+    stats = torch.stack([cu_turns[0], cu_turns[-1], steps.min() if steps.numel() else cu_turns[0] * 0,
+                         ids.min().to(cu_turns.dtype), ids.max().to(cu_turns.dtype)])
+    first, last, low, lo, hi = (int(x) for x in stats.tolist())
+    if first != 0 or low < 0 or last != n_turns:
+        raise ValueError(f"cu_turns must start at 0, be non-decreasing and end at M = {n_turns} (len(turn_keys)), "
+                         f"got start {first}, end {last}, smallest step {low}")
+    if lo < -1 or hi >= n_turns:
+        raise ValueError(f"turn_ids must lie in [-1, {n_turns}) (-1: no turn; M = len(turn_keys)), got values in "
+                         f"[{lo}, {hi}]")
+
+
+@torch.library.custom_op("fastpo::gigpo_advantages", mutates_args=())
+def gigpo_advantages(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_rewards: Tensor, cu_turns: Tensor,
+                     turn_ids: Tensor, mask: Tensor, step_weight: float, step_gamma: float, norm_by_std: bool,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """GiGPO -> (token advantages fp32 [N], step advantages fp32 [M], step group sizes int64 [M])."""
+    check_turn_layout(cu_turns, turn_keys.shape[0], turn_ids)
+    args = (scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_ids, mask, step_weight, step_gamma,
+            norm_by_std, eps)
+    if backend_for(mask) == "triton":
+        return triton_module("gigpo").gigpo_advantages(*args)
+    return ref.gigpo_advantages(*args)
+
+
+@gigpo_advantages.register_fake
+def _(scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_ids, mask, step_weight, step_gamma, norm_by_std,
+      eps):
+    m = turn_keys.shape[0]
+    return (mask.new_empty(mask.shape, dtype=torch.float32), turn_keys.new_empty((m,), dtype=torch.float32),
+            turn_keys.new_empty((m,), dtype=torch.int64))

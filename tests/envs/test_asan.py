@@ -43,6 +43,7 @@ CHECK = textwrap.dedent(
                 x, y = a.step(acts), b.step(acts)
                 assert x[0] == y[0] and all(np.array_equal(x[k], y[k]) for k in (1, 2, 3))
                 assert all(np.array_equal(x[4][k], y[4][k]) for k in y[4])
+                assert np.array_equal(a.state_keys(), b.state_keys())
             mask = rng.random(40) < 0.5
             assert a.reset(seeds + 1, mask) == b.reset(seeds + 1, mask)
             sa, sb = a.get_state(), b.get_state()

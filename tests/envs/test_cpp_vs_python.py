@@ -59,6 +59,7 @@ def run_pair(name, cfg, num_envs, rounds, steps, seed):
         seeds = rng.integers(-(2**62), 2**62, num_envs)
         assert cpp.reset(seeds) == py.reset(seeds)
         sequences += num_envs
+        assert np.array_equal(cpp.state_keys(), py.state_keys())
         for t in range(steps):
             actions = rng.integers(-2, 7, num_envs).astype(np.int32)  # 0, negatives and > 4 included
             out_c, out_p = cpp.step(actions), py.step(actions)
@@ -67,6 +68,8 @@ def run_pair(name, cfg, num_envs, rounds, steps, seed):
                 assert out_c[k].dtype == out_p[k].dtype and np.array_equal(out_c[k], out_p[k])
             for key in out_p[4]:
                 assert np.array_equal(out_c[4][key], out_p[4][key]), key
+            keys = cpp.state_keys()
+            assert keys.dtype == np.uint64 and np.array_equal(keys, py.state_keys())
             if t == steps // 2:  # restart a random subset mid-episode
                 mask = rng.random(num_envs) < 0.3
                 new = rng.integers(0, 10**6, num_envs)
@@ -93,6 +96,36 @@ def test_random_action_sequences_equal():
     for k, (name, cfg, steps) in enumerate(cases):
         total += run_pair(name, cfg, num_envs=200, rounds=8, steps=steps, seed=k)
     assert total >= 10_000
+
+
+@pytest.mark.parametrize("name", ["sokoban", "frozenlake"])
+def test_state_keys_identify_exact_states(name):
+    """Equal keys <=> equal (map, dynamic state) over many random states; a state reached again (a move and its
+    reverse, or after a different step count) gets its earlier key back."""
+    cfg = {"is_slippery": False} if name == "frozenlake" else {}
+    env = envs.make(name, 400, backend="cpp", **cfg)
+    rng = np.random.default_rng(3)
+    env.reset(rng.integers(0, 8, 400))  # 8 levels: many instances share a level
+    seen = {}
+    for _ in range(6):
+        state = env.get_state()
+        parts = ("room_fixed", "room_state") if name == "sokoban" else ("desc", "position")
+        for i, key in enumerate(env.state_keys().tolist()):
+            exact = b"".join(np.ascontiguousarray(state[p][i]).tobytes() for p in parts)
+            assert seen.setdefault(key, exact) == exact  # one state per key
+        env.step(rng.integers(1, 5, 400).astype(np.int32), render=False)
+    assert len(set(seen.values())) == len(seen) > 50  # and one key per state
+    # back and forth on one instance: Sokoban 3 Left / 4 Right, FrozenLake 1 Left / 3 Right
+    one = envs.make(name, 1, backend="cpp", **cfg)
+    sokoban = ["######", "#____#", "#_P__#", "#_X_O#", "#____#", "######"]
+    layout = sokoban if name == "sokoban" else ["FFFF", "FSFF", "FFFF", "HFFG"]
+    one.reset_from_layouts([layout])
+    start = one.state_keys()[0]
+    back, forth = (3, 4) if name == "sokoban" else (1, 3)
+    one.step(np.array([back], np.int32))
+    moved = one.state_keys()[0]
+    one.step(np.array([forth], np.int32))
+    assert moved != start and one.state_keys()[0] == start
 
 
 def test_layout_episodes_equal():

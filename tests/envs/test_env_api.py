@@ -27,6 +27,8 @@ def test_outputs_have_the_documented_types(name, backend):
     env.step(np.ones(5, dtype=np.uint8))
     assert len(env.action_names) == 4 and env.name == name
     assert "The meaning of each symbol in the state is:" in env.instruction()
+    keys = env.state_keys()
+    assert keys.dtype == np.uint64 and keys.shape == (5,)
 
 
 @pytest.mark.parametrize("name,backend", ENVS)
@@ -66,6 +68,8 @@ def test_step_before_reset_raises(name, backend):
         env.reset(np.arange(2), mask=np.array([True, False]))
     with pytest.raises(RuntimeError, match="never reset"):
         env.render()
+    with pytest.raises(RuntimeError, match="never reset"):
+        env.state_keys()
     assert len(env.reset(np.arange(2))) == 2
 
 
@@ -196,3 +200,25 @@ def test_bad_frozenlake_layouts(backend, layout, message):
     with pytest.raises(ValueError, match=message):
         env.reset_from_layouts([good, layout])
     assert env.reset_from_layouts([good, "\n".join(good)])[1] == "P___\n_O_O\n___O\nO__G"
+
+
+def test_state_keys_are_fnv1a_of_the_state_and_text_envs_hash_the_observation():
+    from fastpo.envs.base import fnv1a64, text_state_keys
+
+    assert fnv1a64(b"") == 0xCBF29CE484222325 and fnv1a64(b"a") == 0xAF63DC4C8601EC8C  # FNV-1a 64 test vectors
+    sok = envs.make("sokoban", 3)
+    sok.reset(np.arange(3))
+    state = sok.get_state()
+    want = [fnv1a64(state["room_state"][i].tobytes(), fnv1a64(state["room_fixed"][i].tobytes())) for i in range(3)]
+    assert sok.state_keys().tolist() == want
+    lake = envs.make("frozenlake", 2)
+    lake.reset(np.arange(2))
+    state = lake.get_state()
+    want = [fnv1a64(int(state["position"][i]).to_bytes(4, "little"), fnv1a64(state["desc"][i].tobytes()))
+            for i in range(2)]
+    assert lake.state_keys().tolist() == want
+    text = envs.make("countdown", 3)
+    obs = text.reset(np.array([5, 5, 6]))
+    keys = text.state_keys()
+    assert keys.dtype == np.uint64 and keys.tolist() == text_state_keys(obs).tolist()
+    assert (keys[0] == keys[1]) == (obs[0] == obs[1]) and keys[0] != keys[2]
