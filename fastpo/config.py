@@ -156,7 +156,19 @@ class AlgorithmConfig:
     gamma_high: float = 0.95
     """Turn-level discount of bilevel_gae, in [0, 1] [high_level_gamma]."""
     norm_adv_by_std: bool = True
-    """grpo: divide by the in-group std (false = mean-only, Dr. GRPO style)."""
+    """grpo: divide by the in-group std (false = mean-only, Dr. GRPO style) [norm_adv_by_std_in_grpo]."""
+    grpo_norm: Literal["group", "batch", "none"] = "group"
+    """grpo baseline: group = (R - group mean) / group std (fastpo; RAGEN's reward_normalization mean_std +
+    grouping state); batch = (R - batch mean) / batch std (RAGEN paper eq. 5; grouping batch); none = R, no
+    baseline (RAGEN's code default: every trajectory its own group, method identity). The std part follows
+    norm_adv_by_std."""
+    gae_skip_observations: bool = True
+    """gae: true = the recursion skips observation tokens (fastpo's multi-turn rule); false = it decays across
+    every position as the verl RAGEN pins (equal at gamma = lam = 1)."""
+    bilevel_turns: Literal["turn_end", "reward"] = "turn_end"
+    """bilevel_gae turn boundaries: turn_end = the env's turn ends (fastpo: the final reward is discounted by
+    gamma_high per turn); reward = trained tokens holding a non-zero reward (RAGEN's code: one turn per episode
+    under a trajectory-level reward, so no turn discount)."""
     rollout_filter_ratio: float = 0.25
     """Share of groups kept by the std / std_rev filter, in (0, 1]; int(ratio * env_groups) groups (RAGEN); 1 = keep
     all."""
@@ -679,7 +691,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(a.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0, got {a.entropy_coef}")
     check(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
     check(a.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {a.value_clip}")
-    if a.adv_estimator in ("grpo", "rloo"):
+    check(a.gae_skip_observations or a.adv_estimator == "gae",
+          f"algorithm.gae_skip_observations=false applies to adv_estimator 'gae' only, got adv_estimator="
+          f"{a.adv_estimator!r}")
+    if a.adv_estimator in ("grpo", "rloo") and (a.adv_estimator == "rloo" or a.grpo_norm == "group"):
         check(e.group_size >= 2, f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} "
                                  f"(a group of one has zero advantage), got {e.group_size}")
     if a.adv_estimator in algorithms.ADV_ESTIMATORS:

@@ -434,7 +434,10 @@ class Trainer:
             if self.use_ref:
                 out["ref_logp"] = split_tokens(self._ref_logp(mb, mask), mb.cu_seqlens)
             if self.critic is not None:
-                out["values"] = split_tokens(self._values(mb, mask), mb.cu_seqlens)
+                # verl's GAE reads the values of observation tokens too: compute them over the response span
+                vmask = mask if self.cfg.algorithm.gae_skip_observations else kernels.reference.response_span(
+                    mask, mb.cu_seqlens)
+                out["values"] = split_tokens(self._values(mb, vmask), mb.cu_seqlens)
             if k < len(micro):
                 results += [(i, {f: out[f][j] for f in out}) for j, i in enumerate(mb.indices)]
         for i, fields in all_gather_list(results):
