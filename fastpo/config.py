@@ -260,7 +260,16 @@ class TrainerConfig:
     log_wandb: bool = False
     """Log to Weights & Biases (project wandb_project)."""
     wandb_project: str = "fastpo"
-    """W&B project name."""
+    """W&B project name [project_name]."""
+    run_name: str = ""
+    """W&B run name; empty = the run directory's name [experiment_name]. A resumed run continues the same W&B run
+    (its id is kept in <run_dir>/wandb_run_id)."""
+    metric_names: Literal["fastpo", "ragen"] = "fastpo"
+    """Metric keys in every sink but the console: fastpo's, or RAGEN's (env/<Label>/... -> train/<Tag>/...,
+    docs/LOGGING.md)."""
+    log_generations: int = 20
+    """Sampled generations logged per validation (>= 0; 0 = none): <run_dir>/generations.jsonl, TensorBoard text,
+    W&B table val/generations [generations_to_log_to_wandb.val]."""
     min_in_group_std: float = 1e-3
     """Echo-trap warning when the mean in-group reward std falls below this (>= 0; 0 disables)."""
     entropy_drop_factor: float = 0.5
@@ -275,7 +284,8 @@ class TrainerConfig:
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({
         "iterations", "val_every", "val_before_train", "save_every", "keep_last", "run_dir", "resume",
-        "log_console", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "min_in_group_std",
+        "log_console", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "run_name", "metric_names",
+        "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
     })
 
@@ -724,6 +734,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for key in ("iterations", "val_every", "save_every", "seed"):
         check(getattr(t, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(t, key)}")
     check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
+    for flag, package in (("log_wandb", "wandb"), ("log_tensorboard", "tensorboard")):
+        check(not getattr(t, flag) or find_spec(package) is not None,
+              f"trainer.{flag}=true needs the {package} package, which is not installed: pip install "
+              f"'fastpo[{package}]' (or pip install {package}), or set trainer.{flag} false")
+    check(t.log_generations >= 0, f"trainer.log_generations must be >= 0 (0 = none), got {t.log_generations}")
     check(bool(t.run_dir), "trainer.run_dir must be non-empty")
     check(bool(t.resume), "trainer.resume must be 'auto', 'never' or a checkpoint path, got ''")
     check(t.min_in_group_std >= 0, f"trainer.min_in_group_std must be >= 0, got {t.min_in_group_std}")
