@@ -230,3 +230,41 @@ def test_bilevel_turns_reward_drops_the_turn_discount():
     want_ret = [0.0, g1, g1, 0, 0, g2, g2, 0, g3, g3, g3]
     torch.testing.assert_close(fret, torch.tensor(want_ret), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(fastpo, ragen, atol=1e-3)
+
+
+def test_trainer_feeds_verl_gae_the_observation_values(tmp_path, monkeypatch):
+    """algorithm.gae_skip_observations=false: the trainer scores critic values on observation tokens too (verl's
+    recursion reads them), and the update's advantages are verl's loop over those values."""
+    from test_trainer import SMALL
+
+    from fastpo.config import parse_args
+    from fastpo.trainer import Trainer
+
+    seen = []
+    real = alg.compute_advantages
+
+    def spy(b, cfg):
+        out = real(b, cfg)
+        seen.append((b, out))
+        return out
+
+    monkeypatch.setattr(alg, "compute_advantages", spy)
+    cfg = validate(parse_args([*SMALL, "--trainer.run_dir", str(tmp_path / "run"), "--trainer.iterations", "1",
+                               "--trainer.val_before_train", "false", "--algorithm.adv_estimator", "gae",
+                               "--algorithm.gae_skip_observations", "false", "--algorithm.gamma", "0.9",
+                               "--algorithm.lam", "0.8", "--algorithm.rollout_filter_ratio", "1"]), 1)
+    trainer = Trainer(cfg)
+    trainer.step = 1
+    metrics = trainer.iteration()
+    trainer.close(export=False)
+    (b, (adv, ret)), = seen
+    span = kernels.reference.response_span(b.loss_mask, b.cu_seqlens)
+    observation = span & ~b.loss_mask
+    assert observation.any() and (b.values[observation] != 0).any()  # values read beyond the trained tokens
+    assert (b.values[~span] == 0).all()
+    lengths = b.cu_seqlens.diff().tolist()
+    want_adv, want_ret = verl_gae_loop(b.token_rewards.tolist(), b.values.tolist(), b.loss_mask.tolist(), lengths,
+                                       0.9, 0.8)
+    torch.testing.assert_close(adv, want_adv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ret, want_ret, rtol=1e-4, atol=1e-4)
+    assert math.isfinite(metrics["critic/vf_loss"]) and math.isfinite(metrics["critic/vf_explained_var"])
