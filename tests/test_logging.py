@@ -136,6 +136,44 @@ def test_generations_go_to_jsonl_and_wandb_table(tmp_path, fake_wandb):
     assert table.data[2][GENERATION_FIELDS.index("reward")] == 2.0
 
 
+def test_generations_tensorboard_text_table(tmp_path, monkeypatch):
+    """A fake torch.utils.tensorboard (tensorboard is not a dependency): scalars by RAGEN name, the text table."""
+    calls = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            calls.append(("init", log_dir))
+
+        def add_scalar(self, key, value, step):
+            calls.append(("scalar", key, value, step))
+
+        def add_text(self, tag, text, step):
+            calls.append(("text", tag, text, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            calls.append(("close",))
+
+    tb = types.ModuleType("tensorboard")
+    tb.__spec__ = importlib.machinery.ModuleSpec("tensorboard", None)
+    writer_mod = types.ModuleType("torch.utils.tensorboard")
+    writer_mod.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "tensorboard", tb)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", writer_mod)
+    logger = MetricsLogger(tmp_path, 0, tensorboard=True, metric_names="ragen", stream=io.StringIO())
+    logger.log(3, {"env/Sokoban/success": 1.0})
+    logger.log_generations(3, [{"env": "Sokoban", "prompt": "a|b", "response": "x\ny", "reward": 1.0}])
+    logger.close()
+    assert ("scalar", "train/SimpleSokoban/success", 1.0, 3) in calls
+    (tag, text, step), = [c[1:] for c in calls if c[0] == "text"]
+    assert tag == "val/generations" and step == 3
+    lines = text.splitlines()
+    assert lines[0] == "| " + " | ".join(GENERATION_FIELDS) + " |" and len(lines) == 3
+    assert "a\\|b" in lines[2] and "x<br>y" in lines[2] and "| 3 |" in lines[2]
+
+
 def test_pick_generations_is_ragens_seeded_sample():
     records = [{"prompt": f"p{i:02d}", "response": "r", "reward": i} for i in range(30)]
     picked = pick_generations(records[::-1], 5)
