@@ -84,3 +84,15 @@ def test_bilevel_reward_turns_match_loop(backend, device, gamma, lam, gamma_high
     torch.testing.assert_close(ret.cpu().double(), t_ret, atol=5e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="turns must be one of"):
         K.bilevel_gae_advantages(rewards, values, mask, ignored, turns="nonzero")
+
+
+def test_verl_gae_compiles_fullgraph(device):
+    torch._dynamo.reset()
+    rewards, values, mask = _multi_turn(3, 20, device)
+
+    def f(r, v, m):
+        return K.gae_advantages(r, v, m, 0.9, 0.8, skip_observations=False)
+
+    for got, want in zip(torch.compile(f, fullgraph=True)(rewards, values, mask), f(rewards, values, mask),
+                         strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
