@@ -240,3 +240,33 @@ def test_data_metrics_and_generations_equal_on_one_and_two_ranks(tmp_path):
 
     assert [(g["seed"], g["reward"]) for g in gens(tmp_path / "one")] == [(g["seed"], g["reward"])
                                                                           for g in gens(tmp_path / "two")]
+
+
+@pytest.mark.slow
+def test_trainer_wandb_gets_config_name_and_resumes_its_run(tmp_path, fake_wandb):
+    from test_trainer import SMALL
+
+    from fastpo.config import parse_args, to_dict
+    from fastpo.trainer import Trainer
+
+    def trainer(iterations: int, *extra: str) -> Trainer:
+        cfg = validate(parse_args([*SMALL, "--trainer.run_dir", str(tmp_path / "exp-7"), "--trainer.iterations",
+                                   str(iterations), "--trainer.val_before_train", "false", "--trainer.log_wandb",
+                                   "true", "--trainer.log_console", "false", *extra]), 1)
+        return Trainer(cfg)
+
+    first = trainer(1)
+    first.train()
+    first.save()
+    first.close(export=False)
+    init = fake_wandb.runs[0].kwargs
+    assert init["name"] == "exp-7" and init["config"] == to_dict(first.cfg)
+    # the last-iteration validation's generations table, then the iteration's metrics, both at step 1
+    (s1, gens), (s2, scalars) = fake_wandb.runs[0].logged
+    assert s1 == s2 == 1 and len(gens["val/generations"].data) == 4 and "actor/pg_loss" in scalars
+    resumed = trainer(2, "--trainer.run_name", "renamed")
+    assert resumed.step == 1 and fake_wandb.runs[1].kwargs["id"] == init["id"]
+    assert fake_wandb.runs[1].kwargs["name"] == "renamed"
+    resumed.close(export=False)
+    trainer(2, "--trainer.resume", "never").close(export=False)
+    assert fake_wandb.runs[2].kwargs["id"] != init["id"]
