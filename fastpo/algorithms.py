@@ -102,24 +102,37 @@ def gae(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Multi-turn GAE over trained tokens (observation tokens skipped), whitened over the batch; with gamma = lam =
     1, A_t = R - V_t before whitening."""
     return kernels.gae_advantages(batch.token_rewards, batch.values, batch.loss_mask, cfg.gamma, cfg.lam,
-                                  whiten=True, cu_seqlens=batch.cu_seqlens)
+                                  whiten=True, cu_seqlens=batch.cu_seqlens,
+                                  skip_observations=cfg.gae_skip_observations)
 
 
 @register_adv_estimator("bilevel_gae", needs_critic=True)
 def bilevel_gae(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """RAGEN bi-level GAE: turn-level GAE (gamma_high, lam) over turn ends, token-level GAE (gamma, lam) within
-    each turn, whitened."""
+    each turn, whitened. Turns from the env's turn ends, or (bilevel_turns=reward) from non-zero rewards as RAGEN."""
     return kernels.bilevel_gae_advantages(batch.token_rewards, batch.values, batch.loss_mask, batch.turn_end,
                                           cfg.gamma, cfg.lam, cfg.gamma_high, whiten=True,
-                                          cu_seqlens=batch.cu_seqlens)
+                                          cu_seqlens=batch.cu_seqlens, turns=cfg.bilevel_turns)
+
+
+_GRPO_EPS = 1e-6  # verl's epsilon in the std division
 
 
 @register_adv_estimator("grpo")
 def grpo(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, None]:
-    """(R_i - mean_group) / (std_group + 1e-6), unbiased std (or R_i - mean with norm_adv_by_std false), on every
-    trained token of trajectory i."""
-    adv = kernels.grpo_advantages(batch.scores, batch.group_ids, batch.loss_mask, norm_by_std=cfg.norm_adv_by_std,
-                                  cu_seqlens=batch.cu_seqlens)
+    """On every trained token of trajectory i, by cfg.grpo_norm: group = (R_i - mean_group) / (std_group + 1e-6),
+    unbiased std; batch = the same over the whole batch as one group; none = R_i / (1 + 1e-6) (verl's groups of
+    one: mean 0, std 1). norm_adv_by_std false drops the division (group / batch: R_i - mean; none: R_i)."""
+    group_ids = batch.group_ids
+    if cfg.grpo_norm == "none":
+        per_seq = batch.scores.float()
+        return _broadcast(per_seq / (1.0 + _GRPO_EPS) if cfg.norm_adv_by_std else per_seq, batch), None
+    if cfg.grpo_norm == "batch":
+        group_ids = torch.zeros_like(group_ids)
+    elif cfg.grpo_norm != "group":
+        raise ValueError(f"algorithm.grpo_norm must be 'group', 'batch' or 'none', got {cfg.grpo_norm!r}")
+    adv = kernels.grpo_advantages(batch.scores, group_ids, batch.loss_mask, norm_by_std=cfg.norm_adv_by_std,
+                                  eps=_GRPO_EPS, cu_seqlens=batch.cu_seqlens)
     return adv, None
 
 

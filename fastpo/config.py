@@ -157,7 +157,19 @@ class AlgorithmConfig:
     gamma_high: float = 0.95
     """Turn-level discount of bilevel_gae, in [0, 1] [high_level_gamma]."""
     norm_adv_by_std: bool = True
-    """grpo: divide by the in-group std (false = mean-only, Dr. GRPO style)."""
+    """grpo: divide by the in-group std (false = mean-only, Dr. GRPO style) [norm_adv_by_std_in_grpo]."""
+    grpo_norm: Literal["group", "batch", "none"] = "group"
+    """grpo baseline: group = (R - group mean) / group std (fastpo; RAGEN's reward_normalization mean_std +
+    grouping state); batch = (R - batch mean) / batch std (RAGEN paper eq. 5; grouping batch); none = R, no
+    baseline (RAGEN's code default: every trajectory its own group, method identity). The std part follows
+    norm_adv_by_std."""
+    gae_skip_observations: bool = True
+    """gae: true = the recursion skips observation tokens (fastpo's multi-turn rule); false = it decays across
+    every position as the verl RAGEN pins (equal at gamma = lam = 1)."""
+    bilevel_turns: Literal["turn_end", "reward"] = "turn_end"
+    """bilevel_gae turn boundaries: turn_end = the env's turn ends (fastpo: the final reward is discounted by
+    gamma_high per turn); reward = trained tokens holding a non-zero reward (RAGEN's code: one turn per episode
+    under a trajectory-level reward, so no turn discount)."""
     rollout_filter_ratio: float = 0.25
     """Share of groups kept by the std / std_rev filter, in (0, 1]; int(ratio * env_groups) groups (RAGEN); 1 = keep
     all."""
@@ -260,7 +272,16 @@ class TrainerConfig:
     log_wandb: bool = False
     """Log to Weights & Biases (project wandb_project)."""
     wandb_project: str = "fastpo"
-    """W&B project name."""
+    """W&B project name [project_name]."""
+    run_name: str = ""
+    """W&B run name; empty = the run directory's name [experiment_name]. A resumed run continues the same W&B run
+    (its id is kept in <run_dir>/wandb_run_id)."""
+    metric_names: Literal["fastpo", "ragen"] = "fastpo"
+    """Metric keys in every sink but the console: fastpo's, or RAGEN's (env/<Label>/... -> train/<Tag>/...,
+    docs/LOGGING.md)."""
+    log_generations: int = 20
+    """Sampled generations logged per validation (>= 0; 0 = none): <run_dir>/generations.jsonl, TensorBoard text,
+    W&B table val/generations [generations_to_log_to_wandb.val]."""
     min_in_group_std: float = 1e-3
     """Echo-trap warning when the mean in-group reward std falls below this (>= 0; 0 disables)."""
     entropy_drop_factor: float = 0.5
@@ -275,7 +296,8 @@ class TrainerConfig:
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({
         "iterations", "val_every", "val_before_train", "save_every", "keep_last", "run_dir", "resume",
-        "log_console", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "min_in_group_std",
+        "log_console", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "run_name", "metric_names",
+        "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
         "overwrite", "collective_timeout_s",
     })
@@ -718,7 +740,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(a.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {a.value_clip}")
     check(a.gigpo_step_weight >= 0, f"algorithm.gigpo_step_weight must be >= 0, got {a.gigpo_step_weight}")
     check(0 <= a.gigpo_step_gamma <= 1, f"algorithm.gigpo_step_gamma must lie in [0, 1], got {a.gigpo_step_gamma}")
-    if a.adv_estimator in ("grpo", "rloo", "gigpo"):
+    check(a.gae_skip_observations or a.adv_estimator == "gae",
+          f"algorithm.gae_skip_observations=false applies to adv_estimator 'gae' only, got adv_estimator="
+          f"{a.adv_estimator!r}")
+    if a.adv_estimator in ("grpo", "rloo", "gigpo") and (a.adv_estimator != "grpo" or a.grpo_norm == "group"):
         check(e.group_size >= 2, f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} "
                                  f"(a group of one has zero advantage), got {e.group_size}")
     if a.adv_estimator in algorithms.ADV_ESTIMATORS:
@@ -748,6 +773,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for key in ("iterations", "val_every", "save_every", "seed"):
         check(getattr(t, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(t, key)}")
     check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
+    for flag, package in (("log_wandb", "wandb"), ("log_tensorboard", "tensorboard")):
+        check(not getattr(t, flag) or find_spec(package) is not None,
+              f"trainer.{flag}=true needs the {package} package, which is not installed: pip install "
+              f"'fastpo[{package}]' (or pip install {package}), or set trainer.{flag} false")
+    check(t.log_generations >= 0, f"trainer.log_generations must be >= 0 (0 = none), got {t.log_generations}")
     check(bool(t.run_dir), "trainer.run_dir must be non-empty")
     check(bool(t.resume), "trainer.resume must be 'auto', 'never' or a checkpoint path, got ''")
     check(0 < t.collective_timeout_s < float("inf"),

@@ -25,6 +25,8 @@ import importlib.util
 import json
 import math
 import os
+import re
+import secrets
 import statistics
 import sys
 import time
@@ -84,7 +86,117 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
 
 def _require(package: str, flag: str) -> None:
     if importlib.util.find_spec(package) is None:
-        raise ImportError(f"{flag}=True needs the `{package}` package: pip install {package}")
+        raise ImportError(f"{flag}=True needs the `{package}` package, which is not installed: pip install "
+                          f"'fastpo[{package}]' (or pip install {package}), or set {flag} false")
+
+
+# ------------------------------------------------------------------------------------------- metric names
+#: fastpo env labels whose RAGEN tag differs (the rest are RAGEN's tags already).
+RAGEN_TAGS = {"Sokoban": "SimpleSokoban"}
+#: fastpo key -> RAGEN / verl key, for keys renamed as a whole.
+RAGEN_KEYS = {
+    "actor/entropy": "actor/entropy_loss",
+    "timing/generate": "timing_s/gen", "timing/score": "timing_s/old_log_prob", "timing/update": "timing_s/update",
+    "timing/validate": "timing_s/testing", "timing/save": "timing_s/save_checkpoint", "timing/sync": "timing_s/sync",
+    "timing/iteration": "timing_s/step",
+}
+METRIC_NAME_SCHEMES = ("fastpo", "ragen")
+_ENV_KEY = re.compile(r"^(env|val-env)/([^/]+)/(.+)$")
+
+
+def ragen_metric_name(key: str) -> str:
+    """RAGEN's name of a fastpo metric key: ``env/<Label>/k`` -> ``train/<Tag>/k``, ``val-env/<Label>/k`` ->
+    ``val-env/<Tag>/k`` (Tag = RAGEN_TAGS.get(Label, Label)), the RAGEN_KEYS renames; every other key (rollout/*,
+    actor/pg_*, critic/*, ...) is already RAGEN's or verl's and stays."""
+    m = _ENV_KEY.match(key)
+    if m:
+        prefix, label, rest = m.groups()
+        return f"{'train' if prefix == 'env' else prefix}/{RAGEN_TAGS.get(label, label)}/{rest}"
+    return RAGEN_KEYS.get(key, key)
+
+
+def rename_metrics(metrics: dict[str, Any], scheme: str) -> dict[str, Any]:
+    """``metrics`` with keys in `scheme` ("fastpo": unchanged, "ragen": :func:`ragen_metric_name`)."""
+    if scheme not in METRIC_NAME_SCHEMES:
+        raise ValueError(f"trainer.metric_names must be one of {METRIC_NAME_SCHEMES}, got {scheme!r}")
+    if scheme == "fastpo":
+        return dict(metrics)
+    return {ragen_metric_name(k): v for k, v in metrics.items()}
+
+
+# ------------------------------------------------------------------------------------------- data metrics
+def _stats(prefix: str, x: Any) -> dict[str, float]:
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float64)
+    if not x.size:
+        return {}
+    return {f"{prefix}/mean": float(x.mean()), f"{prefix}/max": float(x.max()), f"{prefix}/min": float(x.min())}
+
+
+def data_metrics(scores: Any, masks: list, advantages: list, returns: list | None = None,
+                 values: list | None = None, lengths: Any = None, max_len: int | None = None) -> dict[str, float]:
+    """verl's ``compute_data_metrics`` over the trained batch (the kept trajectories).
+
+    scores [B] (trajectory returns), masks / advantages / returns / values: one array [T_i] per trajectory (bool
+    trained-token mask; fp32 token values), lengths [B] token counts, max_len the context cap. Keys:
+    ``critic/score/{mean,max,min}`` and ``critic/rewards/*`` (trajectory returns: fastpo has no in-reward KL, so
+    they are equal), ``critic/advantages/*``, ``critic/returns/*`` (returns None: the advantages, as verl's
+    outcome estimators return them) and with values ``critic/values/*`` and ``critic/vf_explained_var`` =
+    1 - var(returns - values) / (var(returns) + 1e-5) (unbiased var), all over trained tokens;
+    ``response_length/*`` (tokens from the first trained token to the end), ``response_length/clip_ratio``
+    (share of trajectories whose length reached max_len), ``prompt_length/*`` (tokens before the first trained
+    token)."""
+    import numpy as np
+
+    def flat(arrays: list) -> np.ndarray:
+        picked = [np.asarray(a, dtype=np.float64)[np.asarray(m, dtype=bool)] for a, m in zip(arrays, masks,
+                                                                                           strict=True)]
+        return np.concatenate(picked) if picked else np.zeros(0)
+
+    out = {**_stats("critic/score", scores), **_stats("critic/rewards", scores)}
+    adv = flat(advantages)
+    ret = flat(returns) if returns is not None else adv
+    out.update(_stats("critic/advantages", adv))
+    out.update(_stats("critic/returns", ret))
+    if values is not None:
+        val = flat(values)
+        out.update(_stats("critic/values", val))
+        if ret.size > 1:
+            out["critic/vf_explained_var"] = float(1.0 - np.var(ret - val, ddof=1) / (np.var(ret, ddof=1) + 1e-5))
+    if lengths is not None:
+        first = np.array([int(np.argmax(np.asarray(m, dtype=bool))) if np.any(m) else len(m) for m in masks])
+        lengths = np.asarray(lengths, dtype=np.int64)
+        out.update(_stats("response_length", lengths - first))
+        out.update(_stats("prompt_length", first))
+        if max_len is not None and lengths.size:
+            out["response_length/clip_ratio"] = float(np.mean(lengths >= max_len))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- generations
+GENERATION_FIELDS = ("step", "env", "group", "seed", "prompt", "response", "reward", "success")
+
+
+def pick_generations(records: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """RAGEN's sample of a validation: records sorted (by prompt, then the other fields), shuffled with
+    ``numpy.random.RandomState(42)``, the first n. The same fixed-seed prompts come back each validation."""
+    import numpy as np
+
+    if n <= 0:
+        return []
+    ordered = sorted(records, key=lambda r: tuple(str(r.get(f, "")) for f in ("prompt", *GENERATION_FIELDS)))
+    order = np.arange(len(ordered))
+    np.random.RandomState(42).shuffle(order)
+    return [ordered[i] for i in order[:n]]
+
+
+def _markdown_table(rows: list[dict[str, Any]]) -> str:
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", "<br>")
+
+    head = "| " + " | ".join(GENERATION_FIELDS) + " |\n|" + "---|" * len(GENERATION_FIELDS) + "\n"
+    return head + "".join("| " + " | ".join(cell(r.get(f, "")) for f in GENERATION_FIELDS) + " |\n" for r in rows)
 
 
 class _Jsonl:
@@ -114,9 +226,15 @@ class MetricsLogger:
         jsonl: append one JSON object per :meth:`log` to metrics.jsonl, flushed each time. Non-finite values
             (nan, inf) are written as null and counted in :attr:`non_finite` (key -> count).
         tensorboard / wandb: also log there; ImportError naming the package when it is not installed.
-        project / run_name / config: W&B project, run name and config dict.
+        project / run_name / config: W&B project, run name (default: the run directory's name) and config dict
+            (the full run config).
+        wandb_resume: continue the W&B run whose id is stored in ``<run_dir>/wandb_run_id`` (a resumed
+            training run); otherwise a new id is drawn and stored there.
+        metric_names: "fastpo" or "ragen" (:func:`rename_metrics`), applied to every sink but the console line.
         stream: where console lines go (default sys.stdout).
     """
+
+    WANDB_ID_FILE = "wandb_run_id"
 
     def __init__(
         self,
@@ -131,32 +249,70 @@ class MetricsLogger:
         config: dict[str, Any] | None = None,
         total_steps: int | None = None,
         stream: TextIO | None = None,
+        wandb_resume: bool = False,
+        metric_names: str = "fastpo",
     ):
+        rename_metrics({}, metric_names)  # rejects an unknown scheme on every rank
+        self.metric_names = metric_names
         self.active = rank == 0
         self.run_dir = Path(run_dir)
         self.non_finite: Counter[str] = Counter()
         self.stream = stream if stream is not None else sys.stdout
         self.console = console and self.active
         self._jsonl = _Jsonl(self.run_dir / "metrics.jsonl") if jsonl and self.active else None
+        self._generations_jsonl = jsonl
         self._tb = None
+        self._wandb_module = None
         self._wandb = None
         self._bar = None
         if tensorboard:
-            _require("tensorboard", "tensorboard")
+            _require("tensorboard", "trainer.log_tensorboard")
             if self.active:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
         if wandb:
-            _require("wandb", "wandb")
+            _require("wandb", "trainer.log_wandb")
             if self.active:
                 import wandb as wandb_module
 
-                self._wandb = wandb_module.init(project=project, name=run_name, config=config, dir=str(self.run_dir))
+                self._wandb_module = wandb_module
+                self._wandb = wandb_module.init(project=project, name=run_name or self.run_dir.name, config=config,
+                                                dir=str(self.run_dir), id=self._wandb_id(wandb_resume),
+                                                resume="allow")
         if self.console and total_steps and self.stream.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, file=self.stream, dynamic_ncols=True, leave=True)
+
+    def _wandb_id(self, resume: bool) -> str:
+        """The W&B run id: the stored one when resuming (a new one if none is stored), else a fresh one, stored."""
+        path = self.run_dir / self.WANDB_ID_FILE
+        if resume and path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        run_id = secrets.token_hex(4)  # W&B ids are short [a-z0-9] strings
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(run_id + "\n")
+        return run_id
+
+    def log_generations(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A validation's sampled generations (dicts with :data:`GENERATION_FIELDS`): appended to
+        ``<run_dir>/generations.jsonl`` (one line per sample), a TensorBoard text table and the W&B table
+        ``val/generations`` (RAGEN's name)."""
+        if not self.active or not rows:
+            return
+        rows = [{**r, "step": step} for r in rows]
+        if self._generations_jsonl:
+            with open(self.run_dir / "generations.jsonl", "a") as f:
+                for r in rows:
+                    f.write(json.dumps({k: r.get(k) for k in GENERATION_FIELDS}) + "\n")
+        if self._tb is not None:
+            self._tb.add_text("val/generations", _markdown_table(rows), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            table = self._wandb_module.Table(columns=list(GENERATION_FIELDS),
+                                             data=[[r.get(k) for k in GENERATION_FIELDS] for r in rows])
+            self._wandb.log({"val/generations": table}, step=step)
 
     def _print(self, line: str) -> None:
         if self._bar is not None:
@@ -176,9 +332,10 @@ class MetricsLogger:
             else:
                 clean[key] = None
                 self.non_finite[key] += 1
+        named = rename_metrics(clean, self.metric_names)
         if self._jsonl is not None:
-            self._jsonl.write({"step": step, "time": time.time(), **clean})
-        finite = {k: v for k, v in clean.items() if v is not None}
+            self._jsonl.write({"step": step, "time": time.time(), **named})
+        finite = {k: v for k, v in named.items() if v is not None}
         if self._tb is not None:
             for key, value in finite.items():
                 self._tb.add_scalar(key, value, step)

@@ -38,11 +38,11 @@ from typing import Any
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mean trajectory reward", ("rollout/reward",)),
     ("in-group reward std", ("rollout/in_group_std",)),
-    ("actor entropy", ("actor/entropy",)),
+    ("actor entropy", ("actor/entropy", "actor/entropy_loss")),  # the second: trainer.metric_names ragen
     ("actor grad norm", ("actor/grad_norm",)),
 )
 _VAL_SUCCESS = re.compile(r"^val-env/(?P<env>[^/]+)/success$")
-_TRAIN_SUCCESS = re.compile(r"^env/(?P<env>[^/]+)/success$")
+_TRAIN_SUCCESS = re.compile(r"^(?:env|train)/(?P<env>[^/]+)/success$")  # train/: trainer.metric_names ragen
 
 
 @dataclass(frozen=True)

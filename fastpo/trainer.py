@@ -62,12 +62,20 @@ from torch import Tensor, nn
 
 from . import algorithms, checkpoint, envs, kernels, storage
 from . import distributed as du
-from .config import Config, config_hash, to_json
+from .config import Config, config_hash, to_dict, to_json
 from .config import validate as validate_config
 from .engine.base import Engine, SamplingParams
 from .engine.fsdp import full_state_dict, init_single_rank_group, load_sharded, make_adamw, needs_master_weights
 from .engine.hf import HFEngine
-from .metrics import EchoTrapMonitor, EchoTrapThresholds, MetricsLogger, PhaseTimer, memory_metrics
+from .metrics import (
+    EchoTrapMonitor,
+    EchoTrapThresholds,
+    MetricsLogger,
+    PhaseTimer,
+    data_metrics,
+    memory_metrics,
+    pick_generations,
+)
 from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost, turn_data
 from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict, resolve_attn_implementation
 from .preflight import check_prompt_fits
@@ -181,9 +189,12 @@ class Trainer:
         self.trap = EchoTrapMonitor(EchoTrapThresholds(std_floor=t.min_in_group_std,
                                                        entropy_rel_change=1.0 - t.entropy_drop_factor,
                                                        grad_spike_k=t.grad_norm_spike_factor))
+        # a run resumed from a checkpoint continues its W&B run (id in the run dir); a fresh start opens a new one
+        wandb_resume = t.resume != "never" and (t.resume != "auto" or checkpoint.latest(self.run_dir) is not None)
         self.logger = MetricsLogger(self.run_dir, self.rank, console=t.log_console, jsonl=t.log_jsonl,
                                     tensorboard=t.log_tensorboard, wandb=t.log_wandb, project=t.wandb_project,
-                                    total_steps=t.iterations)
+                                    run_name=t.run_name or None, config=to_dict(cfg), total_steps=t.iterations,
+                                    wandb_resume=wandb_resume, metric_names=t.metric_names)
         self.timer = PhaseTimer(synchronize=self.device.type == "cuda")
         self.resumed_from = self._resume()
         self._sync_engine()
@@ -357,9 +368,10 @@ class Trainer:
 
     # ---- rollout --------------------------------------------------------------------------------------------
     def _rollout(self, parts: list[dict], seed_base: int, kind: int, temperature: float,
-                 step: int) -> tuple[list, dict]:
+                 step: int, records: list | None = None) -> tuple[list, dict]:
         """Run every env part; returns (this rank's Samples, rank-averaged metrics). `step` feeds the request
-        seeds (validation passes 0: the same sampling seeds every time)."""
+        seeds (validation passes 0: the same sampling seeds every time). ``records``, when given, receives one
+        generation record (GENERATION_FIELDS but step) per trajectory of this rank."""
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.response_length, stop=tuple(r.stop))
@@ -373,7 +385,9 @@ class Trainer:
             req = [request_seed(self.cfg.trainer.seed, kind, step, i) for i in idx]
             jobs.append(RolloutPart(part["env"], part["spec"], seeds, group_ids, part["rollout"], req))
         # all envs' instances generate together: one engine call per turn, not one per env
-        for batch in run_rollouts(jobs, self.engine, self.tokenizer, sampling):
+        for part, batch in zip(parts, run_rollouts(jobs, self.engine, self.tokenizer, sampling), strict=True):
+            if records is not None:
+                records.extend(self._generation_record(part["rollout"].env_label, t) for t in batch.trajectories)
             for t in batch.trajectories:
                 samples.append(Sample(np.asarray(t.input_ids, np.int64), np.asarray(t.loss_mask, bool),
                                       np.asarray(t.sample_logprobs, np.float32),
@@ -390,10 +404,25 @@ class Trainer:
         metrics = {key: sums[key] / max(counts[key], 1) for key in sums}
         return samples, mean_over_ranks(metrics)
 
+    def _generation_record(self, label: str, traj: Any) -> dict[str, Any]:
+        """One validation sample for the generations table: the prompt (tokens before the first trained one) and
+        the response (the rest: every turn and observation), decoded with special tokens."""
+        ids, mask = traj.input_ids, traj.loss_mask
+        first = next((i for i, m in enumerate(mask) if m), len(ids))
+        return {"env": label, "group": int(traj.group), "seed": int(traj.seed),
+                "prompt": self.tokenizer.decode(ids[:first]), "response": self.tokenizer.decode(ids[first:]),
+                "reward": float(traj.reward), "success": bool(traj.success)}
+
     def validate(self) -> dict[str, float]:
-        """Fixed-seed validation (env.val_seed, rollout.val_temperature): ``val-env/<Env>/...`` metrics."""
+        """Fixed-seed validation (env.val_seed, rollout.val_temperature): ``val-env/<Env>/...`` metrics; logs
+        trainer.log_generations sampled generations at the current step (collective)."""
+        n = self.cfg.trainer.log_generations
+        records: list | None = [] if n > 0 else None
         with self.timer("validate"):
-            _, metrics = self._rollout(self.val_parts, self.cfg.env.val_seed, 1, self.cfg.rollout.val_temperature, 0)
+            _, metrics = self._rollout(self.val_parts, self.cfg.env.val_seed, 1, self.cfg.rollout.val_temperature, 0,
+                                       records=records)
+            if records is not None:
+                self.logger.log_generations(self.step, pick_generations(all_gather_list(records), n))
         return {k: v for k, v in metrics.items() if k.startswith("val-env/")}
 
     # ---- forward passes -------------------------------------------------------------------------------------
@@ -448,7 +477,10 @@ class Trainer:
             if self.use_ref:
                 out["ref_logp"] = split_tokens(self._ref_logp(mb, mask), mb.cu_seqlens)
             if self.critic is not None:
-                out["values"] = split_tokens(self._values(mb, mask), mb.cu_seqlens)
+                # verl's GAE reads the values of observation tokens too: compute them over the response span
+                vmask = mask if self.cfg.algorithm.gae_skip_observations else kernels.reference.response_span(
+                    mask, mb.cu_seqlens)
+                out["values"] = split_tokens(self._values(mb, vmask), mb.cu_seqlens)
             if k < len(micro):
                 results += [(i, {f: out[f][j] for f in out}) for j, i in enumerate(mb.indices)]
         for i, fields in all_gather_list(results):
@@ -696,6 +728,12 @@ class Trainer:
             if self.critic is not None:
                 metrics.update(self._update_critic(samples, kept))
             metrics.update(self._update_actor(samples, kept))
+        metrics.update(data_metrics(  # verl's batch statistics of the kept trajectories (identical on every rank)
+            [samples[i].score for i in kept], [samples[i].loss_mask for i in kept],
+            [samples[i].advantages for i in kept],
+            [samples[i].returns for i in kept] if self.critic is not None else None,
+            [samples[i].values for i in kept] if self.critic is not None else None,
+            [len(samples[i].input_ids) for i in kept], cfg.rollout.max_model_len))
         self._sync_engine()
         metrics["perf/rollout_tokens"] = float(sum(len(s.input_ids) for s in samples))
         metrics["perf/trained_seq_tokens"] = float(sum(len(samples[i].input_ids) for i in kept))
@@ -714,7 +752,7 @@ class Trainer:
             self.step += 1
             start = time.perf_counter()
             metrics = self.iteration()
-            if t.val_every and self.step % t.val_every == 0:
+            if t.val_every and (self.step % t.val_every == 0 or self.step == t.iterations):  # RAGEN: + last step
                 metrics.update(self.validate())
             metrics.update(self.timer.pop())
             metrics["timing/iteration"] = time.perf_counter() - start

@@ -260,7 +260,8 @@ def _advantage_inputs(tensors: dict, mask: Tensor, cu_seqlens) -> None:
 
 
 def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0,
-                   whiten: bool = True, *, cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   whiten: bool = True, *, cu_seqlens: Tensor | None = None,
+                   skip_observations: bool = True) -> tuple[Tensor, Tensor]:
     """Multi-turn GAE (StarPO default estimator) -> fp32 (advantages, returns), 0 on untrained tokens.
 
     The recursion runs over trained tokens only: observation tokens (mask 0) are skipped, their values never
@@ -268,29 +269,49 @@ def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float =
     untrained token is credited to the last trained token before it (the action that caused it; rewards before
     the first trained token go to the first one), so no reward is lost. With gamma = lam = 1, A_t = (sum of
     rewards from t on) - V_t on trained tokens. Returns = A + V before whitening; whitening = masked mean / unbiased
-    std over the whole batch. rewards / values float, mask any dtype: ``[B, T]`` or packed ``[N]`` + cu_seqlens."""
+    std over the whole batch. rewards / values float, mask any dtype: ``[B, T]`` or packed ``[N]`` + cu_seqlens.
+
+    ``skip_observations=False`` is verl@1e47e41's GAE (what RAGEN runs): the recursion walks every position from
+    each sequence's first trained token to its end, reading the values of observation tokens and decaying across
+    them; advantages and returns are then kept on trained tokens and whitened there. It equals the default when
+    gamma = lam = 1 or when trained tokens are contiguous."""
     _advantage_inputs({"rewards": rewards, "values": values}, mask, cu_seqlens)
     _number(gamma, "gamma", 0.0, 1.0)
     _number(lam, "lam", 0.0, 1.0)
+    if not skip_observations:
+        def scan(rw, vals, span, g, lm):
+            return lib.gae_advantages(rw, vals, span, None, cu_seqlens, float(g), float(lm), False)
+
+        return ref.verl_gae(rewards.detach(), values.detach(), mask, gamma, lam, bool(whiten), cu_seqlens,
+                            scan=scan)
     return lib.gae_advantages(rewards.detach(), values.detach(), mask, None, cu_seqlens, float(gamma), float(lam),
                               bool(whiten))
 
 
 def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_end: Tensor, gamma: float = 1.0,
                            lam: float = 1.0, gamma_high: float = 0.95, lam_high: float | None = None,
-                           whiten: bool = True, *, cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                           whiten: bool = True, *, cu_seqlens: Tensor | None = None,
+                           turns: str = "turn_end") -> tuple[Tensor, Tensor]:
     """Bi-level GAE (RAGEN): turn-level GAE over turn ends (gamma_high, lam_high, default lam) whose turn
     returns become the reward of each turn's last token in a token-level GAE within the turn (gamma, lam).
 
     Turn boundaries are explicit: ``turn_end`` (bool/int, mask's shape) flags the last token of each turn (a
     flag on position t separates t from t + 1; it may sit on an observation token; the sequence end always
     closes a turn). Rewards are credited to trained tokens as in :func:`gae_advantages` and summed per turn.
-    Returns fp32 (advantages, returns). The packed layout is padded internally (one host sync)."""
+    Returns fp32 (advantages, returns). The packed layout is padded internally (one host sync).
+
+    ``turns="reward"`` finds turns as RAGEN's code does instead (``turn_end`` is then not read): a turn ends at
+    every trained token holding a non-zero (credited) reward, and the sequence end closes the last one. With one
+    end-of-episode reward that is a single turn, so gamma_high never discounts it: plain GAE (gamma, lam) over
+    the trained tokens with the episode return on the last one."""
     _advantage_inputs({"rewards": rewards, "values": values, "turn_end": turn_end}, mask, cu_seqlens)
     for name, value in (("gamma", gamma), ("lam", lam), ("gamma_high", gamma_high)):
         _number(value, name, 0.0, 1.0)
+    _choice(turns, "turns", ("turn_end", "reward"))
     lam_high = lam if lam_high is None else _number(lam_high, "lam_high", 0.0, 1.0)
     r, v, m, te = ref.padded_view([rewards.detach(), values.detach(), mask, turn_end], cu_seqlens)
+    if turns == "reward":
+        te = ref.reward_turn_ends(r, m)
 
     def scan(rw, vals, msk, g, lm, reset=None):
         return lib.gae_advantages(rw, vals, msk, reset, None, float(g), float(lm), False)

@@ -553,11 +553,51 @@ def unpad(outs, cu_seqlens, n_tokens):
     return tuple(padded_to_packed(o, cu_seqlens, n_tokens) for o in outs)
 
 
-def gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_seqlens=None):
+def gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_seqlens=None,
+                   skip_observations=True):
     """Multi-turn GAE (see :func:`gae_scan`), then masked whitening over the batch. Padded ``[B, T]`` or packed
-    ``[N]`` + cu_seqlens; returns fp32 (advantages, returns)."""
+    ``[N]`` + cu_seqlens; returns fp32 (advantages, returns). ``skip_observations=False``: verl's per-position
+    GAE over every token from each row's first trained token on (see :func:`verl_gae`)."""
+    if not skip_observations:
+        return verl_gae(rewards, values, mask, gamma, lam, whiten, cu_seqlens)
     r, v, m = padded_view([rewards, values, mask], cu_seqlens)
     return unpad(gae_scan(r, v, m, gamma, lam, whiten=whiten), cu_seqlens, mask.shape[0])
+
+
+def response_span(mask, cu_seqlens=None):
+    """bool, mask's shape: True from each row's (sequence's) first trained token to its end, the positions verl
+    calls the response when the prompt is everything before the first model token."""
+    m = (mask != 0).long()
+    if cu_seqlens is None:
+        return m.cumsum(-1) > 0
+    total = m.cumsum(0)
+    before = torch.nn.functional.pad(total, (1, 0))[cu_seqlens[:-1].long()]  # trained tokens before each sequence
+    n_seq = cu_seqlens.shape[0] - 1
+    seq = sequence_index(cu_seqlens, m.shape[0])
+    inside = seq < n_seq  # tokens past cu_seqlens[-1] belong to no sequence
+    return inside & ((total - before[seq.clamp(max=max(n_seq - 1, 0))]) > 0)
+
+
+def verl_gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_seqlens=None, scan=None):
+    """GAE as verl@1e47e41 ``compute_gae_advantage_return`` (the version RAGEN pins): the recursion
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1} walks every position of the
+    response span (:func:`response_span`), observation tokens included (their values are read and gamma / lam
+    decay across them); V after the last position = 0. Rewards before the first trained token go to it.
+    Advantages and returns (A + V) are then kept on trained tokens only (0 elsewhere) and advantages whitened over
+    them. Equal to :func:`gae_advantages` with skip_observations when gamma = lam = 1 (both are then the reward
+    suffix sum minus V_t) or when no observation token lies between two trained tokens. ``scan`` (signature of
+    :func:`gae_scan`) runs the recursion; the Triton path passes its kernel."""
+    span = response_span(mask, cu_seqlens)
+    m = mask != 0
+    if scan is None:
+        r, v, s = padded_view([rewards, values, span], cu_seqlens)
+        adv, ret = unpad(gae_scan(r, v, s, gamma, lam), cu_seqlens, mask.shape[0])
+    else:
+        adv, ret = scan(rewards, values, span, gamma, lam)
+    adv = torch.where(m, adv, 0.0)
+    if whiten:
+        adv = masked_whiten(adv, m)
+    return adv.float(), torch.where(m, ret, 0.0).float()
 
 
 def turn_structure(mask, turn_end):
@@ -574,6 +614,21 @@ def turn_structure(mask, turn_end):
     is_end = m & ((nxt == t_len) | (flags_between > 0))
     owner_end = torch.where(is_end, idx, t_len).flip(1).cummin(1).values.flip(1)
     return is_end, owner_end
+
+
+def reward_turn_ends(rewards, mask):
+    """bool ``[B, T]``: RAGEN's turn ends (ragen/trainer/core_algos.py bi-level GAE), the trained tokens that hold a
+    non-zero reward once rewards are credited to trained tokens as in :func:`gae_scan`. With one end-of-episode
+    reward this gives one turn per trajectory, so the turn-level discount gamma_high never applies."""
+    m = mask != 0
+    t_len = m.shape[1]
+    pos = torch.arange(t_len, device=m.device)
+    first = torch.where(m, pos, t_len).amin(1, keepdim=True)
+    last_incl = torch.where(m, pos, -1).cummax(1).values
+    owner = torch.where(last_incl >= 0, last_incl, first).clamp(max=t_len - 1)
+    credited = torch.zeros(m.shape, dtype=torch.float64, device=m.device).scatter_add_(1, owner,
+                                                                                       rewards.to(torch.float64))
+    return m & (credited != 0)
 
 
 def bilevel_gae_scan(rewards, values, mask, turn_end, gamma, lam, gamma_high, lam_high, scan=None):
@@ -603,9 +658,13 @@ def bilevel_gae_scan(rewards, values, mask, turn_end, gamma, lam, gamma_high, la
 
 
 def bilevel_gae_advantages(rewards, values, mask, turn_end, gamma=1.0, lam=1.0, gamma_high=0.95, lam_high=None,
-                           whiten=True, cu_seqlens=None):
-    """Bi-level GAE (see :func:`bilevel_gae_scan`) + masked whitening; padded or packed; fp32 (adv, returns)."""
+                           whiten=True, cu_seqlens=None, turns="turn_end"):
+    """Bi-level GAE (see :func:`bilevel_gae_scan`) + masked whitening; padded or packed; fp32 (adv, returns).
+    ``turns``: "turn_end" (the explicit flags) or "reward" (RAGEN's rule, :func:`reward_turn_ends`; turn_end is
+    then not read)."""
     r, v, m, te = padded_view([rewards, values, mask, turn_end], cu_seqlens)
+    if turns == "reward":
+        te = reward_turn_ends(r, m)
     adv, ret = bilevel_gae_scan(r, v, m, te, gamma, lam, gamma_high, lam if lam_high is None else lam_high)
     if whiten:
         adv = masked_whiten(adv, m)
