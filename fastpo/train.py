@@ -10,7 +10,8 @@ The run directory receives ``config.json`` (resolved config), ``metrics.jsonl``,
 and, at the end, the Hugging Face export ``hf/``, the training curves ``curves.png`` and ``report.txt`` (the
 per-env validation success before vs after training, also printed; ``fastpo.report``). Exit status: 0 on
 success, 1 when training stopped itself (logprob gap after a weight sync, too many non-finite steps; the
-message says why), 2 for a bad config.
+message says why) or a plug-in env broke its protocol ("env error: ..." naming the env, method and seed), 2 for a
+bad config.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main:
                 print(f"config error: {err}", file=sys.stderr)
             return 2
+        from .envs.text import TextEnvError
         from .trainer import Trainer, TrainingAborted
 
         trainer = Trainer(cfg, info)
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main:
                 print(f"training stopped: {err}", file=sys.stderr, flush=True)
             trainer.close(export=False)
+            return 1
+        except TextEnvError as err:  # a plug-in env broke its protocol: one line naming env, method and seed
+            print(f"env error: {err}", file=sys.stderr, flush=True)
             return 1
         trainer.close()
         if info.is_main:
