@@ -164,3 +164,12 @@ def test_cli_prints_yaml_that_fastpo_train_reads(ragen_dir):
                          capture_output=True, text=True, env=env, cwd=ragen_dir, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read RAGEN config")
     assert yaml.safe_load(res.stdout)["model"]["lora_rank"] == 64
+
+
+def test_docs_map_every_key():
+    """docs/RAGEN.md's tables name every key the porter maps or lists as inert."""
+    from fastpo.ragen_config import INERT, KEY_MAP
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "RAGEN.md").read_text()
+    missing = [k for k in [*KEY_MAP, *INERT] if f"| `{k}` |" not in doc]
+    assert not missing, missing
