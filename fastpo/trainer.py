@@ -356,7 +356,7 @@ class Trainer:
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.response_length, stop=tuple(r.stop))
-        samples, sums, counts = [], {}, {}
+        samples, sums_here, counts_here = [], {}, {}
         jobs = []
         for part in parts:
             gs = part["group_size"]
@@ -375,11 +375,19 @@ class Trainer:
             n = len(batch.trajectories)
             for key, value in batch.metrics.items():  # parts share the rollout/* keys: combine, don't overwrite
                 if key.endswith("_max"):
+                    sums_here[key], counts_here[key] = max(sums_here.get(key, -math.inf), value), 1
+                else:
+                    sums_here[key] = sums_here.get(key, 0.0) + value * n
+                    counts_here[key] = counts_here.get(key, 0) + n
+        # combine over ranks by trajectory count: with env.train mixes ranks can hold different numbers of them
+        sums, counts = {}, {}
+        for rank_sums, rank_counts in all_gather_list([(sums_here, counts_here)]):
+            for key, value in rank_sums.items():
+                if key.endswith("_max"):
                     sums[key], counts[key] = max(sums.get(key, -math.inf), value), 1
                 else:
-                    sums[key], counts[key] = sums.get(key, 0.0) + value * n, counts.get(key, 0) + n
-        metrics = {key: sums[key] / max(counts[key], 1) for key in sums}
-        return samples, mean_over_ranks(metrics)
+                    sums[key], counts[key] = sums.get(key, 0.0) + value, counts.get(key, 0) + rank_counts[key]
+        return samples, {key: sums[key] / max(counts[key], 1) for key in sorted(sums)}
 
     def validate(self) -> dict[str, float]:
         """Fixed-seed validation (env.val_seed, rollout.val_temperature): ``val-env/<Env>/...`` metrics."""

@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from fastpo import distributed as du
 from fastpo import envs
@@ -138,3 +139,32 @@ def test_presets_for_ragen_configs():
     assert (lora.optim.actor_lr, lora.optim.critic_lr) == (1e-5, 1e-4)
     qa = get_preset("metamathqa")
     assert qa.env.names == ("metamathqa",) and qa.env.max_actions_per_traj == 1
+
+
+# A mix with its own kwargs, group sizes and a budget above 10, through the real entry point.
+RUN_MIX = [{"name": "frozenlake", "groups": 2, "kwargs": {"is_slippery": False}, "max_actions_per_traj": 12},
+           {"name": "sokoban", "label": "SmallSokoban", "groups": 2, "group_size": 2, "max_turns": 1}]
+
+
+@pytest.mark.slow
+def test_mix_one_rank_equals_two_ranks_and_resumes_exactly(tmp_path):
+    from test_trainer import GAE, SMALL, _metrics, _ok, _weights
+
+    args = [*SMALL, *GAE, "--env.train", json.dumps(RUN_MIX), "--optim.mini_batch_size", "4",
+            "--trainer.deterministic", "true"]
+    _ok([*args, "--trainer.iterations", "1"], tmp_path / "one")
+    _ok([*args, "--trainer.iterations", "1"], tmp_path / "two", nproc=2)
+    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    assert "env/SmallSokoban/success" in a and "env/FrozenLake/success" in a
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "rollout/reward", "env/FrozenLake/reward",
+                "env/SmallSokoban/num_actions"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    # exact resume: 2 iterations straight == 1 (the run above) + resume to 2
+    _ok([*args, "--trainer.iterations", "2"], tmp_path / "straight")
+    out = _ok([*args, "--trainer.iterations", "2"], tmp_path / "one")
+    assert "resumed from step 1" in out
+    s, r = _metrics(tmp_path / "straight"), _metrics(tmp_path / "one")
+    keys = [k for k in s[1] if k.startswith(("actor/", "critic/", "rollout/reward", "env/")) and not k.endswith("_s")]
+    assert {k: s[1][k] for k in keys} == {k: r[1][k] for k in keys}
+    ws, wr = _weights(tmp_path / "straight" / "hf"), _weights(tmp_path / "one" / "hf")
+    assert all(torch.equal(ws[k], wr[k]) for k in ws)
