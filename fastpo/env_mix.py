@@ -58,13 +58,14 @@ class EnvEntry:
     max_actions_per_traj: int | None = None
 
 
-def own_budget(name: str) -> int:
-    """The env's own per-episode action budget (the number its prompt shows by default)."""
+def own_budget(name: str, kwargs: dict[str, Any] | None = None) -> int:
+    """The env's own per-episode action budget (the number its prompt shows by default); a plug-in's is read from
+    one instance built with ``kwargs``."""
     from .prompts import env_prompt_spec
 
     if envs.is_builtin(name):
         return env_prompt_spec(name).max_actions_per_traj
-    probe = envs.make(name, 1)
+    probe = envs.make(name, 1, **(kwargs or {}))
     try:
         return env_prompt_spec(name, probe).max_actions_per_traj
     finally:
@@ -150,7 +151,7 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
             continue
         groups = entry["groups"] if all(given) else total // len(raw)
         try:
-            budget = entry.get("max_actions_per_traj") or own_budget(name)
+            budget = entry.get("max_actions_per_traj") or own_budget(name, kwargs)
             kwargs = envs.step_limit_config(name, budget, kwargs)
         except Exception as e:  # a plug-in's own failure (probe construction) is reported with the entry
             errors.append(f"{at}: {e}")
