@@ -8,11 +8,17 @@ Sokoban and FrozenLake run in the C++ batch simulator (``fastpo._C``); ``backend
 their pure-Python twins (the test oracle and the speed baseline). Bandit, Countdown and the QA env
 are Python; users' own text environments plug in through ``fastpo.envs.text`` (see ``TextEnv``) and
 ``register(name, factory)``, which makes them available to ``make`` (docs/ENVS.md).
+
+Plug-ins: ``load_plugins(["my_envs"])`` imports modules that call ``register`` (the trainer, eval and SFT
+command lines do it for ``--env.plugins`` / ``--plugins``), and installed packages declare an entry point in
+the ``fastpo.envs`` group (``my_envs = "my_pkg.envs"`` imports that module; ``"my_pkg.envs:setup"`` imports it
+and calls ``setup()``), loaded on the first use of the registry (``available``, ``make``, ``is_builtin``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -43,9 +49,109 @@ _ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: Entry-point group of installed env plug-ins (see the module docstring).
+ENTRY_POINT_GROUP = "fastpo.envs"
+_entry_points_loaded = False
+
+#: Config key holding each built-in env's per-episode step limit; Bandit and Countdown end after one action.
+STEP_LIMIT_KEYS = {"sokoban": "max_steps", "frozenlake": "max_steps", "qa": "max_attempts"}
+_ONE_ACTION_ENVS = frozenset({"bandit", "countdown"})
+
+
+def load_plugins(modules: Any) -> list[str]:
+    """Import env plug-in modules (each calls ``register`` at import); already imported ones are kept.
+
+    Args:
+        modules: module names, as a sequence or one comma-separated str (``"my_envs,other.envs"``).
+    Returns the module names. Raises ValueError naming the module when one cannot be imported."""
+    if isinstance(modules, str):
+        modules = [m for m in modules.split(",")]
+    names = [m.strip() for m in modules if isinstance(m, str) and m.strip()]
+    if len(names) != len(list(modules)):
+        raise ValueError(f"plug-in modules must be non-empty module names, got {list(modules)!r}")
+    for module in names:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # a plug-in's own import error is reported as the plug-in's failure
+            raise ValueError(f"env plug-in module {module!r} could not be imported: {type(e).__name__}: {e} "
+                             "(is its folder on PYTHONPATH?)") from e
+    return names
+
+
+def _load_entry_points() -> None:
+    """Import the ``fastpo.envs`` entry points of installed packages, once per process."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True  # before loading: a plug-in calling available() must not recurse
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            if callable(obj) and not inspect.ismodule(obj):
+                obj()
+        except Exception as e:
+            raise ValueError(f"env plug-in entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}) "
+                             f"failed: {type(e).__name__}: {e}") from e
+
+
 def available() -> list[str]:
     """Names accepted by ``make``."""
+    _load_entry_points()
     return sorted(set(_REGISTRY) | set(_ALIASES))
+
+
+def is_builtin(name: str) -> bool:
+    """True for fastpo's own env names and RAGEN-named presets (their prompts are RAGEN's, ``fastpo.prompts``);
+    False for envs added with ``register`` (their prompt comes from the env, ``TextBatchEnv.prompt_fields``)."""
+    _load_entry_points()
+    key = name.lower()
+    return key in _BUILTIN or key in _ALIASES
+
+
+def base_name(name: str) -> str:
+    """The registry name behind a preset alias (``larger_sokoban`` -> ``sokoban``); other names lowercased."""
+    key = name.lower()
+    return _ALIASES[key][0] if key in _ALIASES else key
+
+
+def step_limit_config(name: str, budget: int, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the env's per-episode step limit raised to an action budget the prompt will promise.
+
+    A built-in grid env's ``max_steps`` (default 10) is raised to ``budget`` when the config does not set it; a
+    limit set in ``config`` (or QA's ``max_attempts``, or a plug-in's ``max_steps``) below the budget is refused,
+    as is a budget above 1 for Bandit / Countdown (one action per episode): otherwise the episode would stop
+    early while the prompt says "You have {budget} actions left". Raises ValueError naming the env and both
+    numbers."""
+    base = base_name(name)
+    if base in _ONE_ACTION_ENVS:
+        if budget > 1:
+            raise ValueError(f"env {name!r}: an episode ends after one action, so its action budget must be 1, "
+                             f"got {budget}")
+        return dict(config)
+    key = STEP_LIMIT_KEYS.get(base, "max_steps")
+    if key in config:
+        limit = config[key]
+    elif base in ("sokoban", "frozenlake"):
+        return {**config, key: max(budget, _default_step_limit(name))}
+    elif base == "qa":
+        limit = 1
+    else:  # a plug-in: the max_steps it was registered with (None = unlimited)
+        target = _REGISTRY.get(base, {}).get("python")
+        limit = getattr(target, "default_max_steps", None)
+    if limit is not None and isinstance(limit, int) and limit < budget:
+        raise ValueError(f"env {name!r}: its step limit {key}={limit} is below the action budget {budget}, so the "
+                         f"episode would stop before the prompt's budget is used; raise {key} to >= {budget} or "
+                         f"lower max_actions_per_traj")
+    return dict(config)
+
+
+def _default_step_limit(name: str) -> int:
+    key = name.lower()
+    preset = _ALIASES[key][1] if key in _ALIASES else {}
+    from .layouts import FrozenLakeConfig, SokobanConfig
+
+    cls = SokobanConfig if base_name(name) == "sokoban" else FrozenLakeConfig
+    return int(preset.get("max_steps", cls.max_steps))
 
 
 def make(name: str, num_envs: int, backend: str = "default", **config: Any) -> BatchEnv:
@@ -58,7 +164,11 @@ def make(name: str, num_envs: int, backend: str = "default", **config: Any) -> B
         **config: fields of the env's config dataclass (unknown keys raise ValueError).
     """
     if not isinstance(name, str) or name.lower() not in available():
-        raise ValueError(f"unknown env name {name!r}; accepted: {available()}")
+        import difflib
+
+        close = difflib.get_close_matches(str(name).lower(), available(), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown env name {name!r}; accepted: {available()}{hint}")
     key = name.lower()
     if key in _ALIASES:
         key, preset = _ALIASES[key]
@@ -110,7 +220,9 @@ def register(name: str, factory: Callable[..., Any], *, max_steps: int | None = 
                 raise ValueError(f"config {sorted(config)} does not fit env {name!r} ({factory!r}): {e}") from None
         return TextBatchEnv(num_envs, lambda: factory(**config), max_steps=max_steps, name=key)
 
+    make_text_env.default_max_steps = default_max_steps  # read by step_limit_config
     _REGISTRY[key] = {"python": make_text_env}
 
 
-__all__ = ["BatchEnv", "INFO_KEYS", "available", "make", "register"]
+__all__ = ["BatchEnv", "ENTRY_POINT_GROUP", "INFO_KEYS", "available", "base_name", "is_builtin", "load_plugins",
+           "make", "register", "step_limit_config"]

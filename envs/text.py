@@ -49,11 +49,23 @@ class TextEnv(ABC):
             count unchanged) and never reaches ``step``. For a vocabulary that changes with the state
             (WebShop's clickables), keep None and report ``action_is_valid=False`` yourself.
         max_actions_per_turn: how many actions the parser keeps from one answer (split on ``||``).
+        legend: symbol -> meaning, printed after the instruction as "The meaning of each symbol in the state
+            is: ..." (RAGEN's ``grid_vocab``); None: no legend.
+        max_actions_per_traj: the episode's action budget the prompt shows ("You have K actions left", and with
+            a vocabulary "You can make up to K actions"); None: the ``max_steps`` the env runs with, else 10.
+        max_response_words: the "Max response length: N words (tokens)" number of the prompt (RAGEN's
+            ``max_tokens``); not a generation limit.
+
+    Optional method for ``python -m fastpo.sft`` (expert data): ``expert_actions() -> list[str]``, the actions
+    an expert would take from the current state (``[]``: none).
     """
 
     instruction: str = ""
     action_vocabulary: list[str] | None = None
     max_actions_per_turn: int = 1
+    legend: dict[str, str] | None = None
+    max_actions_per_traj: int | None = None
+    max_response_words: int = 100
 
     @abstractmethod
     def reset(self, seed: int) -> str:
@@ -74,7 +86,8 @@ class TextEnv(ABC):
 class TextEnvError(RuntimeError):
     """A user's text env failed (raised an exception or broke the protocol) in one instance.
 
-    Attributes: ``index`` (instance index in the batch), ``phase`` ("create", "reset" or "step"),
+    Attributes: ``index`` (instance index in the batch), ``phase`` (the method: "create", "reset", "step" or
+    "expert_actions"),
     ``seed`` (the episode's seed, None before the first reset). The original exception, if any, is
     ``__cause__``. After this error the batch is partly stepped: reset it before going on.
     """
@@ -127,6 +140,7 @@ class TextBatchEnv(BatchEnv):
             raise self._error(0, "create", f"max_actions_per_turn must be an int >= 1, got {per_turn!r}")
         self.max_actions_per_turn = int(per_turn)
         self.action_vocabulary = self._check_vocabulary(getattr(first, "action_vocabulary", None))
+        self._prompt = self._check_prompt_attributes(first)
         self._vocab_lookup = {a.strip().lower(): a for a in self.action_vocabulary or []}
 
         n = self.num_envs
@@ -211,6 +225,31 @@ class TextBatchEnv(BatchEnv):
     def instruction(self) -> str:
         return self._instruction
 
+    def prompt_fields(self) -> dict[str, Any]:
+        """The env's prompt, as ``fastpo.prompts.EnvPromptSpec`` keywords: ``env_instruction``, ``grid_vocab``
+        (the legend), ``action_lookup`` (the vocabulary; None for free text), ``max_actions_per_traj``,
+        ``max_tokens`` (read from the first instance at construction)."""
+        return dict(self._prompt)
+
+    def expert_actions(self) -> list[list[str] | None]:
+        """Per instance, the actions its ``expert_actions()`` proposes from the current state (None: no method
+        result / empty). Raises TextEnvError naming the instance, ``expert_actions`` and the seed when the method
+        is missing, raises or returns something other than a list of str."""
+        plans: list[list[str] | None] = []
+        for i, env in enumerate(self.envs):
+            method = getattr(env, "expert_actions", None)
+            if not callable(method):
+                raise self._error(i, "expert_actions", f"{type(env).__name__} has no expert_actions() method, which "
+                                  "SFT data needs (see docs/ENVS.md)")
+            try:
+                plan = method()
+            except Exception as e:
+                raise self._error(i, "expert_actions", f"{type(e).__name__}: {e}") from e
+            if not isinstance(plan, (list, tuple)) or not all(isinstance(a, str) for a in plan):
+                raise self._error(i, "expert_actions", f"expert_actions must return a list of str, got {plan!r:.200}")
+            plans.append(list(plan) or None)
+        return plans
+
     def close(self) -> None:
         for env in self.envs:
             close = getattr(env, "close", None)
@@ -232,6 +271,22 @@ class TextBatchEnv(BatchEnv):
             if not callable(getattr(env, method, None)):
                 raise self._error(index, "create", f"{type(env).__name__} has no {method}() method")
         return env
+
+    def _check_prompt_attributes(self, first: Any) -> dict[str, Any]:
+        legend = getattr(first, "legend", None)
+        if legend is not None and (not isinstance(legend, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in legend.items())):
+            raise self._error(0, "create", f"legend must be None or a dict of str -> str, got {legend!r:.200}")
+        budget = getattr(first, "max_actions_per_traj", None)
+        if budget is None:
+            budget = self.max_steps if self.max_steps is not None else 10
+        words = getattr(first, "max_response_words", 100)
+        for attr, value in (("max_actions_per_traj", budget), ("max_response_words", words)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise self._error(0, "create", f"{attr} must be an int >= 1, got {value!r}")
+        return {"env_instruction": self._instruction, "grid_vocab": dict(legend) if legend else None,
+                "action_lookup": list(self.action_vocabulary) if self.action_vocabulary else None,
+                "max_actions_per_traj": int(budget), "max_tokens": int(words)}
 
     def _check_vocabulary(self, vocab: Any) -> list[str] | None:
         if vocab is None:

@@ -100,6 +100,18 @@ class EnvConfig:
     """Rollouts per validation state (>= 1)."""
     val_seed: int = 123
     """Seed of the first validation state (>= 0); fixed for the whole run."""
+    plugins: tuple[str, ...] = ()
+    """Python modules imported before envs are built, on every rank (they call ``fastpo.envs.register``), e.g.
+    ``--env.plugins my_envs,other.envs``; installed packages can use the ``fastpo.envs`` entry-point group instead
+    (docs/ENVS.md)."""
+    train: list[dict[str, Any]] = field(default_factory=list)
+    """Per-env training mix (RAGEN's es_manager.train): a list of {name, label, groups, group_size, kwargs,
+    max_turns, max_actions_per_turn, max_actions_per_traj}, each env with its own config and budgets; YAML, or JSON
+    on the CLI (``--env.train '[{"name": "sokoban", "groups": 6}, ...]'``). [] = names / kwargs / env_groups /
+    the budgets above (docs/ENVS.md)."""
+    val: list[dict[str, Any]] = field(default_factory=list)
+    """Per-env validation mix, entries as in env.train (groups add up to val_groups); [] = val_names, or the
+    env.train entries with val_groups split equally among them."""
 
 
 @dataclass
@@ -379,6 +391,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in args)
     if origin is dict:
         return "dict"
+    if origin is list:
+        return "list"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -429,6 +443,17 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if len(value) != len(args):
             raise ConfigError(f"{name}: expected {len(args)} values ({_type_name(tp)}), got {value!r}")
         return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if origin is list:  # a list of mappings (env.train / env.val): YAML / JSON text on the CLI
+        if isinstance(value, str):
+            import yaml
+
+            try:
+                value = yaml.safe_load(value) if value.strip() else []
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{name}: expected a YAML / JSON list, got {value!r} ({e})") from None
+        if not isinstance(value, (list, tuple)):
+            raise bad('a list such as [{"name": "sokoban"}]')
+        return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)] if args else list(value)
     if origin is dict or tp is dict:
         if isinstance(value, str):
             import yaml
@@ -666,6 +691,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
           f"rollout.engine=vllm needs rollout.top_p 1 and rollout.top_k -1 (its logprobs are renormalised over the "
           f"kept tokens), got top_p {cfg.rollout.top_p}, top_k {cfg.rollout.top_k}")
     # env
+    try:  # plug-ins first: they add env names
+        envs.load_plugins(e.plugins)
+    except ValueError as err:
+        errors.append(f"env.plugins: {err}")
     known = envs.available()
     for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
         for n in names:
@@ -685,6 +714,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(not val_names or e.val_groups % len(val_names) == 0,
           f"env.val_groups ({e.val_groups}) must be divisible by the number of validation envs ({len(val_names)})")
     check(bool(e.action_sep), "env.action_sep must be non-empty")
+    from .env_mix import check_mix
+
+    errors += check_mix(e, world_size, e.backend)
     check(e.train_seed >= 0 and e.val_seed >= 0,
           f"env.train_seed / env.val_seed must be >= 0, got {e.train_seed} / {e.val_seed}")
     # env seeds reach numpy / C++ as int64: the last training group's seed is train_seed + (iterations + 1) *
@@ -724,13 +756,16 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         check(0 <= getattr(a, key) <= 1, f"algorithm.{key} must lie in [0, 1], got {getattr(a, key)}")
     check(0 < a.rollout_filter_ratio <= 1,
           f"algorithm.rollout_filter_ratio must lie in (0, 1], got {a.rollout_filter_ratio}")
+    group_size = min([x.get("group_size") or e.group_size for x in e.train
+                      if isinstance(x, dict) and isinstance(x.get("group_size") or e.group_size, int)]
+                     or [e.group_size])  # env.train entries may set their own (the smallest counts)
     kept = algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
     if kept is not None and 0 < a.rollout_filter_ratio <= 1:
         check(kept >= 1, f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
                          f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
-        check(kept < 1 or kept * e.group_size >= o.mini_batch_size,
+        check(kept < 1 or kept * group_size >= o.mini_batch_size,
               f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps {kept} groups x env.group_size "
-              f"{e.group_size} = {kept * e.group_size} trajectories, fewer than optim.mini_batch_size "
+              f"{group_size} = {kept * group_size} trajectories, fewer than optim.mini_batch_size "
               f"({o.mini_batch_size})")
     check(0 <= a.eps_low < 1, f"algorithm.eps_low must lie in [0, 1), got {a.eps_low}")
     check(a.eps_high >= 0, f"algorithm.eps_high must be >= 0, got {a.eps_high}")
@@ -744,8 +779,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
           f"algorithm.gae_skip_observations=false applies to adv_estimator 'gae' only, got adv_estimator="
           f"{a.adv_estimator!r}")
     if a.adv_estimator in ("grpo", "rloo", "gigpo") and (a.adv_estimator != "grpo" or a.grpo_norm == "group"):
-        check(e.group_size >= 2, f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} "
-                                 f"(a group of one has zero advantage), got {e.group_size}")
+        check(group_size >= 2, f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} "
+                               f"(a group of one has zero advantage), got {group_size} (env.group_size or an "
+                               f"env.train entry's group_size)")
     if a.adv_estimator in algorithms.ADV_ESTIMATORS:
         if algorithms.needs_critic(a):
             check(o.critic_lr > 0, f"optim.critic_lr must be > 0: algorithm.adv_estimator={a.adv_estimator!r} "

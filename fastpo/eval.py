@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .engine.base import Engine, SamplingParams
-from .prompts import prompt_spec
+from .prompts import env_prompt_spec
 from .rollout import RolloutConfig, env_label, run_rollout
 
 ENGINES = ("hf", "vllm")
@@ -186,7 +186,6 @@ def evaluate(
     check_prompt_room(tokenizer, env_name, seed, max_new_tokens, max_model_len, enable_think, env_kwargs, backend)
     eng = _make_engine(engine, model, tokenizer, batch_size, max_model_len)
     own_engine = isinstance(engine, str)  # built here: closed here (vLLM holds memory and worker threads)
-    spec = prompt_spec(env_name, enable_think=enable_think)
     sampling = SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, stop=tuple(stop))
     t0 = time.perf_counter()
     weighted: dict[str, float] = {}
@@ -195,6 +194,7 @@ def evaluate(
     for start in range(0, n, batch_size):
         seeds = np.arange(seed + start, seed + min(n, start + batch_size), dtype=np.int64)
         env = envs.make(env_name, len(seeds), backend=backend, **(env_kwargs or {}))
+        spec = env_prompt_spec(env_name, env, enable_think=enable_think)  # a plug-in's prompt comes from its env
         cfg = RolloutConfig(
             max_turns=max_turns,
             max_actions_per_turn=max_actions_per_turn,
@@ -238,6 +238,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: the model's)")
     p.add_argument("--env", default="sokoban", help="env name, or several separated by commas")
     p.add_argument("--env-kwargs", default="{}", help='JSON keywords for fastpo.envs.make, e.g. {"is_slippery": false}')
+    p.add_argument("--plugins", default="", help="comma-separated modules that register envs (fastpo.envs.register)")
     p.add_argument("--n", type=int, default=256)
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--temperature", type=float, default=0.5)
@@ -258,9 +259,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; bad input exits with one ``error:`` line (status 2)."""
     args = _parse_args(argv)
+    from fastpo.envs.text import TextEnvError
+
     try:
         return _run(args)
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, TextEnvError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -276,6 +279,9 @@ def _run(args: argparse.Namespace) -> int:
         env_kwargs = None
     if not isinstance(env_kwargs, dict):
         raise ValueError(f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}")
+    from fastpo import envs
+
+    envs.load_plugins([m for m in args.plugins.split(",") if m.strip()])
     names = [e.strip() for e in args.env.split(",") if e.strip()]
     for name in names or [args.env]:
         _check_env(name)

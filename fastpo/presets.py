@@ -89,3 +89,24 @@ def tiny() -> Config:
     cfg.trainer.iterations, cfg.trainer.val_every, cfg.trainer.save_every = 150, 10, 0
     cfg.trainer.run_dir = "runs/tiny"
     return cfg
+
+
+@register_preset("metamathqa")
+def metamathqa() -> Config:
+    """RAGEN MetamathQA (_5_metamathqa): one answer per question ("You have 1 actions left"), otherwise the sokoban
+    preset. fastpo reads a local file: add --env.kwargs '{"data_path": "MetaMathQA-395K.json"}' (JSON array or
+    JSONL; docs/ENVS.md)."""
+    cfg = Config()
+    cfg.env.names = ("metamathqa",)
+    cfg.env.max_actions_per_traj = 1
+    return cfg
+
+
+@register_preset("sokoban-lora")
+def sokoban_lora() -> Config:
+    """RAGEN base-lora on SimpleSokoban: the sokoban preset with LoRA rank 64, alpha 64 on all linear layers, actor lr
+    1e-5, critic lr 1e-4."""
+    cfg = Config()
+    cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_target_modules = 64, 64, "all-linear"
+    cfg.optim.actor_lr, cfg.optim.critic_lr = 1e-5, 1e-4
+    return cfg

@@ -216,6 +216,29 @@ def prompt_spec(env_name: str, **overrides: Any) -> EnvPromptSpec:
     return EnvPromptSpec(**{**_PRESETS[key], **overrides})
 
 
+def env_prompt_spec(env_name: str, env: Any = None, **overrides: Any) -> EnvPromptSpec:
+    """The prompt settings of a configured env: RAGEN's preset (``prompt_spec``) for fastpo's built-in names, and
+    for an env added with ``fastpo.envs.register`` the prompt it supplies itself (``env.prompt_fields()``: its
+    instruction, legend, action vocabulary, budget and response-word limit; docs/ENVS.md). ``overrides`` replace
+    ``EnvPromptSpec`` fields either way. Raises ValueError naming the env when neither exists."""
+    from fastpo import envs
+
+    if envs.is_builtin(env_name) or env_name.lower() not in envs.available():
+        return prompt_spec(env_name, **overrides)
+    fields_of = getattr(env, "prompt_fields", None)
+    if not callable(fields_of):
+        raise ValueError(f"env {env_name!r} is not a built-in env and {type(env).__name__} has no prompt_fields(); "
+                         "pass the batch env made by fastpo.envs.make (a registered TextEnv supplies its prompt)")
+    known = {f.name for f in dataclasses.fields(EnvPromptSpec)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown EnvPromptSpec field(s) {unknown}; accepted: {sorted(known)}")
+    try:
+        return EnvPromptSpec(**{**fields_of(), **overrides})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"env {env_name!r}: prompt_fields() gave an invalid prompt: {e}") from e
+
+
 @dataclass
 class Turn:
     """One entry of RAGEN's per-env ``history``.

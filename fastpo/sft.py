@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .prompts import EnvPromptSpec, Turn, build_messages, prompt_spec, turn_reward
+from .prompts import EnvPromptSpec, Turn, build_messages, env_prompt_spec, turn_reward
 from .rollout import _chat_sequence, _step_subset
 
 #: The thought written in every assistant message, per env kind.
@@ -90,8 +90,14 @@ class SFTEpisode:
     reward: float = 0.0
 
 
+#: The thought of a plug-in env (a registered TextEnv with ``expert_actions``).
+PLUGIN_THOUGHT = "Let me work out the best action."
+
+
 def _kind(env: Any) -> str:
     kind = getattr(env, "name", "")
+    if kind not in THOUGHTS and callable(getattr(env, "expert_actions", None)):
+        return "plugin"
     if kind not in THOUGHTS:
         raise ValueError(f"SFT data needs a solver; env kind {kind!r} has none; accepted: {sorted(THOUGHTS)}")
     return kind
@@ -103,6 +109,8 @@ def _plans(env: Any, kind: str) -> list[list[Any] | None]:
         return env.solve()
     if kind == "bandit":
         return [[2]] * env.num_envs  # 2 = the high-risk arm (fastpo.envs.bandit.ACTION_HI)
+    if kind == "plugin":
+        return env.expert_actions()
     return [[s] if s is not None else None for s in env.solutions()]
 
 
@@ -115,6 +123,9 @@ def _random_action(rng: np.random.Generator, kind: str, env: Any, i: int, planne
         for j in order[1:]:
             text += f" {_OPS[int(rng.integers(len(_OPS)))]} {nums[j]}"
         return text
+    if kind == "plugin":  # noise needs a vocabulary to draw from (checked in generate_episodes)
+        others = [a for a in env.action_vocabulary if a != planned]
+        return others[int(rng.integers(len(others)))] if others else planned
     others = [a for a in range(1, len(env.action_names) + 1) if a != planned]
     return others[int(rng.integers(len(others)))]
 
@@ -124,7 +135,8 @@ def _response(kind: str, env: Any, actions: list[Any], spec: EnvPromptSpec, thou
     answer = f"<answer>{f' {spec.action_sep} '.join(names)}</answer>"
     if not spec.enable_think:
         return answer
-    return f"<think>{THOUGHTS[kind] if thought is None else thought}</think>{answer}"
+    default = THOUGHTS.get(kind, PLUGIN_THOUGHT)
+    return f"<think>{default if thought is None else thought}</think>{answer}"
 
 
 def generate_episodes(
@@ -172,7 +184,10 @@ def generate_episodes(
         raise ValueError(f"unknown env name {env_name!r}; accepted: {envs.available()}")
     env = envs.make(env_name, n, backend=backend, **(env_kwargs or {}))
     kind = _kind(env)
-    spec = prompt_spec(env_name, enable_think=enable_think)
+    if kind == "plugin" and noise > 0 and not env.action_vocabulary:
+        raise ValueError(f"env {env_name!r} takes free text (no action_vocabulary), so SFT cannot draw random "
+                         f"actions: use noise 0 (--noise 0), got {noise}")
+    spec = env_prompt_spec(env_name, env, enable_think=enable_think)
     per_turn = max(1, min(max_actions_per_turn, int(getattr(env, "max_actions_per_turn", max_actions_per_turn))))
     budget = spec.max_actions_per_traj
     rng = np.random.default_rng([int(seed), 0x5F7])
@@ -372,6 +387,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: --model)")
     p.add_argument("--env", default="sokoban", help="env name (fastpo.envs.available() with a solver)")
     p.add_argument("--env-kwargs", default="{}", help='JSON keywords for fastpo.envs.make, e.g. {"is_slippery": false}')
+    p.add_argument("--plugins", default="", help="comma-separated modules that register envs (fastpo.envs.register)")
     p.add_argument("--episodes", type=int, default=4000)
     p.add_argument("--noise", type=float, default=0.3, help="share of random (non-plan) actions")
     p.add_argument("--max-actions-per-turn", type=int, default=5)
@@ -406,9 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}", file=sys.stderr)
         return 2
+    from fastpo.envs.text import TextEnvError
+
     try:
         return _run(args, env_kwargs)
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, TextEnvError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -430,6 +448,7 @@ def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
         raise ValueError(f"--save-every must be >= 0 (0: save only at the end), got {args.save_every}")
     if dist_utils.is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("fastpo.sft runs in a single process; launch it with python -m fastpo.sft, not torchrun")
+    envs.load_plugins([m for m in args.plugins.split(",") if m.strip()])
     if args.env.lower() not in envs.available():
         raise ValueError(f"unknown env name {args.env!r}; accepted: {envs.available()}")
     torch.manual_seed(args.seed)

@@ -14,7 +14,8 @@ Exit status (also in ``--help``; docs/OPERATIONS.md):
     0  trained: every iteration ran, the model is exported.
     1  the run stopped itself (a logprob gap after a weight sync, too many non-finite steps in a row, an
        iteration without a single trained token, a full disk, a collective that timed out or lost a rank);
-       the ``training stopped:`` line says why; nothing is exported.
+       the ``training stopped:`` line says why; nothing is exported; or a plug-in env broke its protocol (one
+       ``env error:`` line naming the env, the method and the seed).
     2  bad input, refused before any model loads: one ``config error:`` line per problem naming the field, the
        value and what is accepted (``config.validate``, ``fastpo.preflight``), or a run directory that may not
        be used.
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main:
                 print(f"config error: {err}", file=sys.stderr)
             return 2
+        from .envs.text import TextEnvError
         from .trainer import Trainer, TrainingAborted
 
         try:
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"training stopped (rank {info.rank}): {message}", file=sys.stderr, flush=True)
             return 1
+        except TextEnvError as err:  # a plug-in env broke its protocol: one line naming env, method and seed
+            print(f"env error: {err}", file=sys.stderr, flush=True)
+            return 1
+        trainer.close()
         if info.is_main:
             from .report import write_report
 

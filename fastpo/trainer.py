@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import algorithms, checkpoint, envs, kernels, storage
+from . import algorithms, checkpoint, env_mix, envs, kernels, storage
 from . import distributed as du
 from .config import Config, config_hash, to_dict, to_json
 from .config import validate as validate_config
@@ -79,8 +79,8 @@ from .metrics import (
 from .microbatch import MicroBatch, Sample, cat_tokens, lm_head_inputs, pack, split_tokens, token_cost, turn_data
 from .model import is_lora, load_critic, load_policy, load_tokenizer, merged_state_dict, resolve_attn_implementation
 from .preflight import check_prompt_fits
-from .prompts import prompt_spec
-from .rollout import RolloutConfig, RolloutPart, env_label, run_rollouts
+from .prompts import env_prompt_spec
+from .rollout import RolloutConfig, RolloutPart, run_rollouts
 
 #: ``model.path`` placeholder of the tiny CPU agent (the ``tiny`` preset).
 TINY_MODEL = "tiny"
@@ -278,35 +278,40 @@ class Trainer:
         warmup = self.cfg.optim.warmup_steps
         return torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
 
-    def _env_parts(self, names: tuple[str, ...], groups: range, group_size: int, prefix: str) -> list[dict]:
-        """One batch env per env name for this rank's groups (global group g uses names[g % len(names)])."""
+    def _env_parts(self, entries: list[env_mix.EnvEntry], groups: range, prefix: str) -> list[dict]:
+        """One batch env per mix entry for this rank's groups (``fastpo.env_mix``: legacy names round-robin, or
+        env.train / env.val entries in contiguous blocks), each with its own config, budgets and label."""
         cfg = self.cfg
+        offsets = env_mix.trajectory_offsets(entries)
         parts = []
-        for k, name in enumerate(names):
-            mine = [g for g in groups if g % len(names) == k]
+        for entry in entries:
+            mine = [g for g in groups if g in set(entry.groups)]
             if not mine:
                 continue
+            env = envs.make(entry.name, len(mine) * entry.group_size, backend=cfg.env.backend, **entry.kwargs)
+            budget = {} if entry.max_actions_per_traj is None else {"max_actions_per_traj": entry.max_actions_per_traj}
             parts.append({
-                "name": name, "groups": mine, "group_size": group_size,
-                "env": envs.make(name, len(mine) * group_size, backend=cfg.env.backend, **cfg.env.kwargs),
-                "spec": prompt_spec(name, enable_think=cfg.rollout.enable_think, action_sep=cfg.env.action_sep,
-                                    max_actions_per_traj=cfg.env.max_actions_per_traj),
+                "name": entry.name, "groups": mine, "group_size": entry.group_size, "env": env,
+                "first_index": [offsets[g] for g in mine],
+                "spec": env_prompt_spec(entry.name, env, enable_think=cfg.rollout.enable_think,
+                                        action_sep=cfg.env.action_sep, **budget),
                 "rollout": RolloutConfig(
-                    max_turns=cfg.env.max_turns, max_actions_per_turn=cfg.env.max_actions_per_turn,
+                    max_turns=entry.max_turns, max_actions_per_turn=entry.max_actions_per_turn,
                     format_penalty=cfg.rollout.format_penalty, max_model_len=cfg.rollout.max_model_len,
                     max_context_window=cfg.rollout.max_context_window, canonical=cfg.rollout.canonical,
                     train_on_observations=cfg.rollout.train_on_observations,
                     use_turn_scores=cfg.rollout.reward_level == "turn", env_metric_prefix=prefix,
-                    env_label=env_label(name)),
+                    env_label=entry.label),
             })
         return parts
 
     def _build_envs(self) -> None:
         e = self.cfg.env
-        self.train_parts = self._env_parts(e.names, du.shard_groups(e.env_groups, self.world, self.rank),
-                                           e.group_size, "env")
-        self.val_parts = self._env_parts(e.val_names or e.names, du.shard_groups(e.val_groups, self.world, self.rank),
-                                         e.val_group_size, "val-env")
+        envs.load_plugins(e.plugins)  # every rank, before any env is built (validate did it on this rank too)
+        self.train_parts = self._env_parts(env_mix.resolve_mix(e, "train"),
+                                           du.shard_groups(e.env_groups, self.world, self.rank), "env")
+        self.val_parts = self._env_parts(env_mix.resolve_mix(e, "val"),
+                                         du.shard_groups(e.val_groups, self.world, self.rank), "val-env")
 
     # ---- checkpoint state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -375,13 +380,13 @@ class Trainer:
         r = self.cfg.rollout
         sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.response_length, stop=tuple(r.stop))
-        samples, sums, counts = [], {}, {}
+        samples, sums_here, counts_here = [], {}, {}
         jobs = []
         for part in parts:
             gs = part["group_size"]
             seeds = np.repeat([seed_base + g for g in part["groups"]], gs)
             group_ids = np.repeat(part["groups"], gs)
-            idx = [g * gs + j for g in part["groups"] for j in range(gs)]
+            idx = [first + j for first in part["first_index"] for j in range(gs)]
             req = [request_seed(self.cfg.trainer.seed, kind, step, i) for i in idx]
             jobs.append(RolloutPart(part["env"], part["spec"], seeds, group_ids, part["rollout"], req))
         # all envs' instances generate together: one engine call per turn, not one per env
@@ -398,11 +403,19 @@ class Trainer:
             n = len(batch.trajectories)
             for key, value in batch.metrics.items():  # parts share the rollout/* keys: combine, don't overwrite
                 if key.endswith("_max"):
+                    sums_here[key], counts_here[key] = max(sums_here.get(key, -math.inf), value), 1
+                else:
+                    sums_here[key] = sums_here.get(key, 0.0) + value * n
+                    counts_here[key] = counts_here.get(key, 0) + n
+        # combine over ranks by trajectory count: with env.train mixes ranks can hold different numbers of them
+        sums, counts = {}, {}
+        for rank_sums, rank_counts in all_gather_list([(sums_here, counts_here)]):
+            for key, value in rank_sums.items():
+                if key.endswith("_max"):
                     sums[key], counts[key] = max(sums.get(key, -math.inf), value), 1
                 else:
-                    sums[key], counts[key] = sums.get(key, 0.0) + value * n, counts.get(key, 0) + n
-        metrics = {key: sums[key] / max(counts[key], 1) for key in sums}
-        return samples, mean_over_ranks(metrics)
+                    sums[key], counts[key] = sums.get(key, 0.0) + value, counts.get(key, 0) + rank_counts[key]
+        return samples, {key: sums[key] / max(counts[key], 1) for key in sorted(sums)}
 
     def _generation_record(self, label: str, traj: Any) -> dict[str, Any]:
         """One validation sample for the generations table: the prompt (tokens before the first trained one) and

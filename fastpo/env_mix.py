@@ -1,0 +1,214 @@
+"""Per-env training / validation mixes (``env.train`` / ``env.val``, RAGEN's ``es_manager`` env lists).
+
+    entries = resolve_mix(cfg.env, "train")      # list[EnvEntry]; ValueError naming every bad entry
+    entries[0].groups                            # the GLOBAL group ids this env runs, e.g. range(0, 6)
+    errors = check_mix(cfg.env, world_size)      # config-time checks (every message names env.train[i] / env.val[i])
+
+An entry is a mapping with the keys of ``ENTRY_KEYS``: ``name`` (required, a ``fastpo.envs.available()`` name),
+``label`` (metric label, RAGEN's tag; default ``fastpo.rollout.env_label(name)``), ``groups`` (groups per
+iteration; all entries give it or none does: then the split's total, ``env.env_groups`` / ``env.val_groups``, is
+divided equally), ``group_size`` (default ``env.group_size`` / ``env.val_group_size``), ``kwargs`` (the env's
+config for ``fastpo.envs.make``; default ``{}``, NOT ``env.kwargs``), ``max_turns`` and ``max_actions_per_turn``
+(default the global ``env.max_turns`` / ``env.max_actions_per_turn``, as RAGEN's ``agent_proxy``),
+``max_actions_per_traj`` (default the env's OWN budget, RAGEN's per-tag one: 10 for the grids, 1 for Bandit /
+Countdown / MetaMathQA, a plug-in's ``max_actions_per_traj``). Entries own contiguous blocks of global groups in
+list order (RAGEN's layout); global group g always runs env seed ``seed_base + g``.
+
+An empty list is the legacy single-config mode (``env.names`` round-robin, one ``env.kwargs``, the global
+budgets), which ``resolve_mix`` also expresses as entries so the trainer has one code path. With ``env.train``
+set and ``env.val`` empty, validation runs the training entries, ``env.val_groups`` split equally among them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastpo import envs
+
+#: Keys an ``env.train`` / ``env.val`` entry may have.
+ENTRY_KEYS = ("name", "label", "groups", "group_size", "kwargs", "max_turns", "max_actions_per_turn",
+              "max_actions_per_traj")
+_INT_KEYS = ("groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj")
+
+
+@dataclass
+class EnvEntry:
+    """One env of a resolved mix.
+
+    Attributes:
+        name: registry name given to ``fastpo.envs.make``.
+        label: metric label (``env/<label>/...``, ``val-env/<label>/...``).
+        groups: the global group ids this env runs (each group shares one env seed).
+        group_size: rollouts per group.
+        kwargs: the env's config, with its step limit raised to the action budget where the env allows it.
+        max_turns: turns per episode at most.
+        max_actions_per_turn: actions parsed per answer at most.
+        max_actions_per_traj: the episode's action budget; None keeps the env's own prompt budget.
+    """
+
+    name: str
+    label: str
+    groups: list[int]
+    group_size: int
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 5
+    max_actions_per_turn: int | None = None
+    max_actions_per_traj: int | None = None
+
+
+def own_budget(name: str, kwargs: dict[str, Any] | None = None) -> int:
+    """The env's own per-episode action budget (the number its prompt shows by default); a plug-in's is read from
+    one instance built with ``kwargs``."""
+    from .prompts import env_prompt_spec
+
+    if envs.is_builtin(name):
+        return env_prompt_spec(name).max_actions_per_traj
+    probe = envs.make(name, 1, **(kwargs or {}))
+    try:
+        return env_prompt_spec(name, probe).max_actions_per_traj
+    finally:
+        probe.close()
+
+
+def _split(env_cfg: Any, split: str) -> tuple[list[Any], int, int, str]:
+    """(entries as configured, total groups, default group size, field name) of a split."""
+    if split == "train":
+        return list(env_cfg.train), env_cfg.env_groups, env_cfg.group_size, "env.train"
+    if split != "val":
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if env_cfg.val or not env_cfg.train:
+        return list(env_cfg.val), env_cfg.val_groups, env_cfg.val_group_size, "env.val"
+    mirrored = [{k: v for k, v in dict(entry).items() if k not in ("groups", "group_size")} for entry in env_cfg.train
+                if isinstance(entry, dict)]
+    return mirrored, env_cfg.val_groups, env_cfg.val_group_size, "env.train (validation)"
+
+
+def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
+    from .rollout import env_label
+
+    raw, total, default_size, where = _split(env_cfg, split)
+    errors: list[str] = []
+    if not raw:  # legacy: round-robin over the names, one kwargs dict, the global budgets
+        names = (env_cfg.val_names or env_cfg.names) if split == "val" else env_cfg.names
+        out = []
+        for k, name in enumerate(names):
+            budget = env_cfg.max_actions_per_traj
+            kwargs = dict(env_cfg.kwargs)
+            base = envs.base_name(name)
+            if base in ("sokoban", "frozenlake") and "max_steps" not in kwargs:
+                try:  # only ever raised: a budget above the env's limit used to stop silently at the limit
+                    kwargs = envs.step_limit_config(name, budget, kwargs)
+                except ValueError as e:
+                    errors.append(f"env.max_actions_per_traj: {e}")
+            out.append(EnvEntry(name, env_label(name), [g for g in range(total) if g % len(names) == k],
+                                default_size, kwargs, env_cfg.max_turns, env_cfg.max_actions_per_turn, budget))
+        return out, errors
+    given = [isinstance(e, dict) and e.get("groups") is not None for e in raw]
+    if any(given) and not all(given):
+        errors.append(f"{where}: give 'groups' in every entry or in none (then {total} groups are split equally), "
+                      f"got it in entries {[i for i, g in enumerate(given) if g]} only")
+    elif not any(given) and total % len(raw):
+        errors.append(f"{where}: {total} groups cannot be split equally among {len(raw)} entries; give each entry "
+                      "its 'groups'")
+    entries, start = [], 0
+    for i, entry in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, dict):
+            errors.append(f"{at}: expected a mapping with keys {list(ENTRY_KEYS)}, got {entry!r}")
+            continue
+        unknown = [k for k in entry if k not in ENTRY_KEYS]
+        for k in unknown:
+            close = difflib.get_close_matches(str(k), ENTRY_KEYS, n=1, cutoff=0.5)
+            errors.append(f"{at}: unknown key {k!r}; accepted: {list(ENTRY_KEYS)}"
+                          + (f"; did you mean {close[0]}?" if close else ""))
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            errors.append(f"{at}.name: required, a fastpo.envs.available() name, got {name!r}")
+            continue
+        if name.lower() not in envs.available():
+            close = difflib.get_close_matches(name.lower(), envs.available(), n=3, cutoff=0.5)
+            errors.append(f"{at}.name: unknown env {name!r}; choose from {envs.available()}"
+                          + (f"; did you mean {', '.join(close)}?" if close else "")
+                          + ("" if envs.is_builtin(name) else " (plug-in envs need env.plugins)"))
+            continue
+        bad = False
+        for key in _INT_KEYS:
+            value = entry.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                errors.append(f"{at}.{key} must be an int >= 1, got {value!r}")
+                bad = True
+        label = entry.get("label", env_label(name))
+        if not isinstance(label, str) or not label.strip() or "/" in label:
+            errors.append(f"{at}.label must be a non-empty str without '/', got {label!r}")
+            bad = True
+        kwargs = entry.get("kwargs", {})
+        if not isinstance(kwargs, dict):
+            errors.append(f"{at}.kwargs must be a mapping (the env's config), got {kwargs!r}")
+            bad = True
+        if bad:
+            continue
+        groups = entry["groups"] if all(given) else total // len(raw)
+        try:
+            budget = entry.get("max_actions_per_traj") or own_budget(name, kwargs)
+            kwargs = envs.step_limit_config(name, budget, kwargs)
+        except Exception as e:  # a plug-in's own failure (probe construction) is reported with the entry
+            errors.append(f"{at}: {e}")
+            continue
+        entries.append(EnvEntry(
+            name, label, list(range(start, start + groups)), entry.get("group_size") or default_size, kwargs,
+            entry.get("max_turns") or env_cfg.max_turns, entry.get("max_actions_per_turn") or
+            env_cfg.max_actions_per_turn, budget))
+        start += groups
+    if all(given) and raw and not errors and start != total:
+        total_field = "env.env_groups" if split == "train" else "env.val_groups"
+        errors.append(f"{where}: the entries' groups add up to {start}, but {total_field} is {total}; make them "
+                      "equal")
+    labels = [e.label for e in entries]
+    for label in sorted({x for x in labels if labels.count(x) > 1}):
+        errors.append(f"{where}: label {label!r} is used by more than one entry; metrics are per label, so give "
+                      "each entry its own 'label'")
+    return entries, errors
+
+
+def resolve_mix(env_cfg: Any, split: str) -> list[EnvEntry]:
+    """The entries of the ``train`` or ``val`` split of an ``EnvConfig`` (see the module docstring). Raises
+    ValueError listing every problem."""
+    entries, errors = _resolve(env_cfg, split)
+    if errors:
+        raise ValueError("invalid env mix:\n  " + "\n  ".join(errors))
+    return entries
+
+
+def check_mix(env_cfg: Any, world_size: int = 1, backend: str = "default") -> list[str]:
+    """Config-time checks of both splits (before any model loads): the entries themselves, each env built once
+    with its kwargs (bad kwargs for that env are reported with the entry), and per-entry group sizes. Returns the
+    error lines (empty when fine)."""
+    errors = []
+    if env_cfg.train and env_cfg.val_names:
+        errors.append("env.val_names cannot be combined with env.train; list the validation envs in env.val")
+    for split in ("train", "val"):
+        entries, errs = _resolve(env_cfg, split)
+        if split == "val" and not env_cfg.val:  # the mirrored train entries: their own errors are listed already
+            errs = [x for x in errs if not x.startswith("env.train (validation)[")]
+        errors += errs
+        if errs or not (env_cfg.train if split == "train" else (env_cfg.val or env_cfg.train)):
+            continue
+        for i, entry in enumerate(entries):
+            try:
+                envs.make(entry.name, 1, backend=backend, **entry.kwargs).close()
+            except Exception as e:
+                errors.append(f"env.{split}[{i}].kwargs: env {entry.name!r} rejects {entry.kwargs}: {e}")
+    return errors
+
+
+def trajectory_offsets(entries: list[EnvEntry]) -> dict[int, int]:
+    """Global index of each group's first trajectory: groups in id order, each ``group_size`` long (so 1 and N
+    ranks number the trajectories, hence their sampling seeds, alike)."""
+    sizes = sorted((g, e.group_size) for e in entries for g in e.groups)
+    offsets, at = {}, 0
+    for g, size in sizes:
+        offsets[g] = at
+        at += size
+    return offsets

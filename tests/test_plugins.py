@@ -1,0 +1,252 @@
+"""Plug-in envs end to end: --env.plugins / --plugins on the train, eval and SFT command lines, the fastpo.envs
+entry-point group, the prompt a registered env supplies, and one clear error for a plug-in that breaks the
+protocol."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastpo import envs
+from fastpo.prompts import Turn, build_messages, env_prompt_spec, prompt_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The GuessNumber example of docs/ENVS.md (kept equal to it by test_docs_example_is_this_module).
+GUESS_MODULE = '''
+import fastpo.envs
+from fastpo.envs.rng import CounterRng
+from fastpo.envs.text import TextEnv
+
+
+class GuessNumber(TextEnv):
+    instruction = "Guess the secret integer. Answer with one number; I will say higher or lower."
+    max_response_words = 20
+
+    def __init__(self, hi: int = 100):
+        self.hi = hi
+
+    def reset(self, seed: int) -> str:
+        self.secret = CounterRng(seed, stream=1000).randint(self.hi) + 1
+        self.low, self.high = 1, self.hi
+        return f"I picked a number between 1 and {self.hi}."
+
+    def step(self, action_text: str):
+        guess = action_text.strip()
+        if not guess.isdecimal():
+            return "Answer with a number.", 0.0, False, {"action_is_valid": False, "action_is_effective": False}
+        if int(guess) == self.secret:
+            return "Correct!", 1.0, True, {"success": True}
+        if int(guess) < self.secret:
+            self.low = max(self.low, int(guess) + 1)
+            return "Higher.", 0.0, False, {}
+        self.high = min(self.high, int(guess) - 1)
+        return "Lower.", 0.0, False, {}
+
+    def expert_actions(self) -> list[str]:
+        return [str((self.low + self.high) // 2)]
+
+
+fastpo.envs.register("guess", GuessNumber, max_steps=7)
+'''
+
+SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "8", "--env.val_groups", "2",
+         "--env.env_groups", "2", "--env.group_size", "4", "--optim.mini_batch_size", "4",
+         "--optim.micro_batch_tokens", "700", "--rollout.max_model_len", "700", "--trainer.iterations", "2",
+         "--trainer.val_every", "2", "--trainer.val_before_train", "false", "--trainer.save_every", "0"]
+
+
+def _env(plugin_dir: Path) -> dict[str, str]:
+    path = os.pathsep.join([str(plugin_dir), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1"}
+
+
+def _run(module: str, args: list[str], plugin_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    # cwd is not the repo root: there transformers' probe for the HF `kernels` package would import ./kernels
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=_env(plugin_dir), capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("plugins")
+    (d / "guess_envs.py").write_text(GUESS_MODULE)
+    return d
+
+
+@pytest.fixture()
+def guess_registered(plugin_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(plugin_dir))
+    sys.modules.pop("guess_envs", None)
+    envs._REGISTRY.pop("guess", None)
+    envs.load_plugins("guess_envs")
+    yield
+    envs._REGISTRY.pop("guess", None)
+    sys.modules.pop("guess_envs", None)
+
+
+def test_docs_example_is_this_module():
+    """docs/ENVS.md shows the GuessNumber module this file trains (same class body and registration)."""
+    doc = (REPO / "docs" / "ENVS.md").read_text()
+    for line in GUESS_MODULE.strip().splitlines():
+        assert line in doc, line
+
+
+def test_registered_env_supplies_its_prompt(guess_registered):
+    env = envs.make("guess", 2, hi=10)
+    spec = env_prompt_spec("guess", env, enable_think=False)
+    assert (spec.env_instruction, spec.grid_vocab, spec.action_lookup) == (
+        "Guess the secret integer. Answer with one number; I will say higher or lower.", None, None)
+    assert spec.max_actions_per_traj == 7 and spec.max_tokens == 20  # max_steps; max_response_words
+    obs = env.reset(np.array([5, 6]))
+    text = build_messages(spec, [Turn(obs[0], actions_left=7)])[1]["content"]
+    assert text.startswith(spec.env_instruction + "\nTurn 1:\nState:\nI picked a number between 1 and 10.\n")
+    assert "You have 7 actions left." in text and "Max response length: 20 words (tokens)." in text
+    assert env.expert_actions() == [["5"], ["5"]]
+    # built-in names keep RAGEN's presets whatever env object is passed
+    assert env_prompt_spec("sokoban", env) == prompt_spec("sokoban")
+
+
+def test_vocabulary_and_legend_reach_the_prompt(monkeypatch):
+    from fastpo.envs.text import TextEnv
+
+    class Lamp(TextEnv):
+        instruction = "Switch the lamp on."
+        action_vocabulary = ["On", "Off"]
+        legend = {"*": "lamp on", ".": "lamp off"}
+        max_actions_per_traj = 3
+
+        def reset(self, seed):
+            return "."
+
+        def step(self, action_text):
+            return ("*" if action_text == "On" else "."), float(action_text == "On"), action_text == "On", {}
+
+    monkeypatch.setitem(envs._REGISTRY, "lamp", {})
+    envs.register("lamp", Lamp, overwrite=True)
+    spec = env_prompt_spec("lamp", envs.make("lamp", 1))
+    assert spec.prefix() == ("Switch the lamp on.\nThe meaning of each symbol in the state is:\n*: lamp on, .: lamp off"
+                             "\nYour available actions are:\nOn, Off\nYou can make up to 3 actions, separated by the"
+                             ' action separator " || "\n')
+
+    class Bad(Lamp):
+        max_response_words = 0
+
+    envs.register("lamp", Bad, overwrite=True)
+    with pytest.raises(envs.text.TextEnvError, match="'lamp' instance 0 failed in create: max_response_words"):
+        envs.make("lamp", 1)
+
+
+def test_entry_point_group_is_loaded_on_first_use(tmp_path, monkeypatch):
+    """An installed package's ``fastpo.envs`` entry point is imported (and its function called) by available()."""
+    (tmp_path / "ep_envs.py").write_text(GUESS_MODULE.replace('register("guess"', 'register("ep_guess"')
+                                         + "\nCALLED = []\n\ndef setup():\n    CALLED.append(1)\n")
+    dist = tmp_path / "ep_envs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-envs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[fastpo.envs]\nguess = ep_envs:setup\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(envs, "_entry_points_loaded", False)
+    try:
+        assert "ep_guess" in envs.available()
+        assert sys.modules["ep_envs"].CALLED == [1]
+        assert not envs.is_builtin("ep_guess") and envs.is_builtin("larger_sokoban")
+    finally:
+        envs._REGISTRY.pop("ep_guess", None)
+        sys.modules.pop("ep_envs", None)
+
+
+def test_bad_plugin_module_is_one_config_error(tmp_path):
+    from fastpo.config import ConfigError, parse_args, validate
+
+    with pytest.raises(ConfigError, match="env.plugins: env plug-in module 'no_such_envs' could not be imported"):
+        validate(parse_args(["--env.plugins", "no_such_envs", "--env.names", "guess"]))
+
+
+@pytest.mark.slow
+def test_guess_number_trains_evaluates_and_sfts_from_the_command_line(plugin_dir, tmp_path):
+    run = tmp_path / "run"
+    train = _run("fastpo.train", [*SMALL, "--env.plugins", "guess_envs", "--env.names", "guess", "--env.kwargs",
+                                  '{"hi": 10}', "--env.max_actions_per_traj", "7", "--trainer.run_dir", str(run)],
+                 plugin_dir, tmp_path)
+    assert train.returncode == 0, train.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert 0.0 <= rows[-1]["env/Guess/success"] <= 1.0 and "val-env/Guess/success" in rows[-1]
+    ev = _run("fastpo.eval", ["--model", str(run / "hf"), "--plugins", "guess_envs", "--env", "guess", "--env-kwargs",
+                              '{"hi": 10}', "--n", "4", "--max-new-tokens", "8", "--no-think"], plugin_dir, tmp_path)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert ev.stdout.splitlines()[2].startswith("guess | 4 ")
+    out = tmp_path / "sft"
+    sft = _run("fastpo.sft", ["--model", str(run / "hf"), "--plugins", "guess_envs", "--env", "guess", "--env-kwargs",
+                              '{"hi": 10}', "--episodes", "8", "--noise", "0", "--steps", "2", "--batch-size", "2",
+                              "--no-think", "--out", str(out)], plugin_dir, tmp_path)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    assert "data: 8 episodes of guess" in sft.stdout and "success 1.000" in sft.stdout  # bisection within 7 guesses
+    assert len((out / "sft_log.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_protocol_breaking_plugin_gets_one_error(plugin_dir, tmp_path):
+    (plugin_dir / "broken_envs.py").write_text(GUESS_MODULE.replace(
+        'return f"I picked a number between 1 and {self.hi}."', "return self.hi").replace(
+        'register("guess"', 'register("broken_guess"'))
+    from fastpo.tiny_agent import tiny_agent_path
+
+    res = _run("fastpo.eval", ["--model", str(tiny_agent_path()), "--plugins", "broken_envs", "--env", "broken_guess",
+                               "--env-kwargs", '{"hi": 10}', "--n", "2", "--max-new-tokens", "4", "--no-think",
+                               "--max-turns", "3"], plugin_dir, tmp_path)
+    lines = [x for x in res.stderr.splitlines() if "error" in x.lower()]  # (progress bars aside)
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert lines[0] == ("error: text env 'broken_guess' instance 0 (seed 123) failed in reset: reset must return a "
+                        "str observation, got int")
+
+
+HELD_OUT = '''
+"""Written from docs/ENVS.md only: a word-reversal env with a vocabulary-free answer."""
+import fastpo.envs
+from fastpo.envs.rng import CounterRng
+from fastpo.envs.text import TextEnv
+
+WORDS = ["cat", "dog", "sun", "map", "pen"]
+
+
+class ReverseWord(TextEnv):
+    instruction = "Write the given word backwards."
+    max_actions_per_traj = 2
+
+    def reset(self, seed):
+        self.word = WORDS[CounterRng(seed, stream=1001).randint(len(WORDS))]
+        return f"Word: {self.word}"
+
+    def step(self, action_text):
+        ok = action_text.strip() == self.word[::-1]
+        return ("Right." if ok else "Wrong."), float(ok), ok, {"success": ok}
+
+
+fastpo.envs.register("reverse_word", ReverseWord, max_steps=2)
+'''
+
+
+@pytest.mark.slow
+def test_held_out_env_trains_from_the_command_line_with_its_label(tmp_path):
+    """Acceptance: an env module on PYTHONPATH, mixed with FrozenLake through --env.train, trains 2 iterations and
+    its metrics appear in metrics.jsonl under its label."""
+    (tmp_path / "held_out_envs.py").write_text(HELD_OUT)
+    run = tmp_path / "run"
+    mix = [{"name": "reverse_word", "label": "Reverse", "groups": 1, "max_turns": 1},
+           {"name": "frozenlake", "groups": 1, "kwargs": {"is_slippery": False}, "max_actions_per_traj": 12}]
+    res = _run("fastpo.train", [*SMALL, "--env.plugins", "held_out_envs", "--env.train", json.dumps(mix),
+                                "--trainer.run_dir", str(run)], tmp_path, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for key in ("env/Reverse/success", "env/FrozenLake/success", "val-env/Reverse/success"):
+        assert key in rows[-1], sorted(rows[-1])
+    assert rows[-1]["env/Reverse/num_actions"] <= 1.0  # one turn of at most one action

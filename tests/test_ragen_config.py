@@ -1,0 +1,175 @@
+"""fastpo.ragen_config: a RAGEN-style YAML (base + envs + experiment file, written here) ports to a fastpo YAML that
+fastpo's own config accepts, with every value where RAGEN put it; unmappable keys are refused by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fastpo.config import Config, merge, validate
+from fastpo.env_mix import resolve_mix
+from fastpo.ragen_config import PortError, load_ragen_yaml, port
+
+BASE = """
+defaults:
+  - ppo_trainer
+  - envs
+seed: {train: 10000, val: 123}
+micro_batch_size_per_gpu: 1
+ppo_mini_batch_size: 32
+model_path: Qwen/Qwen2.5-0.5B-Instruct
+enable_response_mask: True
+lora: {rank: 0, alpha: 16, target_modules: all-linear}
+actor_rollout_ref:
+  model: {path: "${model_path}", lora_rank: "${lora.rank}", lora_alpha: "${lora.alpha}"}
+  actor:
+    ppo_mini_batch_size: ${ppo_mini_batch_size}
+    entropy_coeff: 0.001
+    use_kl_loss: False
+    kl_loss_coef: 0.000
+    kl_loss_type: kl
+    clip_ratio_low: 0.2
+    clip_ratio_high: 0.28
+    optim: {betas: [0.9, 0.999], lr: 1e-6}
+  rollout:
+    max_model_len: 3600
+    response_length: 400
+    temperature: 1
+    rollout_filter_ratio: 0.25
+    rollout_filter_type: std
+    val_kwargs: {do_sample: True, temperature: 0.5}
+critic:
+  model: {path: "${model_path}"}
+  optim: {lr: 1e-5}
+algorithm: {gamma: 1.0, lam: 1.0, high_level_gamma: 0.95, adv_estimator: gae, bi_level_gae: False,
+            kl_ctrl: {type: fixed, kl_coef: 0.000}}
+trainer: {project_name: ragen_latest, experiment_name: test, save_freq: -1, total_training_steps: 200,
+          val_before_train: True, n_gpus_per_node: 1, test_freq: 10, logger: [console]}
+agent_proxy: {max_context_window: -1, max_turn: 5, action_sep: "||", max_actions_per_turn: 5, use_turn_scores: False,
+              enable_think: True, reward_normalization: {grouping: state, method: identity}}
+es_manager:
+  format_penalty: -0.1
+  train:
+    env_groups: 8
+    group_size: 16
+    env_configs: {tags: [SimpleSokoban], n_groups: [8]}
+  val:
+    env_groups: 256
+    group_size: 1
+    env_configs: {tags: [SimpleSokoban], n_groups: [256]}
+"""
+
+ENVS = """
+custom_envs:
+  SimpleSokoban:
+    env_type: sokoban
+    max_actions_per_traj: 10
+    env_instruction: "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\
+ When you are right next to a box, you can push it by moving in the same direction. You cannot push a box through a\
+ wall, and you cannot pull a box. The answer should be a sequence of actions, like\
+ <answer>Right || Right || Up</answer>"
+    max_tokens: 100
+    env_config: {dim_x: 6, dim_y: 6, num_boxes: 1, max_steps: 100}
+  SlipperyLake:
+    env_type: frozen_lake
+    max_actions_per_traj: 12
+    env_config: {size: 4, is_slippery: True}
+  WebShop:
+    env_type: webshop
+    max_actions_per_traj: 9
+"""
+
+EXPERIMENT = """
+defaults:
+  - base
+lora: {rank: 64, alpha: 64}
+actor_rollout_ref:
+  actor: {optim: {lr: 1e-5}}
+algorithm: {adv_estimator: gae, bi_level_gae: True}
+agent_proxy: {max_turn: 4}
+es_manager:
+  train:
+    env_groups: 8
+    env_configs: {tags: [SimpleSokoban, SlipperyLake], n_groups: [6, 2]}
+  val:
+    env_groups: 16
+    env_configs: {tags: [SimpleSokoban, SlipperyLake], n_groups: [8, 8]}
+trainer: {experiment_name: mix-lora}
+"""
+
+
+@pytest.fixture()
+def ragen_dir(tmp_path: Path) -> Path:
+    (tmp_path / "base.yaml").write_text(BASE)
+    (tmp_path / "envs.yaml").write_text(ENVS)
+    (tmp_path / "mix.yaml").write_text(EXPERIMENT)
+    return tmp_path
+
+
+def test_ported_config_validates_and_keeps_every_value(ragen_dir):
+    out, notes = port(load_ragen_yaml(ragen_dir / "mix.yaml"))
+    cfg = validate(merge(Config(), out))
+    assert (cfg.model.path, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.critic_path) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", 64, 64, "")
+    assert (cfg.optim.actor_lr, cfg.optim.critic_lr, cfg.optim.mini_batch_size) == (1e-5, 1e-5, 32)
+    assert cfg.algorithm.adv_estimator == "bilevel_gae" and cfg.algorithm.gamma_high == 0.95
+    assert (cfg.env.max_turns, cfg.env.env_groups, cfg.env.group_size, cfg.env.val_groups) == (4, 8, 16, 16)
+    assert cfg.trainer.run_dir == "runs/mix-lora" and cfg.trainer.save_every == 0 and not cfg.trainer.log_wandb
+    assert cfg.env.train == [
+        {"name": "sokoban", "label": "SimpleSokoban", "groups": 6, "max_actions_per_traj": 10,
+         "kwargs": {"dim_room": [6, 6], "num_boxes": 1, "max_steps": 100}},
+        {"name": "frozenlake", "label": "SlipperyLake", "groups": 2, "max_actions_per_traj": 12,
+         "kwargs": {"size": 4, "is_slippery": True}}]
+    val = resolve_mix(cfg.env, "val")
+    assert [(e.label, len(e.groups), e.kwargs.get("max_steps")) for e in val] == [
+        ("SimpleSokoban", 8, 100), ("SlipperyLake", 8, 12)]  # FrozenLake's step limit raised to its budget
+    assert any(n.startswith("micro_batch_size_per_gpu=1: no effect") for n in notes)
+
+
+def test_unmappable_keys_are_refused_by_name(ragen_dir):
+    (ragen_dir / "bad.yaml").write_text(EXPERIMENT.replace("trainer: {experiment_name: mix-lora}",
+                                                           "trainer: {experiment_name: x, default_hdfs_dir: /h}")
+                                        .replace("[SimpleSokoban, SlipperyLake], n_groups: [8, 8]",
+                                                 "[WebShop], n_groups: [16]")
+                                        + "agent_proxy: {max_turn: 4, reward_normalization: {method: mean_std}}\n")
+    with pytest.raises(PortError) as info:
+        port(load_ragen_yaml(ragen_dir / "bad.yaml"))
+    msg = str(info.value)
+    assert "trainer.default_hdfs_dir: no fastpo equivalent (pass --ignore trainer.default_hdfs_dir to skip it)" in msg
+    assert "agent_proxy.reward_normalization.method='mean_std': only 'identity' is supported" in msg
+    assert "custom_envs.WebShop.env_type: no fastpo env for 'webshop'" in msg
+    out, _ = port(load_ragen_yaml(ragen_dir / "bad.yaml"), ignore=["trainer.default_hdfs_dir",
+                                                                   "agent_proxy.reward_normalization",
+                                                                   "es_manager.val.env_configs"])
+    assert "val" not in out["env"]
+
+
+def test_cli_prints_yaml_that_fastpo_train_reads(ragen_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "fastpo.ragen_config", str(ragen_dir / "mix.yaml")],
+                         capture_output=True, text=True, env=env, cwd=ragen_dir, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("# fastpo config ported from RAGEN's")
+    (ragen_dir / "ported.yaml").write_text(res.stdout)
+    from fastpo.config import parse_args
+
+    cfg = parse_args(["--config", str(ragen_dir / "ported.yaml")])
+    assert cfg.env.train[1]["label"] == "SlipperyLake" and validate(cfg) is cfg
+    bad = subprocess.run([sys.executable, "-m", "fastpo.ragen_config", str(ragen_dir / "missing.yaml")],
+                         capture_output=True, text=True, env=env, cwd=ragen_dir, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read RAGEN config")
+    assert yaml.safe_load(res.stdout)["model"]["lora_rank"] == 64
+
+
+def test_docs_map_every_key():
+    """docs/RAGEN.md's tables name every key the porter maps or lists as inert."""
+    from fastpo.ragen_config import INERT, KEY_MAP
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "RAGEN.md").read_text()
+    missing = [k for k in [*KEY_MAP, *INERT] if f"| `{k}` |" not in doc]
+    assert not missing, missing
