@@ -182,6 +182,7 @@ class Trainer:
                                     total_steps=t.iterations)
         self.timer = PhaseTimer(synchronize=self.device.type == "cuda")
         self.resumed_from = self._resume()
+        self.logger.start_progress(self.step)  # a resumed run's bar continues at its step, its ETA covers the rest
         self._sync_engine()
 
     # ---- setup ----------------------------------------------------------------------------------------------
