@@ -1,5 +1,5 @@
 """Metrics: one rank-0 console line per iteration, metrics.jsonl, optional TensorBoard / W&B, phase timers,
-memory, and the Echo Trap monitor (docs/SEMANTICS.md section 7).
+memory, and the Echo Trap monitor (shared/design/SPEC.md section 7).
 
     from fastpo.metrics import MetricsLogger, PhaseTimer, memory_metrics, EchoTrapMonitor
     logger = MetricsLogger(run_dir, rank, tensorboard=cfg.tensorboard, total_steps=cfg.iterations)
