@@ -17,9 +17,10 @@ A doc says how its commands are tested with an HTML comment right before the blo
 One rule a line, ``PREFIX => ACTION``: the first rule whose PREFIX starts the command (spaces normalised; ``*``
 matches any) decides. ACTION is ``run`` (as written), ``+ ARGS`` (run with ARGS appended: tiny sizes for a
 command that would take minutes) or ``skip (REASON)``; ``slow`` before ``run`` / ``+`` marks the test slow. A
-one-line marker ``<!-- test: ACTION -->`` applies to every command of the block. A command no rule matches runs
-as written, within ``TIMEOUT_S``: a new command is either cheap, or its doc says how to test it. A rule that
-matches no command of its block is an error (stale marker).
+one-line marker ``<!-- test: ACTION -->`` applies to every command of the block. A command that no rule matches
+fails without being run: a new command gets a rule saying how it is tested (nothing is started by surprise, e.g. a
+`make test` inside the test suite). A rule that matches no command of its block is an error (stale marker).
+Each command gets ``TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class DocCommand:
     doc: str
     line: int  # 1-based line of the command's first line in the doc
     command: str  # as written, comment stripped, continuation lines joined
-    action: str  # "run" | "skip"
+    action: str  # "run" | "skip" | "unmarked" (no rule: the test fails)
     extra: str  # appended arguments ("" for none)
     reason: str  # why it is skipped
     slow: bool
@@ -135,7 +136,7 @@ def collect(doc: str, text: str) -> list[DocCommand]:
         for line, command in block_commands(block.group("body"), body_line):
             words = " ".join(command.split())
             rule = next(((p, a) for p, a in rules if p == "*" or words.startswith(p)), None)
-            kind, extra, reason, slow = parse_action(rule[1]) if rule else ("run", "", "", False)
+            kind, extra, reason, slow = parse_action(rule[1]) if rule else ("unmarked", "", "", False)
             used.add(rule)
             commands.append(DocCommand(doc, line, command, kind, extra, reason, slow))
         stale = [p for p, a in rules if (p, a) not in used]
@@ -168,6 +169,9 @@ def workspace(tmp_path_factory) -> Path:
 def test_documented_command(cmd: DocCommand, workspace: Path):
     if cmd.action == "skip":
         pytest.skip(f"{cmd.command!r}: {cmd.reason}")
+    if cmd.action == "unmarked":
+        pytest.fail(f"{cmd.id}: `{cmd.command}` has no test rule: put a `<!-- test ... -->` marker before its block "
+                    "saying `run`, `+ ARGS` (tiny sizes) or `skip (REASON)` (see this test's docstring)")
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""), "VIRTUAL_ENV":
            str(Path(venv_bin).parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -216,7 +220,7 @@ def test_extraction_reads_markers_continuations_and_comments():
         (9, "python -m fastpo.train --preset tiny --env.kwargs '{\"a\": \"#not a comment\"}' --trainer.seed 1",
          "run", "--trainer.iterations 1", True),
         (11, "make demo", "skip", "", False),
-        (12, 'echo "x"', "run", "", False),  # no rule: runs as written
+        (12, 'echo "x"', "unmarked", "", False),  # no rule: the test fails without running it
         (21, "nvidia-smi", "skip", "", False),
     ]
     assert got[2].reason == "builds the venv" and got[4].reason == "needs a GPU"
@@ -237,4 +241,4 @@ def test_every_doc_parses_and_has_commands():
     commands = all_commands()
     readme = [c for c in commands if c.doc == "README.md"]
     assert any("fastpo.train" in c.command for c in readme), [c.command for c in readme]
-    assert all(c.action == "run" or c.reason for c in commands)
+    assert all(c.action != "skip" or c.reason for c in commands)
