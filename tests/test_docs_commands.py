@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,14 +179,18 @@ def test_documented_command(cmd: DocCommand, workspace: Path):
            str(Path(venv_bin).parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     line = f"{cmd.command} {cmd.extra}".strip()
+    # its own session, so that a timeout stops the whole tree (torchrun's workers, make's children), not just bash
+    proc = subprocess.Popen(["bash", "-c", line], cwd=workspace, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out = subprocess.run(["bash", "-c", line], cwd=workspace, env=env, capture_output=True, text=True,
-                             timeout=TIMEOUT_S)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         pytest.fail(f"{cmd.id}: `{line}` ran over {TIMEOUT_S} s: give it tiny sizes in a `<!-- test -->` marker "
                     "(see this test's docstring)")
-    assert out.returncode == 0, (f"{cmd.id}: `{line}` exited {out.returncode}\n--- stdout\n{out.stdout[-3000:]}"
-                                 f"\n--- stderr\n{out.stderr[-3000:]}")
+    assert proc.returncode == 0, (f"{cmd.id}: `{line}` exited {proc.returncode}\n--- stdout\n{stdout[-3000:]}"
+                                  f"\n--- stderr\n{stderr[-3000:]}")
 
 
 # ---- the extraction itself ------------------------------------------------------------------------------------
@@ -242,3 +248,21 @@ def test_every_doc_parses_and_has_commands():
     readme = [c for c in commands if c.doc == "README.md"]
     assert any("fastpo.train" in c.command for c in readme), [c.command for c in readme]
     assert all(c.action != "skip" or c.reason for c in commands)
+
+
+def test_a_failing_or_hanging_command_fails_the_test(monkeypatch, tmp_path):
+    with pytest.raises(AssertionError, match="exited 3"):
+        test_documented_command(DocCommand("X.md", 1, "echo out; exit 3", "run", "", "", False), tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "TIMEOUT_S", 1)
+    hang = DocCommand("X.md", 2, f"sleep 60 & echo $! > {tmp_path}/child; wait", "run", "", "", False)
+    with pytest.raises(pytest.fail.Exception, match="ran over 1 s"):
+        test_documented_command(hang, tmp_path)
+    child = int((tmp_path / "child").read_text())
+    for _ in range(50):  # the whole process group was killed, the background child included
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the command's child process {child} outlived the timeout")
