@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, quantiles  # noqa: E402
+from common import add_allow_dirty, append_rows, quantiles, require_clean_tree  # noqa: E402
 
 import fastpo.envs  # noqa: E402
 
@@ -121,7 +121,10 @@ def main() -> None:
     parser.add_argument("--max-python-gen", type=int, default=1024, help="levels generated per Python repeat")
     parser.add_argument("--quick", action="store_true", help="small sizes and repeats (smoke run)")
     parser.add_argument("--no-save", action="store_true", help="print only, append nothing to bench/results")
+    add_allow_dirty(parser)
     args = parser.parse_args()
+    if not args.no_save:
+        require_clean_tree(args.allow_dirty)
     if args.quick:
         args.sizes, args.repeats, args.steps, args.max_python_gen = [1, 64], 2, 5, 16
     os.environ.setdefault("OMP_NUM_THREADS", "1")

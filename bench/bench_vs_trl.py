@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, device_name, quantiles  # noqa: E402
+from common import add_allow_dirty, append_rows, device_name, quantiles, require_clean_tree  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 #: Shape of the second model: a random Qwen2 of ~52M parameters with the tiny tokenizer's 1024-token vocab.
@@ -613,9 +613,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=int, default=900, help="per worker, seconds")
     p.add_argument("--note", default="", help="free text for the config column (e.g. 'machine shared')")
     p.add_argument("--no-csv", action="store_true")
+    add_allow_dirty(p)
     a = p.parse_args(argv)
     if a.worker:
         return worker_main(a.worker)
+    if not a.no_csv:
+        require_clean_tree(a.allow_dirty)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     models = tuple(m for m in a.models.split(",") if m)
     sides = tuple(x for x in a.sides.split(",") if x)

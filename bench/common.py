@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, machine stamping and the CSV row writer (PERF.md conventions).
+"""Shared benchmark helpers: timing, machine stamping, the clean-tree check and the CSV row writer.
 
 Usage from another script in bench/::
 
@@ -10,10 +10,17 @@ Usage from another script in bench/::
 ``append_rows(subject, rows)`` appends to ``bench/results/<subject>.csv`` (header written once) and stamps each
 row with device, commit, timestamp and versions; missing columns are left empty. Imports only the standard
 library (torch / triton versions are read when already imported, or looked up lazily).
+
+A figure is only reproducible if its commit can be checked out, so rows are not written from a work tree with
+uncommitted changes (files under ``bench/results/`` do not count: they are the output). Every script calls
+``require_clean_tree(args.allow_dirty)`` right after parsing its arguments (``add_allow_dirty(parser)`` adds the
+flag), so it stops before measuring; with ``--allow-dirty`` it warns and its rows are stamped ``<hash>+dirty``.
+``append_rows`` checks again and raises :class:`DirtyTreeError` for a script that skipped the first check.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import os
@@ -75,16 +82,64 @@ def device_name() -> str:
     return f"{model} x{os.cpu_count()} cores (OMP_NUM_THREADS={threads})"
 
 
-def git_commit() -> str:
-    """Short HEAD hash, '+dirty' when the work tree has changes; 'unknown' outside git."""
+#: Set by require_clean_tree(allow_dirty=True); an environment variable so that child processes inherit it.
+ALLOW_DIRTY_ENV = "FASTPO_BENCH_ALLOW_DIRTY"
+#: Changes under these paths (relative to the repository root) do not make a tree dirty: they are the results.
+OUTPUT_PATHS = ("bench/results/",)
+
+
+class DirtyTreeError(RuntimeError):
+    """Benchmark rows were about to be written from a work tree with uncommitted changes."""
+
+
+def uncommitted_files(repo: str | os.PathLike | None = None) -> list[str] | None:
+    """Paths (relative to the repository root) with uncommitted changes, untracked files included and
+    :data:`OUTPUT_PATHS` left out; None outside a git work tree."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-        return (head or "unknown") + ("+dirty" if dirty else "")
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo or REPO,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    paths = [line[3:].split(" -> ")[-1].strip('"') for line in out.stdout.splitlines() if line.strip()]
+    return [p for p in paths if not p.startswith(OUTPUT_PATHS)]
+
+
+def git_commit(repo: str | os.PathLike | None = None) -> str:
+    """Short HEAD hash, '+dirty' when the work tree has changes outside bench/results; 'unknown' outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo or REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    changed = uncommitted_files(repo)
+    return (head or "unknown") + ("+dirty" if changed else "")
+
+
+def add_allow_dirty(parser: argparse.ArgumentParser) -> None:
+    """Add ``--allow-dirty`` (measure an uncommitted tree anyway; rows are stamped +dirty) to a script's parser."""
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="run on a tree with uncommitted changes: warn and stamp the rows <hash>+dirty "
+                             "(default: refuse, since such a figure cannot be reproduced from its commit)")
+
+
+def require_clean_tree(allow_dirty: bool = False, repo: str | os.PathLike | None = None) -> str:
+    """Refuse to benchmark an uncommitted tree: SystemExit naming the changed files unless ``allow_dirty``, in
+    which case a warning goes to stderr and rows are allowed (and stamped +dirty). Returns the commit stamp."""
+    changed = uncommitted_files(repo)
+    commit = git_commit(repo)
+    if not changed:
+        return commit
+    listing = ", ".join(changed[:8]) + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
+    if not allow_dirty:
+        raise SystemExit(f"refusing to benchmark: the work tree has uncommitted changes ({listing}); commit them "
+                         "so the figures can be reproduced from the commit, or pass --allow-dirty to measure anyway "
+                         "(rows are then stamped +dirty)")
+    os.environ[ALLOW_DIRTY_ENV] = "1"
+    print(f"WARNING: benchmarking an uncommitted tree ({listing}); rows are stamped {commit} and cannot be "
+          "reproduced from their commit", file=sys.stderr, flush=True)
+    return commit
 
 
 def versions() -> str:
@@ -100,12 +155,17 @@ def versions() -> str:
 
 
 def append_rows(subject: str, rows: list[dict], results_dir: str | os.PathLike | None = None) -> Path:
-    """Append rows to ``<results_dir or bench/results>/<subject>.csv`` with the PERF.md columns, stamped with
-    device, commit, timestamp (UTC, ISO 8601) and versions. Returns the CSV path."""
+    """Append rows to ``<results_dir or bench/results>/<subject>.csv`` with the :data:`COLUMNS`, stamped with
+    device, commit, timestamp (UTC, ISO 8601) and versions. Returns the CSV path. Raises :class:`DirtyTreeError`
+    on an uncommitted tree unless :func:`require_clean_tree` allowed it."""
+    commit = git_commit()
+    if commit.endswith("+dirty") and os.environ.get(ALLOW_DIRTY_ENV) != "1":
+        raise DirtyTreeError(f"not writing {subject} rows from an uncommitted tree ({commit}): commit first, or run "
+                             "the script with --allow-dirty (require_clean_tree) to stamp them +dirty")
     out_dir = Path(results_dir) if results_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{subject}.csv"
-    stamp = {"device": device_name(), "commit": git_commit(), "versions": versions(),
+    stamp = {"device": device_name(), "commit": commit, "versions": versions(),
              "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:

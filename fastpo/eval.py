@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .engine.base import Engine, SamplingParams
+from .progress import progress_bar
 from .prompts import env_prompt_spec
 from .rollout import RolloutConfig, env_label, run_rollout
 
@@ -145,6 +146,7 @@ def evaluate(
     backend: str = "default",
     sampling_seed: int = 0,
     stop: Sequence[str] = (),
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Run the validation protocol and return its figures.
 
@@ -163,6 +165,8 @@ def evaluate(
         env_kwargs, backend: forwarded to ``fastpo.envs.make``.
         sampling_seed: offsets every request seed; the same value repeats a run exactly.
         stop: strings that end a turn (``SamplingParams.stop``), e.g. ``("</answer>",)`` as the tiny preset trains.
+        progress: a bar over the n episodes on stderr, advancing per batch (``fastpo.progress``: when stderr is a
+            terminal or FASTPO_PROGRESS=1; the CLI asks for it).
 
     Returns:
         ``{"env", "n", "seed", "temperature", "success", "action_is_valid", "action_is_effective", "num_actions",
@@ -191,6 +195,7 @@ def evaluate(
     weighted: dict[str, float] = {}
     rewards: list[float] = []
     label = env_label(env_name)
+    bar = progress_bar(n, desc=f"eval {label}", unit="ep", enabled=None if progress else False)
     for start in range(0, n, batch_size):
         seeds = np.arange(seed + start, seed + min(n, start + batch_size), dtype=np.int64)
         env = envs.make(env_name, len(seeds), backend=backend, **(env_kwargs or {}))
@@ -208,6 +213,8 @@ def evaluate(
         for k, v in batch.metrics.items():
             weighted[k] = weighted.get(k, 0.0) + v * len(seeds)
         rewards.extend(t.reward for t in batch.trajectories)
+        bar.update(len(seeds))
+    bar.close()
     if own_engine:
         eng.close()
     metrics = {k: v / n for k, v in weighted.items()}
@@ -317,6 +324,7 @@ def _run(args: argparse.Namespace) -> int:
                 env_kwargs=env_kwargs,
                 sampling_seed=args.sampling_seed,
                 stop=args.stop,
+                progress=True,
             )
         )
     print(format_table(results))

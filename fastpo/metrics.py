@@ -17,6 +17,11 @@ Every rank constructs the logger; ranks other than 0 get null sinks, so call sit
 Console line (fixed order, only the fields present; see CONSOLE_FIELDS for the keys each one reads):
 
     step     12 | reward 0.512 | succ 0.406 | valid 0.970 | resp 123 | ent 0.812 | clip 0.031 | kl 1.2e-03 | ...
+
+and after each validation a line of the success per validation env and its change since the first validation of
+the run (``validation_line``; kept across a resume, read back from metrics.jsonl):
+
+    val 40/150  FrozenLake 52.3% (+5.1)  Sokoban 30.1% (+2.0)
 """
 
 from __future__ import annotations
@@ -82,6 +87,49 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
                 parts.append(f"{short} {_fmt(float(metrics[key]), spec)}")
                 break
     return " | ".join(parts)
+
+
+def validation_successes(metrics: dict[str, Any]) -> dict[str, float]:
+    """{env label: success in [0, 1]} from the ``val-env/<Env>/success`` keys of `metrics` that hold a finite
+    number, in the order of `metrics`."""
+    out = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "val-env" and parts[2] == "success" and _is_number(value):
+            if math.isfinite(value):
+                out[parts[1]] = float(value)
+    return out
+
+
+def validation_line(step: int, total: int | None, success: dict[str, float], start: dict[str, float]) -> str:
+    """``val 40/150  FrozenLake 52.3% (+5.1)  Sokoban 30.1% (+2.0)``: each env's validation success (in %) at
+    iteration `step` of `total` (None: unknown) and its change in points since `start` (the run's first validation;
+    an env missing from `start` shows no change)."""
+    parts = [f"val {step}/{total}" if total else f"val {step}"]
+    for env, value in success.items():
+        cell = f"{env} {100.0 * value:.1f}%"
+        if env in start:
+            cell += f" ({100.0 * (value - start[env]):+.1f})"
+        parts.append(cell)
+    return "  ".join(parts)
+
+
+def first_validation(path: str | os.PathLike) -> dict[str, float]:
+    """The per-env success of the first row of a metrics.jsonl file that has validation results ({} when none or
+    no file); unreadable lines (a killed run's last line) are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            found = validation_successes(row) if isinstance(row, dict) else {}
+            if found:
+                return found
+    return {}
 
 
 def _require(package: str, flag: str) -> None:
@@ -221,8 +269,10 @@ class MetricsLogger:
     Args:
         run_dir: run directory (metrics.jsonl and the TensorBoard ``tb/`` folder go here).
         rank: this process's global rank.
-        console: print one line per :meth:`log` (a tqdm progress bar underneath when stdout is a TTY
-            and ``total_steps`` is given).
+        console: print one line per :meth:`log`, a :func:`validation_line` for each log that holds validation
+            results, and, when ``total_steps`` is given, a progress bar with the run's ETA on stderr
+            (``fastpo.progress``: a terminal, or FASTPO_PROGRESS=1). A resumed run calls :meth:`start_progress`
+            with its step, so the bar continues the count and the change is measured from the run's start.
         jsonl: append one JSON object per :meth:`log` to metrics.jsonl, flushed each time. Non-finite values
             (nan, inf) are written as null and counted in :attr:`non_finite` (key -> count).
         tensorboard / wandb: also log there; ImportError naming the package when it is not installed.
@@ -232,6 +282,7 @@ class MetricsLogger:
             training run); otherwise a new id is drawn and stored there.
         metric_names: "fastpo" or "ragen" (:func:`rename_metrics`), applied to every sink but the console line.
         stream: where console lines go (default sys.stdout).
+        progress_stream: where the bar goes (default sys.stderr).
     """
 
     WANDB_ID_FILE = "wandb_run_id"
@@ -251,6 +302,7 @@ class MetricsLogger:
         stream: TextIO | None = None,
         wandb_resume: bool = False,
         metric_names: str = "fastpo",
+        progress_stream: TextIO | None = None,
     ):
         rename_metrics({}, metric_names)  # rejects an unknown scheme on every rank
         self.metric_names = metric_names
@@ -280,10 +332,25 @@ class MetricsLogger:
                 self._wandb = wandb_module.init(project=project, name=run_name or self.run_dir.name, config=config,
                                                 dir=str(self.run_dir), id=self._wandb_id(wandb_resume),
                                                 resume="allow")
-        if self.console and total_steps and self.stream.isatty():
-            from tqdm import tqdm
+        self.total_steps = total_steps
+        self.progress_stream = progress_stream
+        #: env label -> success at the run's first validation (the reference of the validation line's change)
+        self.val_start: dict[str, float] = {}
 
-            self._bar = tqdm(total=total_steps, file=self.stream, dynamic_ncols=True, leave=True)
+    def start_progress(self, step: int = 0) -> None:
+        """Open the progress bar at iteration `step` of ``total_steps`` (a resumed run's step) and, when resuming,
+        read the run's first validation back from metrics.jsonl. :meth:`log` opens it at 0 if never called."""
+        if not self.console:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self.total_steps:
+            from .progress import progress_bar
+
+            self._bar = progress_bar(self.total_steps, initial=step, desc="train", unit="it",
+                                     stream=self.progress_stream)
+        if step > 0 and not self.val_start:
+            self.val_start = first_validation(self.run_dir / "metrics.jsonl")
 
     def _wandb_id(self, resume: bool) -> str:
         """The W&B run id: the stored one when resuming (a new one if none is stored), else a fresh one, stored."""
@@ -316,7 +383,9 @@ class MetricsLogger:
 
     def _print(self, line: str) -> None:
         if self._bar is not None:
-            self._bar.write(line, file=self.stream)
+            from .progress import write
+
+            write(line, self.stream)
         else:
             print(line, file=self.stream, flush=True)
 
@@ -343,13 +412,20 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(finite, step=step)
         if self.console:
+            if self._bar is None and self.total_steps:
+                self.start_progress(0)
             line = console_line(step, clean)
             missing = [k for k, v in clean.items() if v is None]
             if missing:
                 line += f" | non-finite: {','.join(missing)}"
             self._print(line)
-        if self._bar is not None:
-            self._bar.update(1)
+            success = validation_successes(clean)
+            if success:
+                for env, value in success.items():  # the first validation of each env is its reference
+                    self.val_start.setdefault(env, value)
+                self._print(validation_line(step, self.total_steps, success, self.val_start))
+        if self._bar is not None and step > self._bar.n:  # the bar counts iterations: step 0 is validation only
+            self._bar.update(step - self._bar.n)
 
     def truncate_after(self, step: int) -> int:
         """Drop the metrics.jsonl rows of steps after `step` (a resumed run replays them; -1 drops every row), so

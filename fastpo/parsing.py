@@ -13,7 +13,7 @@ How the rollout uses this module, per turn and per trajectory::
 
 ``parse_turn`` does the first five lines in one call.
 
-The rules, as RAGEN's code has them (SPEC section 3 agrees unless noted):
+The rules, as RAGEN's code has them (docs/SEMANTICS.md section 3 agrees unless noted):
 - The prompt ends with a literal ``<think>`` (``<answer>`` without thinking), so the sampled text lacks
   it; RAGEN prepends it back before parsing. ``parse_response`` takes the full text, ``parse_generation``
   the sampled text.
@@ -233,7 +233,7 @@ def turn_format_penalty(
 
     RAGEN (default): penalised when no valid action is left or a kept piece was invalid. That covers a
     failed parse and an empty answer. ``count_truncated=True`` also penalises invalid names among the
-    pieces cut by ``max_actions`` (a literal reading of SPEC's "named any invalid action")."""
+    pieces cut by ``max_actions`` (a literal reading of "named any invalid action", docs/SEMANTICS.md section 3)."""
     all_valid = actions.raw_all_valid if count_truncated else actions.all_valid
     return float(format_penalty) if (not actions.names or not all_valid) else 0.0
 

@@ -15,7 +15,7 @@ The trainer writes one ``metrics.jsonl`` row per iteration (``{"step": s, ...}``
 ``fastpo.train`` calls :func:`write_report` on rank 0 when a run ends; this module only reads files, so it
 also works on a run copied from another machine.
 
-The PNG has one panel per signal of SPEC section 7 (the Echo Trap early signs) plus success: training and
+The PNG has one panel per signal of docs/SEMANTICS.md section 7 (the Echo Trap's early signs) plus success: training and
 validation success, mean trajectory reward, in-group reward std (collapse drives it to 0), actor entropy and
 actor grad norm, each against the iteration. Panels whose metric a run never logged (e.g. grad norm of a run
 with no update) say "not logged" instead of being left out, so the layout is the same for every run.

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
+from .progress import progress_bar, write
 from .prompts import EnvPromptSpec, Turn, build_messages, env_prompt_spec, turn_reward
 from .rollout import _chat_sequence, _step_subset
 
@@ -309,6 +310,7 @@ def train_sft(
     log: Callable[[dict[str, float]], None] | None = None,
     save_every: int = 0,
     save: Callable[[int], None] | None = None,
+    progress: bool = False,
 ) -> list[float]:
     """Train ``model`` (any causal LM, on its own device) on ``dataset`` in place.
 
@@ -316,7 +318,9 @@ def train_sft(
     of ``micro_batch_size`` (default: all at once) and minimises the cross entropy of every trained token
     (``loss_mask[t] == 1``: token t predicted from the tokens before it), averaged over the batch's trained tokens.
     ``save(k)`` is called after every ``save_every``-th step k (1-based; 0 = never), e.g. to snapshot the model for
-    a learning curve; the model is back in train mode afterwards.
+    a learning curve; the model is back in train mode afterwards. ``progress``: a bar with the ETA on stderr
+    (``fastpo.progress``: when it is a terminal or FASTPO_PROGRESS=1); print from ``log`` with
+    ``fastpo.progress.write`` so the lines stay above it.
 
     Returns:
         the loss of every step (float, before that step's update).
@@ -338,6 +342,7 @@ def train_sft(
     order: list[int] = []
     losses: list[float] = []
     model.train()
+    bar = progress_bar(steps, desc="sft", unit="step", enabled=None if progress else False)
     t0 = time.perf_counter()
     for step in range(steps):
         while len(order) < batch_size:
@@ -377,6 +382,8 @@ def train_sft(
                     "elapsed_s": time.perf_counter() - t0,
                 }
             )
+        bar.update(1)
+    bar.close()
     model.eval()
     return losses
 
@@ -475,7 +482,7 @@ def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
     with open(log_path, "w") as log_file:
 
         def log(row: dict[str, float]) -> None:
-            print(
+            write(
                 f"step {row['step']:5d} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | lr"
                 f" {row['lr']:.2e} | {row['elapsed_s']:.1f}s"
             )
@@ -484,13 +491,13 @@ def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
 
         def snapshot(step: int) -> None:
             _save(model, tokenizer, os.path.join(args.out, f"step-{step}"))
-            print(f"saved {args.out}/step-{step}")
+            write(f"saved {args.out}/step-{step}")
 
         train_sft(
             model, data, args.steps, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
             pad_token_id=tokenizer.pad_token_id, seed=args.seed, schedule=args.schedule,
             warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-            log_every=args.log_every, log=log, save_every=args.save_every, save=snapshot,
+            log_every=args.log_every, log=log, save_every=args.save_every, save=snapshot, progress=True,
         )  # fmt: skip
     _save(model, tokenizer, args.out)
     with open(os.path.join(args.out, "sft_args.json"), "w") as f:

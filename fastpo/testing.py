@@ -6,7 +6,7 @@
     # both reload through the real from_pretrained path:
     fastpo.model.load_tokenizer("/tmp/tiny"); fastpo.model.load_policy("/tmp/tiny")
 
-The tokenizer keeps every grid cell a token of its own (shared/design/TINY_AGENT.md: a tokenizer that merges
+The tokenizer keeps every grid cell a token of its own (docs/TINY_AGENT.md section 1: a tokenizer that merges
 neighbouring cells hides where the player is). Each grid symbol and each digit is isolated by the
 pre-tokenizer, so BPE can never merge it with a neighbour, in a grid or anywhere else; the multi-byte "√"
 and the think/answer tags are added tokens. The price is that capitalised words starting with a grid letter

@@ -5,7 +5,7 @@
     from fastpo.tiny_agent import tiny_agent_path
     path = tiny_agent_path()    # the shipped folder; built into ~/.cache/fastpo on first use when it is missing
 
-Recipe (shared/design/TINY_AGENT.md has the measurements it follows):
+Recipe (docs/TINY_AGENT.md has the measurements it follows):
 
 1. Tokenizer: ``fastpo.testing.build_tiny_tokenizer``: byte-level BPE trained on env-like texts with every grid
    symbol and digit isolated (one token per grid cell, so the agent can see where P and G are), Qwen-style chat

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         du.shutdown()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry (``python -m fastpo.train``, ``fastpo-train``): run :func:`main` and exit with its status."""
     status = main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torch 2.13 + gloo + FSDP2: about one process in ten aborts during interpreter teardown ("terminate
@@ -96,3 +97,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    cli()

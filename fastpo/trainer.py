@@ -197,6 +197,7 @@ class Trainer:
                                     wandb_resume=wandb_resume, metric_names=t.metric_names)
         self.timer = PhaseTimer(synchronize=self.device.type == "cuda")
         self.resumed_from = self._resume()
+        self.logger.start_progress(self.step)  # a resumed run's bar continues at its step, its ETA covers the rest
         self._sync_engine()
 
     # ---- setup ----------------------------------------------------------------------------------------------

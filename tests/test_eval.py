@@ -124,6 +124,8 @@ def test_bad_inputs(tiny, tmp_path):
     (tmp_path / "run" / "hf").mkdir(parents=True)
     (tmp_path / "run" / "hf" / "config.json").write_text("{}")
     assert resolve_model_dir(str(tmp_path / "run")) == str(tmp_path / "run" / "hf")
+    (tmp_path / "run" / "config.json").write_text("{}")  # the trainer's config.json beside hf/ (a real run folder)
+    assert resolve_model_dir(str(tmp_path / "run")) == str(tmp_path / "run" / "hf")
     assert resolve_model_dir(str(path)) == str(path)
 
 

@@ -168,10 +168,12 @@ class _Tty(io.StringIO):
         return True
 
 
-def test_progress_bar_on_a_tty(tmp_path):
-    out = _Tty()
-    logger = MetricsLogger(tmp_path, rank=0, stream=out, jsonl=False, total_steps=4)
-    logger.log(0, {"rollout/reward": 1.0})
+def test_progress_bar_on_a_tty(tmp_path, monkeypatch):
+    # the bar goes to its own stream (stderr by default) when that is a terminal, and counts iterations (step 1
+    # is the first; step 0 is the validation before training)
+    monkeypatch.delenv("FASTPO_PROGRESS", raising=False)
+    out, bar = io.StringIO(), _Tty()
+    logger = MetricsLogger(tmp_path, rank=0, stream=out, jsonl=False, total_steps=4, progress_stream=bar)
+    logger.log(1, {"rollout/reward": 1.0})
     logger.close()
-    text = out.getvalue()
-    assert "step      0 | reward 1.000" in text and "1/4" in text
+    assert "step      1 | reward 1.000" in out.getvalue() and "1/4" in bar.getvalue()

@@ -29,7 +29,7 @@ def test_shipped_agent_loads_through_from_pretrained():
     assert sum(p.numel() for p in model.parameters()) < 5_000_000  # "a few million parameters at most"
     assert sum(f.stat().st_size for f in SHIPPED_DIR.iterdir()) < 20 * 2**20
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
-    # every grid cell stays one token (shared/design/TINY_AGENT.md)
+    # every grid cell stays one token (docs/TINY_AGENT.md section 1)
     assert [tok.decode([i]) for i in tok.encode("_P_G\nOO__", add_special_tokens=False)] == list("_P_G\nOO__")
     meta = json.loads((SHIPPED_DIR / "tiny_agent.json").read_text())
     assert meta["recipe"]["env"] == "frozenlake" and meta["parameters"] == sum(p.numel() for p in model.parameters())

@@ -1,0 +1,268 @@
+"""Every shell command documented in README.md and docs/*.md runs as written (or is skipped with a stated reason).
+
+The commands are the lines of the fenced ``bash`` / ``sh`` / ``shell`` / ``console`` blocks (a trailing ``\\`` joins
+lines; a ``#`` comment is dropped; a ``$ `` prompt is removed). They run in order, one doc after another, with bash,
+from a scratch folder that mirrors the checkout (symlinks to its top-level entries, its own ``runs/``), with the
+test's venv first on PATH: what a user gets after the README's setup line and ``. .venv/bin/activate``.
+
+A doc says how its commands are tested with an HTML comment right before the block (invisible on GitHub)::
+
+    <!-- test
+    make => skip (runs the whole test suite)
+    python -m fastpo.train --help => run
+    python -m fastpo.train => slow + --trainer.iterations 1 --env.val_groups 4
+    * => + --quick
+    -->
+
+One rule a line, ``PREFIX => ACTION``: the first rule whose PREFIX starts the command (spaces normalised; ``*``
+matches any) decides. ACTION is ``run`` (as written), ``+ ARGS`` (run with ARGS appended: tiny sizes for a
+command that would take minutes) or ``skip (REASON)``; ``slow`` before ``run`` / ``+`` marks the test slow. A
+one-line marker ``<!-- test: ACTION -->`` applies to every command of the block. A command that no rule matches
+fails without being run: a new command gets a rule saying how it is tested (nothing is started by surprise, e.g. a
+`make test` inside the test suite). A rule that matches no command of its block is an error (stale marker).
+Each command gets ``TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")))
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+TIMEOUT_S = 300
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```", re.S | re.M)
+# the comment that ends right before a block (its body cannot run past its own "-->")
+MARKER = re.compile(r"<!--\s*test(?P<body>[\s:](?:(?!-->).)*)-->\s*\Z", re.S)
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    doc: str
+    line: int  # 1-based line of the command's first line in the doc
+    command: str  # as written, comment stripped, continuation lines joined
+    action: str  # "run" | "skip" | "unmarked" (no rule: the test fails)
+    extra: str  # appended arguments ("" for none)
+    reason: str  # why it is skipped
+    slow: bool
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def strip_comment(line: str) -> str:
+    """The line without a trailing shell comment (a ``#`` outside quotes that starts a word)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def block_commands(body: str, first_line: int) -> list[tuple[int, str]]:
+    """(line number, command) of each command in a fenced block's body (first_line: the body's first line)."""
+    out, pending, start = [], "", 0
+    for offset, raw in enumerate(body.splitlines()):
+        text = raw.strip()
+        if not pending:
+            start = first_line + offset
+            text = text[2:] if text.startswith("$ ") else text
+        joined = text.endswith("\\")
+        text = strip_comment(text[:-1] if joined else text)
+        pending = f"{pending} {text}".strip()
+        if not joined and pending:
+            out.append((start, pending))
+            pending = ""
+    if pending:
+        out.append((start, pending))
+    return out
+
+
+def parse_rules(marker: str) -> list[tuple[str, str]]:
+    """[(prefix, action)] of a marker's body (the text after ``<!-- test``); one-line form -> [("*", action)]."""
+    body = marker.strip()
+    if body.startswith(":"):
+        return [("*", body[1:].strip())]
+    rules = []
+    for line in body.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if "=>" not in line:
+            raise ValueError(f"marker line {line!r} is not 'PREFIX => ACTION'")
+        prefix, action = (part.strip() for part in line.split("=>", 1))
+        rules.append((" ".join(prefix.split()), action))
+    return rules
+
+
+def parse_action(action: str) -> tuple[str, str, str, bool]:
+    """(kind, extra args, skip reason, slow) of a rule's ACTION."""
+    slow = action.startswith("slow ")
+    action = action[5:].strip() if slow else action
+    if action == "run":
+        return "run", "", "", slow
+    if action.startswith("+ "):
+        return "run", action[2:].strip(), "", slow
+    match = re.fullmatch(r"skip \((.+)\)", action, re.S)
+    if match and not slow:
+        return "skip", "", match.group(1).strip(), False
+    raise ValueError(f"marker action {action!r}: expected 'run', '+ ARGS', 'skip (REASON)', optionally 'slow ...'")
+
+
+def collect(doc: str, text: str) -> list[DocCommand]:
+    """The documented commands of one doc, each with what its marker says."""
+    commands = []
+    for block in FENCE.finditer(text):
+        if block.group("lang") not in SHELL_LANGS:
+            continue
+        before = text[: block.start()]
+        marker = MARKER.search(before)
+        rules = parse_rules(marker.group("body")) if marker else []
+        body_line = before.count("\n") + 2
+        used = set()
+        for line, command in block_commands(block.group("body"), body_line):
+            words = " ".join(command.split())
+            rule = next(((p, a) for p, a in rules if p == "*" or words.startswith(p)), None)
+            kind, extra, reason, slow = parse_action(rule[1]) if rule else ("unmarked", "", "", False)
+            used.add(rule)
+            commands.append(DocCommand(doc, line, command, kind, extra, reason, slow))
+        stale = [p for p, a in rules if (p, a) not in used]
+        if stale:
+            raise ValueError(f"{doc}:{body_line - 1}: marker rules that match no command of the block: {stale}")
+    return commands
+
+
+def all_commands() -> list[DocCommand]:
+    return [c for doc in DOCS for c in collect(doc, (REPO / doc).read_text())]
+
+
+def _params():
+    for c in all_commands():
+        marks = [pytest.mark.slow] if c.slow else []
+        yield pytest.param(c, id=c.id, marks=marks)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A folder that looks like the checkout (its top-level entries linked) but writes runs/ elsewhere."""
+    root = tmp_path_factory.mktemp("checkout")
+    for entry in REPO.iterdir():
+        if entry.name not in {"runs", ".git"}:
+            (root / entry.name).symlink_to(entry)
+    return root
+
+
+@pytest.mark.parametrize("cmd", list(_params()))
+def test_documented_command(cmd: DocCommand, workspace: Path):
+    if cmd.action == "skip":
+        pytest.skip(f"{cmd.command!r}: {cmd.reason}")
+    if cmd.action == "unmarked":
+        pytest.fail(f"{cmd.id}: `{cmd.command}` has no test rule: put a `<!-- test ... -->` marker before its block "
+                    "saying `run`, `+ ARGS` (tiny sizes) or `skip (REASON)` (see this test's docstring)")
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""), "VIRTUAL_ENV":
+           str(Path(venv_bin).parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    line = f"{cmd.command} {cmd.extra}".strip()
+    # its own session, so that a timeout stops the whole tree (torchrun's workers, make's children), not just bash
+    proc = subprocess.Popen(["bash", "-c", line], cwd=workspace, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{cmd.id}: `{line}` ran over {TIMEOUT_S} s: give it tiny sizes in a `<!-- test -->` marker "
+                    "(see this test's docstring)")
+    assert proc.returncode == 0, (f"{cmd.id}: `{line}` exited {proc.returncode}\n--- stdout\n{stdout[-3000:]}"
+                                  f"\n--- stderr\n{stderr[-3000:]}")
+
+
+# ---- the extraction itself ------------------------------------------------------------------------------------
+SAMPLE = """intro
+<!-- test
+python -m fastpo.train --help => run
+python -m fastpo.train => slow + --trainer.iterations 1
+make => skip (builds the venv)
+-->
+```bash
+$ python -m fastpo.train --help   # every field
+python -m fastpo.train --preset tiny --env.kwargs '{"a": "#not a comment"}' \\
+    --trainer.seed 1   # one process
+make demo
+echo "x"
+```
+
+```python
+print("not a shell block")
+```
+
+<!-- test: skip (needs a GPU) -->
+```sh
+nvidia-smi
+```
+"""
+
+
+def test_extraction_reads_markers_continuations_and_comments():
+    got = collect("X.md", SAMPLE)
+    assert [(c.line, c.command, c.action, c.extra, c.slow) for c in got] == [
+        (8, "python -m fastpo.train --help", "run", "", False),
+        (9, "python -m fastpo.train --preset tiny --env.kwargs '{\"a\": \"#not a comment\"}' --trainer.seed 1",
+         "run", "--trainer.iterations 1", True),
+        (11, "make demo", "skip", "", False),
+        (12, 'echo "x"', "unmarked", "", False),  # no rule: the test fails without running it
+        (21, "nvidia-smi", "skip", "", False),
+    ]
+    assert got[2].reason == "builds the venv" and got[4].reason == "needs a GPU"
+
+
+def test_stale_or_malformed_markers_are_errors():
+    with pytest.raises(ValueError, match="match no command"):
+        collect("X.md", "<!-- test\nfoo => run\n-->\n```bash\nbar\n```\n")
+    with pytest.raises(ValueError, match="not 'PREFIX => ACTION'"):
+        collect("X.md", "<!-- test\nfoo run\n-->\n```bash\nfoo\n```\n")
+    with pytest.raises(ValueError, match="expected 'run'"):
+        collect("X.md", "<!-- test: skip because -->\n```bash\nfoo\n```\n")
+
+
+def test_every_doc_parses_and_has_commands():
+    # the docs' markers are well formed, and the README's commands are found (an extraction that finds nothing
+    # would pass every doc)
+    commands = all_commands()
+    readme = [c for c in commands if c.doc == "README.md"]
+    assert any("fastpo.train" in c.command for c in readme), [c.command for c in readme]
+    assert all(c.action != "skip" or c.reason for c in commands)
+
+
+def test_a_failing_or_hanging_command_fails_the_test(monkeypatch, tmp_path):
+    with pytest.raises(AssertionError, match="exited 3"):
+        test_documented_command(DocCommand("X.md", 1, "echo out; exit 3", "run", "", "", False), tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "TIMEOUT_S", 1)
+    hang = DocCommand("X.md", 2, f"sleep 60 & echo $! > {tmp_path}/child; wait", "run", "", "", False)
+    with pytest.raises(pytest.fail.Exception, match="ran over 1 s"):
+        test_documented_command(hang, tmp_path)
+    child = int((tmp_path / "child").read_text())
+    for _ in range(50):  # the whole process group was killed, the background child included
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the command's child process {child} outlived the timeout")
