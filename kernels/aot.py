@@ -242,6 +242,27 @@ def _grpo_specs(name, fn):
     return out
 
 
+def _gigpo_specs(name, fn):
+    """GiGPO's three kernels (ops/gigpo.py) as launched on CUDA: BLOCK 1024, fp32 scores / turn rewards (the
+    launcher casts the [B] / [M] inputs), the NORM switch (mean_std / mean)."""
+    out = []
+    short = name.rsplit(".", 1)[-1]
+    for dt in ("fp32",):
+        for norm in ((True, False) if short != "_scatter_kernel" else (None,)):
+            for aligned in (True, False):
+                types = {"score_ptr": _DT[dt], "gid_ptr": "*i64", "cu_turn_ptr": "*i64", "reward_ptr": _DT[dt],
+                         "ep_ptr": "*fp32", "ret_ptr": "*fp32", "B": _INT_ARG, "eps": "fp32", "gamma": "fp32",
+                         "key_ptr": "*i64", "tgid_ptr": "*i64", "ttraj_ptr": "*i64", "step_ptr": "*fp32",
+                         "size_ptr": "*i64", "turn_adv_ptr": "*fp32", "M": _INT_ARG, "w": "fp32",
+                         "tid_ptr": "*i64", "mask_ptr": "*u8", "out_ptr": "*fp32", "N": _INT_ARG}
+                const = {k: v for k, v in (("NORM", norm), ("BLOCK_B", 1024), ("BLOCK_M", 1024), ("BLOCK", 1024))
+                         if k in _args(fn) and v is not None}
+                types = {a: types[a] for a in _args(fn) if a not in const}
+                label = f"{dt}{' norm' if norm else ''}"
+                out.append(_spec(name, label, _args(fn), types, const, aligned))
+    return out
+
+
 #: kernel (``module.function``) -> builder of its CUDA specialisations (a kernel missing here fails the check).
 _BUILDERS = {
     "logprob._selective_fwd_kernel": lambda n, f: _selective_specs(n, f, False),
@@ -252,6 +273,9 @@ _BUILDERS = {
     "losses._value_fwd_kernel": _value_specs,
     "advantages._gae_kernel": _gae_specs,
     "advantages._grpo_kernel": _grpo_specs,
+    "gigpo._episode_kernel": _gigpo_specs,
+    "gigpo._step_kernel": _gigpo_specs,
+    "gigpo._scatter_kernel": _gigpo_specs,
 }
 
 

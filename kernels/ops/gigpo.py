@@ -124,8 +124,10 @@ def gigpo_advantages(scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_
     gid = group_ids.to(torch.int64).contiguous()
     ep = torch.empty(n_seq, dtype=torch.float32, device=dev)
     ret = torch.empty(max(n_turns, 1), dtype=torch.float32, device=dev)
-    _episode_kernel[(n_seq,)](scores.contiguous(), gid, cu, turn_rewards.contiguous(), ep, ret, n_seq, float(eps),
-                              float(step_gamma), NORM=bool(norm_by_std), BLOCK_B=1024 if big else 256)
+    # scores and turn rewards are [B] / [M] values: fp32 copies cost nothing and keep one compiled variant
+    _episode_kernel[(n_seq,)](scores.float().contiguous(), gid, cu, turn_rewards.float().contiguous(), ep, ret,
+                              n_seq, float(eps), float(step_gamma), NORM=bool(norm_by_std),
+                              BLOCK_B=1024 if big else 256)
     if n_turns == 0:
         return out, step, size
     traj = torch.repeat_interleave(torch.arange(n_seq, device=dev), cu.diff(), output_size=n_turns)
