@@ -171,7 +171,9 @@ TEST_RC=$?
 tail -n 15 "$OUTDIR/tests.log"
 
 # ---- kernel benchmarks
-if [ "$DRY" = 1 ]; then BENCH_ARGS=(--gpu --dry); else BENCH_ARGS=(--gpu --tokens 8192,32768); fi
+# a dry run's rows are a rehearsal, not figures: it runs on a work tree with uncommitted changes too (--allow-dirty
+# stamps them +dirty); the CUDA run keeps the benchmarks' refusal of a dirty tree
+if [ "$DRY" = 1 ]; then BENCH_ARGS=(--gpu --dry --allow-dirty); else BENCH_ARGS=(--gpu --tokens 8192,32768); fi
 stage bench "kernels.csv" "$PY" bench/bench_kernels.py "${BENCH_ARGS[@]}" --results-dir "$OUTDIR"
 BENCH_RC=$?
 grep -E '^(name |fused|ppo|gae|grpo)' "$OUTDIR/bench.log" | head -n 40
@@ -192,7 +194,7 @@ grep -E '^step |Error|error' "$OUTDIR/smoke.log" | tail -n 8
 # ---- vLLM weight sync
 if has vllm; then
     if [ "$DRY" = 1 ]; then
-        SYNC_ARGS=(--sizes tiny --repeats 2)
+        SYNC_ARGS=(--sizes tiny --repeats 2 --allow-dirty)
     else
         SYNC_ARGS=(--sizes 0.5B --dtype bfloat16 --repeats 5 --sleep --kv-cache-mb 2048)
     fi

@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Policy weights: a Hugging Face hub id or a local directory. "tiny" names the project's tiny CPU agent, a
-    placeholder the model loader resolves (see TINY_AGENT.md)."""
+    placeholder the model loader resolves (see docs/TINY_AGENT.md)."""
     critic_path: str = ""
     """Critic backbone (a scalar value head is added): hub id or local directory; "" = the same as ``path``. Only
     used by estimators that need a critic (gae, bilevel_gae)."""

@@ -13,7 +13,7 @@
 Each batch of ``--batch-size`` instances is one ``fastpo.rollout.run_rollout`` call (KV-reuse mode, RAGEN's
 prompts, ``env_metric_prefix="val-env"``) on env seeds ``seed .. seed + n - 1``; the request seed of the
 instance with env seed s is ``s + sampling_seed * 2**32``, so results do not depend on the batch size (up to
-float differences from padding) and repeat exactly for the same seeds. Reported (SPEC section 8): success,
+float differences from padding) and repeat exactly for the same seeds. Reported (docs/SEMANTICS.md section 8): success,
 action_is_valid, action_is_effective, num_actions (RAGEN's per-trajectory definitions, see
 ``rollout._metrics``), the mean trajectory reward (turn rewards + format penalties), num_turns, response length.
 Single process: under torchrun every rank would evaluate everything (not supported; run it once).

@@ -1,5 +1,5 @@
 """Metrics: one rank-0 console line per iteration, metrics.jsonl, optional TensorBoard / W&B, phase timers,
-memory, and the Echo Trap monitor (shared/design/SPEC.md section 7).
+memory, and the Echo Trap monitor (docs/SEMANTICS.md section 7).
 
     from fastpo.metrics import MetricsLogger, PhaseTimer, memory_metrics, EchoTrapMonitor
     logger = MetricsLogger(run_dir, rank, tensorboard=cfg.tensorboard, total_steps=cfg.iterations)
@@ -574,7 +574,7 @@ def memory_metrics(device: Any = None) -> dict[str, float]:
 
 @dataclass
 class EchoTrapThresholds:
-    """When :class:`EchoTrapMonitor` warns (SPEC section 7: early signs of collapse into repetitive output)."""
+    """When :class:`EchoTrapMonitor` warns (docs/SEMANTICS.md section 7: the early signs of an Echo Trap)."""
 
     #: warn when in-group reward std (``rollout/in_group_std``) falls below this
     std_floor: float = 0.05

@@ -77,25 +77,48 @@ def _run_paths(cfg: Config) -> list[str]:
     return errors
 
 
+def _mix_entries(cfg: Config) -> list[tuple[str, Any, int]]:
+    """(where, entry, first env seed) of every training and validation env as the trainer will build it
+    (``fastpo.env_mix``: legacy ``env.names`` or ``env.train`` / ``env.val`` entries, each with its own kwargs and
+    budgets). ``where`` names the field a problem should be reported under. A split whose entries do not resolve
+    is left out (``config.validate`` reports those already)."""
+    from .env_mix import resolve_mix
+
+    e, out = cfg.env, []
+    for split, base in (("train", e.train_seed), ("val", e.val_seed)):
+        try:
+            entries = resolve_mix(e, split)
+        except ValueError:
+            continue
+        mixed = e.train if split == "train" else (e.val or e.train)
+        for i, entry in enumerate(entries):
+            where = f"env.{'val' if split == 'val' and e.val else 'train'}[{i}].kwargs" if mixed else "env.kwargs"
+            out.append((where, entry, base + min(entry.groups, default=0)))
+    return out
+
+
 def _env_kwargs(cfg: Config) -> list[str]:
+    """Each env of both splits built with one instance from its own kwargs and reset at its first seeds (a level
+    that cannot be generated, e.g. Sokoban ``dim_room [4, 4]``, fails here and not mid-run); one line per env
+    configuration."""
     from fastpo import envs
 
-    e, errors = cfg.env, []
-    seeds: dict[str, list[int]] = {}
-    for name in e.names:
-        seeds.setdefault(name.lower(), []).append(e.train_seed)
-    for name in e.val_names or e.names:
-        seeds.setdefault(name.lower(), []).append(e.val_seed)
-    for name, first in seeds.items():
-        what = f"env.kwargs {e.kwargs!r}" if e.kwargs else "env.kwargs {}"
+    configs: dict[tuple, tuple[str, Any, list[int]]] = {}
+    for where, entry, seed in _mix_entries(cfg):
+        key = (where, entry.name.lower(), repr(sorted(entry.kwargs.items())))
+        configs.setdefault(key, (where, entry, []))[2].append(seed)
+    errors = []
+    for where, entry, seeds in configs.values():
         env = None
         try:
-            env = envs.make(name, 1, backend=e.backend, **e.kwargs)
-            for seed in dict.fromkeys(first):
+            env = envs.make(entry.name, 1, backend=cfg.env.backend, **entry.kwargs)
+            for seed in dict.fromkeys(seeds):
                 env.reset(np.array([seed], dtype=np.int64))
         except _ENV_ERRORS as err:
             text = " ".join(str(err).split()) or type(err).__name__
-            errors.append(f"{what}: env {name!r} (env.backend {e.backend}) refuses them: {text}")
+            given = cfg.env.kwargs if where == "env.kwargs" else entry.kwargs
+            errors.append(f"{where} {given!r}: env {entry.name!r} (env.backend {cfg.env.backend}) refuses them: "
+                          f"{text}")
         finally:
             if env is not None:
                 env.close()
@@ -123,24 +146,25 @@ def _resume_hash(cfg: Config) -> list[str]:
     return [f"trainer.resume {t.resume!r}: checkpoint {str(path)!r} was saved with config hash {saved}, this config's "
             f"hash is {mine} (a field that changes the training math differs from that run's config.json); pass "
             f"that run's config (--config <run_dir>/config.json), another --trainer.run_dir, or --trainer.resume "
-            f"never"]
+            f"never --trainer.overwrite true (replaces that run)"]
 
 
 def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: bool = True, action_sep: str = "||",
                      max_actions_per_traj: int | None = None, max_context_window: int = -1, backend: str = "default",
                      env_kwargs: dict[str, Any] | None = None) -> int:
     """Token count of the first turn's prompt of env `env_name` at env seed `seed`, rendered as the rollout
-    renders it (``prompts.build_messages`` + ``render_chat``, no special tokens added)."""
+    renders it (``prompts.build_messages`` + ``render_chat``, no special tokens added). A plug-in env's prompt
+    comes from the env itself (``prompts.env_prompt_spec``)."""
     from fastpo import envs
 
-    from .prompts import Turn, build_messages, prompt_spec, render_chat
+    from .prompts import Turn, build_messages, env_prompt_spec, render_chat
 
     overrides: dict[str, Any] = {"enable_think": enable_think, "action_sep": action_sep}
     if max_actions_per_traj is not None:
         overrides["max_actions_per_traj"] = max_actions_per_traj
-    spec = prompt_spec(env_name, **overrides)
     env = envs.make(env_name, 1, backend=backend, **(env_kwargs or {}))
     try:
+        spec = env_prompt_spec(env_name, env, **overrides)
         obs = env.reset(np.array([seed], dtype=np.int64))[0]
     finally:
         env.close()
@@ -162,18 +186,19 @@ def prompt_fit_error(prompt_len: int, env_name: str, seed: int, response_length:
 
 def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
     """ConfigError when a training or validation env's first prompt plus ``rollout.response_length`` exceeds
-    ``rollout.max_model_len`` (every episode would end with 0 turns and nothing would be trained)."""
-    e, r = cfg.env, cfg.rollout
+    ``rollout.max_model_len`` (every episode would end with 0 turns and nothing would be trained). Each env is
+    rendered with its own kwargs and action budget, as the trainer builds it."""
+    r = cfg.rollout
     errors, failed = [], set()
-    for names, seed in ((e.names, e.train_seed), (e.val_names or e.names, e.val_seed)):
-        for name in dict.fromkeys(n.lower() for n in names):
-            n = first_prompt_len(tokenizer, name, seed, enable_think=r.enable_think, action_sep=e.action_sep,
-                                 max_actions_per_traj=e.max_actions_per_traj, max_context_window=r.max_context_window,
-                                 backend=e.backend, env_kwargs=e.kwargs)
-            msg = prompt_fit_error(n, name, seed, r.response_length, r.max_model_len)
-            if msg and name not in failed:  # one line per env
-                failed.add(name)
-                errors.append(msg)
+    for _, entry, seed in _mix_entries(cfg):
+        n = first_prompt_len(tokenizer, entry.name, seed, enable_think=r.enable_think, action_sep=cfg.env.action_sep,
+                             max_actions_per_traj=entry.max_actions_per_traj,
+                             max_context_window=r.max_context_window, backend=cfg.env.backend,
+                             env_kwargs=entry.kwargs)
+        msg = prompt_fit_error(n, entry.name, seed, r.response_length, r.max_model_len)
+        if msg and entry.label not in failed:  # one line per env
+            failed.add(entry.label)
+            errors.append(msg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 

@@ -127,7 +127,7 @@ class RolloutConfig:
     env_label: str | None = None
     """Name in ``env/<label>/...`` metrics; None: ``ENV_LABELS`` of ``env.name`` (else the name itself)."""
     env_metric_prefix: str = "env"
-    """Prefix of the per-env metrics ("val-env" for validation, SPEC section 8)."""
+    """Prefix of the per-env metrics ("val-env" for validation, docs/SEMANTICS.md section 8)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_model_len < 2:
@@ -642,7 +642,7 @@ def _mean(values: Sequence[float]) -> float:
 def _metrics(
     eps: list[_Episode], trajs: list[Trajectory], timings: dict[str, float], label: str, prefix: str
 ) -> dict[str, float]:
-    """Batch metrics (SPEC sections 7-8). ``action_is_valid`` / ``action_is_effective`` follow RAGEN's
+    """Batch metrics (docs/SEMANTICS.md sections 7-8). ``action_is_valid`` / ``action_is_effective`` follow RAGEN's
     ``get_rollout_states``: per trajectory, the flags of each turn's LAST executed action summed over turns and
     divided by the number of turns (a turn without an executed action counts 0), then averaged over
     trajectories. ``in_group_std``: unbiased std of ``Trajectory.reward`` per group (0 for a group of one),

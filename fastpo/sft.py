@@ -1,6 +1,6 @@
 """Supervised fine-tuning on solver trajectories, rendered in exactly RAGEN's multi-turn chat format.
 
-    # the tiny CPU agent (shared/design/TINY_AGENT.md): 4,000 expert episodes with 30% random actions
+    # the tiny CPU agent (docs/TINY_AGENT.md): 4,000 expert episodes with 30% random actions
     python -m fastpo.sft --model /tmp/tiny --env frozenlake --episodes 4000 --noise 0.3 --steps 300 --lr 2e-3 \\
         --batch-size 32 --out runs/sft_frozenlake
     # RAGEN's SFT baseline (paper section 9: 1,000 BFS trajectories on Sokoban), Qwen2.5-0.5B-Instruct on a GPU

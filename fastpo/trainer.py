@@ -1,4 +1,4 @@
-"""The StarPO / StarPO-S training loop (SPEC sections 4-8). One iteration:
+"""The StarPO / StarPO-S training loop (docs/SEMANTICS.md sections 4-8). One iteration:
 
     rollout (this rank's env groups) -> all-gather the trajectories -> StarPO-S filter (same decision on every
     rank) -> old logprobs (+ values) with the trainer -> advantages -> critic update -> actor update ->
@@ -185,7 +185,7 @@ class Trainer:
         self.critic_nonfinite_total = 0
         self.nan_steps = injected_nan_steps()
         t = cfg.trainer
-        # the monitor's entropy check is symmetric: use the drop factor (the early signal, SPEC section 7)
+        # the monitor's entropy check is symmetric: use the drop factor (the early signal, docs/SEMANTICS.md section 7)
         self.trap = EchoTrapMonitor(EchoTrapThresholds(std_floor=t.min_in_group_std,
                                                        entropy_rel_change=1.0 - t.entropy_drop_factor,
                                                        grad_spike_k=t.grad_norm_spike_factor))

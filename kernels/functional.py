@@ -197,7 +197,7 @@ def ppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, e
              ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k1",
              entropy: Tensor | None = None, entropy_coef: float = 0.0, *, cu_seqlens: Tensor | None = None,
              norm_len: float | None = None):
-    """PPO clipped policy loss with dual clip, KL to a reference policy and an entropy bonus (StarPO, SPEC 5).
+    """PPO clipped policy loss with dual clip, KL to a reference and an entropy bonus (docs/SEMANTICS.md section 5).
 
     Per trained token, r = exp(logp - old_logp) (log-ratio clamped to +-20 as verl), l = max(-A r,
     -A clip(r, 1 - eps_low, 1 + eps_high)), and where A < 0, l = min(l, -A clip_c) (clip_c = inf disables

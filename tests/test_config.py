@@ -39,8 +39,14 @@ def test_every_field_has_a_docstring():
 
 
 @pytest.mark.parametrize("name", sorted(C.PRESETS))
-def test_presets_validate_and_round_trip(name):
+def test_presets_validate_and_round_trip(name, tmp_path):
     cfg = C.get_preset(name)
+    if name == "metamathqa":  # the preset names no data file (fastpo downloads nothing): the user adds one
+        with pytest.raises(ConfigError, match="env 'metamathqa'.*data_path"):
+            validate(cfg, world_size=1)
+        data = tmp_path / "qa.jsonl"
+        data.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "5"}) + "\n")
+        cfg.env.kwargs = {"data_path": str(data)}
     validate(cfg, world_size=1)
     assert C.from_json(C.to_json(cfg)) == cfg
 

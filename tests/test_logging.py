@@ -268,5 +268,5 @@ def test_trainer_wandb_gets_config_name_and_resumes_its_run(tmp_path, fake_wandb
     assert resumed.step == 1 and fake_wandb.runs[1].kwargs["id"] == init["id"]
     assert fake_wandb.runs[1].kwargs["name"] == "renamed"
     resumed.close(export=False)
-    trainer(2, "--trainer.resume", "never").close(export=False)
+    trainer(2, "--trainer.resume", "never", "--trainer.overwrite", "true").close(export=False)
     assert fake_wandb.runs[2].kwargs["id"] != init["id"]
