@@ -90,9 +90,9 @@ bench-vs-trl: build
 LEARN_DIR ?= runs/bandit-sft
 bench-vs-trl-learning: build
 	$(BIN)/python -m pip install --quiet --no-deps $(TRL_PKGS)
-	OMP_NUM_THREADS=1 $(BIN)/python -m fastpo.sft --model fastpo/assets/tiny-agent --env bandit --no-think \
-	  --noise 0.5 --max-turns 1 --max-actions-per-turn 1 --episodes 2000 --steps 200 --lr 2e-3 --save-every 20 \
-	  --out $(LEARN_DIR)
+	OMP_NUM_THREADS=1 $(BIN)/python -m fastpo.sft --model.path fastpo/assets/tiny-agent --env.names bandit \
+	  --rollout.enable_think false --sft.noise 0.5 --env.max_turns 1 --env.max_actions_per_turn 1 \
+	  --sft.episodes 2000 --sft.steps 200 --sft.lr 2e-3 --sft.save_every 20 --sft.out $(LEARN_DIR)
 	$(BIN)/python bench/bench_vs_trl.py --model-dir bandit-sft-80=$(LEARN_DIR)/step-80 --models bandit-sft-80 \
 	  --task bandit --no-think --groups 4 --group-size 8 --response-length 16 --steps 30 --lr 5e-4 \
 	  --seeds 1,2,3 --no-sokoban $(BENCH_VS_TRL_ARGS)

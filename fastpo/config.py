@@ -1,31 +1,28 @@
-"""fastpo configuration: nested dataclasses (a docstring under every field), presets as functions, CLI overrides.
+"""fastpo configuration: nested dataclasses (a docstring under every field), presets as functions, validation.
 
     cfg = parse_args(["--preset", "sokoban", "--config", "my.yaml", "--algorithm.eps_high", "0.3"])
     validate(cfg, world_size=8)           # raises ConfigError naming every bad field, before any model loads
     text = to_json(cfg); cfg == from_json(text)
     config_hash(cfg)                      # over the fields that change the math; checked on resume
 
-Order of precedence: dataclass defaults (RAGEN's StarPO-S Sokoban setting) < ``--preset NAME`` < ``--config
-file.yaml`` (nested ``section: {field: value}``) < dotted CLI overrides (``--section.field value`` or
-``--section.field=value``; a bare ``--section.flag`` sets a bool to true). ``--help`` prints every field with its
-docstring, generated from the dataclasses below: this file is the only place the config is documented.
+Precedence: dataclass defaults (RAGEN's StarPO-S Sokoban setting) < ``--preset NAME`` < ``--config file.yaml``
+(nested ``section: {field: value}``) < ``--section.field value`` flags (``fastpo.cli``, shared by every entry
+point). ``--help`` prints every field with its docstring: this file is the only place the config is documented.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
 import functools
 import hashlib
-import inspect
 import json
 import math
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
+
+from . import cli
 
 
 class ConfigError(ValueError):
@@ -351,29 +348,11 @@ def get_preset(name: str) -> Config:
     """A fresh Config of the named preset; unknown names raise ConfigError listing the presets."""
     if name not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {name!r}; choose from {sorted(PRESETS)}"
-                          f"{_did_you_mean(name, PRESETS)}")
+                          f"{cli.did_you_mean(name, PRESETS)}")
     return PRESETS[name]()
 
 
 # ------------------------------------------------------------------------------------- field introspection
-def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal right below each field) of a dataclass."""
-    cached = _DOC_CACHE.get(cls)
-    if cached is None:
-        tree = ast.parse(inspect.getsource(cls))
-        body = tree.body[0].body
-        cached = {}
-        for node, nxt in zip(body, body[1:], strict=False):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-                cached[node.target.id] = " ".join(nxt.value.value.split())
-        _DOC_CACHE[cls] = cached
-    return cached
-
-
-_DOC_CACHE: dict[type, dict[str, str]] = {}
-
-
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     """Resolved type of every dataclass field (ClassVars excluded)."""
@@ -381,24 +360,8 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return "{" + ",".join(str(a) for a in args) + "}"
-    if origin is tuple:
-        return "tuple[" + ", ".join("..." if a is Ellipsis else _type_name(a) for a in args) + "]"
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is dict:
-        return "dict"
-    if origin is list:
-        return "list"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _did_you_mean(name: str, choices) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
-    return f"; did you mean {', '.join(close)}?" if close else ""
+def _section_cls(section: str) -> type:
+    return typing.get_type_hints(Config)[section]
 
 
 def all_fields() -> list[str]:
@@ -406,128 +369,19 @@ def all_fields() -> list[str]:
     return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(_section_cls(s))]
 
 
-def _section_cls(section: str) -> type:
-    return typing.get_type_hints(Config)[section]
-
-
-# ------------------------------------------------------------------------------------------------ coercion
-_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
-
-
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Convert ``value`` (a CLI string, or a YAML / JSON native value) to the field type ``tp``."""
-    def bad(expected: str) -> ConfigError:
-        return ConfigError(f"{name}: expected {expected}, got {value!r}")
-
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        return _coerce(value, next(a for a in args if a is not type(None)), name)
-    if origin is Literal:
-        for choice in args:
-            if value == choice or (isinstance(value, str) and str(choice) == value):
-                return choice
-        raise ConfigError(f"{name}: expected one of {list(args)}, got {value!r}{_did_you_mean(str(value), args)}")
-    if origin is tuple:
-        if isinstance(value, str):
-            text = value.strip()
-            if text[:1] in "([" and text[-1:] in ")]":
-                text = text[1:-1]
-            value = [v.strip() for v in text.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise bad(_type_name(tp))
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{name}: expected {len(args)} values ({_type_name(tp)}), got {value!r}")
-        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
-    if origin is list:  # a list of mappings (env.train / env.val): YAML / JSON text on the CLI
-        if isinstance(value, str):
-            import yaml
-
-            try:
-                value = yaml.safe_load(value) if value.strip() else []
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{name}: expected a YAML / JSON list, got {value!r} ({e})") from None
-        if not isinstance(value, (list, tuple)):
-            raise bad('a list such as [{"name": "sokoban"}]')
-        return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)] if args else list(value)
-    if origin is dict or tp is dict:
-        if isinstance(value, str):
-            import yaml
-
-            try:
-                value = yaml.safe_load(value) if value.strip() else {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{name}: expected a YAML / JSON mapping, got {value!r} ({e})") from None
-        if not isinstance(value, dict):
-            raise bad("a mapping such as {\"key\": 1}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
-        raise bad("bool (true/false/1/0/yes/no/on/off)")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise bad("int")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise bad("float")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise bad("str")
-    raise ConfigError(f"{name}: unsupported field type {tp!r}")
-
-
-def _resolve(dotted: str) -> tuple[str, str, Any]:
-    """``section.field`` -> (section, field, type); unknown names raise ConfigError with close matches."""
+def is_field(dotted: str) -> bool:
+    """Whether ``section[.field]`` names a trainer config section or field (other entry points skip these when
+    they read a run's config.json)."""
     section, _, key = dotted.partition(".")
-    if section not in SECTIONS or not key or key not in _field_types(_section_cls(section)):
-        raise ConfigError(f"unknown config field {dotted!r}{_did_you_mean(dotted, all_fields())} "
-                          f"(--help lists all fields)")
-    return section, key, _field_types(_section_cls(section))[key]
-
-
-def set_field(cfg: Config, dotted: str, value: Any) -> None:
-    """Set ``section.field`` on cfg from a CLI string or a native value, type-checked."""
-    section, key, tp = _resolve(dotted)
-    setattr(getattr(cfg, section), key, _coerce(value, tp, dotted))
-
-
-def merge(cfg: Config, data: dict[str, Any], source: str = "config") -> Config:
-    """Apply a nested ``{section: {field: value}}`` mapping (YAML / JSON) onto cfg in place; returns cfg."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping of sections {list(SECTIONS)}, got {type(data).__name__}")
-    for section, values in data.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section {section!r}{_did_you_mean(str(section), SECTIONS)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section {section!r} must be a mapping of fields, got {values!r}")
-        for key, value in values.items():
-            set_field(cfg, f"{section}.{key}", value)
-    return cfg
+    return section in SECTIONS and (not key or key in _field_types(_section_cls(section)))
 
 
 # ---------------------------------------------------------------------------------------------- serialise
+def merge(cfg: Config, data: dict[str, Any], source: str = "config") -> Config:
+    """Apply a nested ``{section: {field: value}}`` mapping (YAML / JSON) onto cfg in place; returns cfg."""
+    return cli.merge(cfg, data, source)
+
+
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Nested plain dict (tuples stay tuples; to_json writes them as lists)."""
     return {s: {f.name: getattr(getattr(cfg, s), f.name) for f in dataclasses.fields(getattr(cfg, s))}
@@ -554,85 +408,18 @@ def config_hash(cfg: Config) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
-def help_text() -> str:
-    """``--help`` output: usage, presets, and every field with type, default and docstring."""
-    lines = ["usage: python -m fastpo.train [--preset NAME] [--config FILE.yaml] [--section.field VALUE ...]", "",
-             "Precedence: defaults < --preset < --config < --section.field overrides.", "",
-             "Exit status: 0 = trained; 1 = the run stopped itself (the 'training stopped:' line says why); 2 = bad "
-             "input, refused before any model loads (one 'config error:' line per problem).", "", "presets:"]
-    for name, fn in PRESETS.items():
-        lines.append(f"  {name:16s} {' '.join((fn.__doc__ or '').split())}")
-    defaults, top_docs = Config(), _field_docs(Config)
-    for section in SECTIONS:
-        cls = _section_cls(section)
-        lines += ["", f"{section}: {top_docs.get(section, '')}"]
-        docs, hints = _field_docs(cls), _field_types(cls)
-        for f in dataclasses.fields(cls):
-            default = getattr(getattr(defaults, section), f.name)
-            lines.append(f"  --{section}.{f.name} {_type_name(hints[f.name])} (default: {default!r})")
-            lines.append(f"      {docs.get(f.name, '')}")
-    return "\n".join(lines)
+DESCRIPTION = ("Train an LLM agent with StarPO / StarPO-S (multi-turn PPO, GRPO or GiGPO).",
+               "Exit status: 0 = trained, 1 = the run stopped itself, 2 = bad input (refused before a model loads).",
+               "Settings: --preset NAME < --config FILE.yaml < --section.field VALUE flags (later wins).")
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Build a Config from command-line arguments (``sys.argv[1:]`` when None); see the module docstring.
-    ``--help`` / ``-h`` prints :func:`help_text` and exits 0; every bad argument raises ConfigError."""
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        raise SystemExit(0)
-    preset, yaml_path, overrides = None, None, []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.field VALUE")
-        name, has_eq, value = arg[2:].partition("=")
-        if not has_eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if name in ("preset", "config") or nxt is None or not nxt.startswith("--"):
-                if nxt is None:
-                    value = None
-                else:
-                    value, i = nxt, i + 1
-            else:
-                value = None
-        if name in ("preset", "config"):
-            if value is None:
-                raise ConfigError(f"--{name} needs a value")
-            preset, yaml_path = (value, yaml_path) if name == "preset" else (preset, value)
-        else:
-            if value is None:  # a bare flag: only bools may omit the value
-                tp = _resolve(name)[2]
-                if tp is not bool:
-                    raise ConfigError(f"{name}: missing value (expected {_type_name(tp)})")
-                value = "true"
-            overrides.append((name, value))
-        i += 1
-    cfg = get_preset(preset) if preset is not None else Config()
-    if yaml_path is not None:
-        cfg = merge(cfg, _load_yaml(yaml_path), source=yaml_path)
-    for name, value in overrides:
-        set_field(cfg, name, value)
-    return cfg
-
-
-def _load_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--config: {path!r} is not a text file (a YAML / JSON mapping of sections is "
-                          f"expected)") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config: {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
-    return data or {}
+def parse_args(argv: list[str] | None = None, prog: str = "python -m fastpo.train") -> Config:
+    """A Config from command-line arguments (``sys.argv[1:]`` when None): defaults < ``--preset`` < ``--config``
+    < ``--section.field`` flags (``fastpo.cli``). ``--help`` prints every field and exits 0; bad input raises
+    ConfigError."""
+    summaries = {n: (fn.__doc__ or "").split(". ")[0].split(":")[0] for n, fn in PRESETS.items()}
+    description = cli.describe(*DESCRIPTION, items=summaries, items_title="presets:")
+    return cli.parse(Config, argv, prog=prog, description=description, presets=PRESETS)
 
 
 # ----------------------------------------------------------------------------------------------- validate
@@ -659,9 +446,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         for key, tp in _field_types(_section_cls(section)).items():
             value = getattr(getattr(cfg, section), key)
             try:
-                _coerce(value, tp, f"{section}.{key}")
+                cli.coerce(value, tp, f"{section}.{key}")
                 if isinstance(value, str) and not (tp is str or typing.get_origin(tp) is Literal):
-                    raise ConfigError(f"{section}.{key}: expected {_type_name(tp)}, got {value!r}")
+                    raise ConfigError(f"{section}.{key}: expected {cli.type_name(tp)}, got {value!r}")
             except ConfigError as err:
                 errors.append(str(err))
     errors += [] if errors else preflight.finite_float_errors(cfg, _INF_OK)
@@ -699,7 +486,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
         for n in names:
             check(n.lower() in known, f"{field_name}: unknown env {n!r}; choose from {known}"
-                                      f"{_did_you_mean(n.lower(), known)}")
+                                      f"{cli.did_you_mean(n.lower(), known)}")
     check(len(e.names) >= 1, "env.names must name at least one env")
     for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
                 "val_groups", "val_group_size"):
@@ -745,11 +532,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
           f"rollout.gpu_memory_utilization must lie in (0, 1], got {r.gpu_memory_utilization}")
     check(r.kv_cache_mb >= 0, f"rollout.kv_cache_mb must be >= 0, got {r.kv_cache_mb}")
     # algorithm
-    check(a.adv_estimator in algorithms.ADV_ESTIMATORS, f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; "
-          f"choose from {sorted(algorithms.ADV_ESTIMATORS)}{_did_you_mean(a.adv_estimator, algorithms.ADV_ESTIMATORS)}")
+    estimators = algorithms.ADV_ESTIMATORS
+    check(a.adv_estimator in estimators, f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; choose from "
+          f"{sorted(estimators)}{cli.did_you_mean(a.adv_estimator, estimators)}")
     check(a.rollout_filter_type in algorithms.ROLLOUT_FILTERS,
           f"algorithm.rollout_filter_type: unknown {a.rollout_filter_type!r}; choose from "
-          f"{sorted(algorithms.ROLLOUT_FILTERS)}{_did_you_mean(a.rollout_filter_type, algorithms.ROLLOUT_FILTERS)}")
+          f"{sorted(algorithms.ROLLOUT_FILTERS)}{cli.did_you_mean(a.rollout_filter_type, algorithms.ROLLOUT_FILTERS)}")
     check(a.policy_loss in algorithms.POLICY_LOSSES, f"algorithm.policy_loss: unknown {a.policy_loss!r}; choose "
           f"from {sorted(algorithms.POLICY_LOSSES)}")
     for key in ("gamma", "lam", "gamma_high"):

