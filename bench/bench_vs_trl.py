@@ -202,20 +202,15 @@ def task_rows(s: Settings) -> list[tuple[str, int]]:
 
 
 def env_setup(cfg, name: str, num_envs: int):
-    """The env, prompt spec and rollout config fastpo's trainer builds for ``name`` (Trainer._env_parts)."""
+    """The env, prompt spec and per-env rollout options fastpo's trainer builds for ``name`` (fastpo.env_mix)."""
     from fastpo import envs
     from fastpo.prompts import prompt_spec
-    from fastpo.rollout import RolloutConfig
 
     env = envs.make(name, num_envs, backend=cfg.env.backend, **cfg.env.kwargs)
     spec = prompt_spec(name, enable_think=cfg.rollout.enable_think, action_sep=cfg.env.action_sep,
                        max_actions_per_traj=cfg.env.max_actions_per_traj)
-    rcfg = RolloutConfig(max_turns=cfg.env.max_turns, max_actions_per_turn=cfg.env.max_actions_per_turn,
-                         format_penalty=cfg.rollout.format_penalty, max_model_len=cfg.rollout.max_model_len,
-                         max_context_window=cfg.rollout.max_context_window, canonical=cfg.rollout.canonical,
-                         train_on_observations=cfg.rollout.train_on_observations,
-                         use_turn_scores=cfg.rollout.reward_level == "turn")
-    return env, spec, rcfg
+    part = {"max_turns": cfg.env.max_turns, "max_actions_per_turn": cfg.env.max_actions_per_turn}
+    return env, spec, part
 
 
 def prompt_texts(cfg, tokenizer, rows: list[tuple[str, int]]) -> list[str]:
@@ -277,11 +272,11 @@ def fastpo_scores(cfg, tokenizer, eos_ids, envs_: list[str], seeds: list[int], c
     scores = [0.0] * len(seeds)
     for name in dict.fromkeys(envs_):
         idx = [i for i, e in enumerate(envs_) if e == name]
-        env, spec, rcfg = env_setup(cfg, name, len(idx))
+        env, spec, part = env_setup(cfg, name, len(idx))
         engine = ReplayEngine([completions[i] for i in idx], eos_ids, [prompts[i] for i in idx] if prompts else None)
         sampling = SamplingParams(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.response_length)
-        batch = run_rollout(env, engine, tokenizer, spec, [seeds[i] for i in idx], list(range(len(idx))), rcfg,
-                            sampling)
+        batch = run_rollout(env, engine, tokenizer, spec, [seeds[i] for i in idx], list(range(len(idx))),
+                            cfg.rollout, sampling, **part)
         for i, t in zip(idx, batch.trajectories, strict=True):
             scores[i] = float(t.reward)
     return scores

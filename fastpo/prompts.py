@@ -49,23 +49,22 @@ from typing import Any
 
 import numpy as np
 
+from .envs.layouts import (
+    FROZENLAKE_ACTIONS,
+    FROZENLAKE_GRID_VOCAB,
+    FROZENLAKE_INSTRUCTION,
+    SOKOBAN_ACTIONS,
+    SOKOBAN_INSTRUCTION,
+    sokoban_grid_vocab,
+)
 from .parsing import ACTION_SEP, generation_prefix
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
 FORMAT_PROMPT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 FORMAT_PROMPT_NO_THINK = "<answer> [your answer] </answer>"
 
-SOKOBAN_INSTRUCTION = (
-    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. When you are"
-    " right next to a box, you can push it by moving in the same direction. You cannot push a box through a wall, and"
-    " you cannot pull a box. The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>"
-)
-# "Forbid the whole" is RAGEN's wording; kept verbatim.
-FROZENLAKE_INSTRUCTION = (
-    "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to the unintended"
-    " direction due to the slippery ice. Example answer format: <think>To forbid the hole and go to the target, I"
-    " should go left then go up.</think><answer>Left || Up</answer>"
-)
+# The Sokoban and FrozenLake instructions, legends and action names are env facts (the envs' instruction() and
+# action_names use them too), so they live in fastpo.envs.layouts, which must not import the trainer side.
 COUNTDOWN_INSTRUCTION = (
     "You are solving the Countdown puzzle. You should use the num list to create an equation that equals the target."
     " Example answer format: <think> To find an equation using [3, 5, 2] to get 4. Let's check 2 + 5 = 7, 7 - 3 = 4."
@@ -73,36 +72,10 @@ COUNTDOWN_INSTRUCTION = (
 )
 METAMATHQA_INSTRUCTION = "You are solving Math problems. "
 
-SOKOBAN_GRID_VOCAB = {
-    "#": "wall",
-    "_": "empty",
-    "O": "target",
-    "√": "box on target",
-    "X": "box",
-    "P": "player",
-    "S": "player on target",
-}
+SOKOBAN_GRID_VOCAB = sokoban_grid_vocab("default")
 #: SokobanDifferentGridVocab's symbols. RAGEN renders the grid with them but never shows this legend
 #: (pass ``grid_vocab=SOKOBAN_ALT_GRID_VOCAB`` to ``prompt_spec`` for a legend that matches the grid).
-SOKOBAN_ALT_GRID_VOCAB = {
-    "W": "wall",
-    ".": "empty",
-    "G": "target",
-    "C": "box on target",
-    "B": "box",
-    "A": "player",
-    "@": "player on target",
-}
-FROZENLAKE_GRID_VOCAB = {
-    "P": "player",
-    "_": "empty",
-    "O": "hole",
-    "G": "goal",
-    "X": "player in hole",
-    "√": "player on goal",
-}
-SOKOBAN_ACTIONS = ["Up", "Down", "Left", "Right"]
-FROZENLAKE_ACTIONS = ["Left", "Down", "Right", "Up"]
+SOKOBAN_ALT_GRID_VOCAB = sokoban_grid_vocab("different")
 
 
 @dataclass(frozen=True)

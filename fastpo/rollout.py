@@ -1,68 +1,27 @@
 """The multi-turn rollout: prompts -> batched generation -> parsing -> env steps -> training sequences.
 
-    spec = prompt_spec("sokoban")
-    batch = run_rollout(env, engine, tokenizer, spec, seeds, group_ids, RolloutConfig(), SamplingParams(
-        temperature=1.0, max_new_tokens=400), request_seeds)
+    part = RolloutPart(env, prompt_spec("sokoban"), seeds, group_ids, request_seeds, max_turns=5, label="Sokoban")
+    batch = run_rollouts([part], engine, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=400), cfg)[0]
     batch.trajectories[i].input_ids / loss_mask / sample_logprobs / token_rewards / turn_end   # each [T_i]
     batch.metrics["rollout/in_group_std"], batch.metrics["env/Sokoban/success"], ...
 
-One chat per env instance (``fastpo.prompts``: RAGEN's text, character-exact), the chat template applied with
-``add_generation_prompt=True`` and the literal ``<think>`` (``<answer>`` without thinking) appended. Each turn is
-ONE batched engine call for all active instances. The sampled ids are decoded with ``skip_special_tokens=True``
-and parsed (``fastpo.parsing``); the valid actions run one at a time (per-turn cap, per-episode budget
-``spec.max_actions_per_traj``, stop at the first done), then the env renders once. Turn reward = sum of the
-executed actions' rewards (``prompts.turn_reward``, also printed in the next "Reward:" message). An episode
-ends when the env reports done (terminated or truncated), the action budget is used up, ``max_turns`` turns
-were generated, or the next prompt would not fit ``max_model_len`` (``context_truncated``).
+One chat per env instance (``fastpo.prompts``: RAGEN's text, character-exact). Each turn is ONE batched engine call
+for every active instance of every part; the sampled text is parsed (``fastpo.parsing``), the valid actions run one
+at a time (per-turn cap, per-episode budget ``spec.max_actions_per_traj``, stop at the first done) and the env
+renders once. An episode ends when the env is done, the budget is spent, ``max_turns`` turns were generated, or
+the next prompt would not fit ``cfg.max_model_len``. ``cfg`` is the trainer's ``fastpo.config.RolloutConfig``.
 
-Three generation modes:
-- KV reuse (default: ``canonical=False``, ``max_context_window <= 0``). One engine session per instance. The
-  history holds what the model wrote (``<think>`` + the sampled text), so the context only grows: each turn
-  the chat is re-rendered as TEXT and only the new suffix (the assistant's end-of-turn text, "Reward:", the
-  next "Turn i" block, the generation prompt and ``<think>``) is tokenized and passed to ``engine.extend``.
-  Sampled ids are never re-tokenized. If the sampled stop token's text is where the template closes the
-  assistant message (Qwen: ``<|im_end|>``), it is not repeated; if generation stopped by length, the suffix
-  closes the message. Training sequence = the session's tokens (prompt, sampled ids, deltas) plus the
-  template's closing text after the last answer (mask 0), so it decodes to exactly
-  ``render_chat(tokenizer, build_messages(spec, turns, for_update=True), for_update=True)`` when the model's
-  text is canonical and it stopped with the template's end-of-turn token. Sample logprobs are exact.
-- ``canonical=True`` (RAGEN's mode): the history holds ``canonical_response`` rewrites; each turn's prompt is
-  re-rendered and re-tokenized in full (stateless ``engine.generate``); the training sequence is the
-  tokenization of RAGEN's update text (``for_update=True``), built in chunks so the assistant texts' token
-  spans are known. Trained: each assistant content plus the template's end-of-turn token after it (what
-  RAGEN's mask covers apart from its header / newline quirks). The sample logprobs belong to other tokens:
-  ``logprobs_exact=False`` and ``sample_logprobs`` are all 0.0.
-- ``max_context_window = k > 0``: the prompt is rebuilt every turn from the last k turns (renumbered from
-  "Turn 1", RAGEN's ``get_lm_inputs``), stateless ``engine.generate``. Training sequence, as RAGEN's
-  ``prepare_for_update``: system + prefix + the LAST k turns only (earlier turns are not trained), and, as
-  in RAGEN (whose score list is taken from the windowed history), only those k turns' rewards count (the
-  penalty counts in full); ``window_reward="full"`` sums all turns instead. Assistant tokens are the sampled
-  ids (re-tokenized canonical text with ``canonical=True``). Logprobs are exact only when the episode had
-  <= k turns (then every sampling context equals the sequence prefix); otherwise ``logprobs_exact=False``
-  and they are 0.0.
+Generation modes: KV reuse (default): one engine session per instance, only each turn's new suffix is tokenized,
+the training sequence is the session's tokens (sample logprobs exact). ``cfg.canonical`` (RAGEN's mode): the
+history holds RAGEN's canonical rewrites, re-tokenized in full each turn (``logprobs_exact=False``).
+``cfg.max_context_window = k > 0``: prompts and the training sequence keep the last k turns (RAGEN's
+``get_lm_inputs`` / ``prepare_for_update``; logprobs exact only for episodes of <= k turns).
 
-Loss mask: 1 on the model's own sampled tokens (including the stop token that ended a turn), 0 on the
-template / observation tokens. ``train_on_observations=True`` (paper-time RAGEN, ``enable_response_mask:
-False``): RAGEN trains every token after the first ``<|im_start|>`` that follows the system message (its mask
-``turn_indicators > 1`` shifted by one for next-token prediction); here the same: all tokens from
-``len(tokens(system message)) + 1`` on are 1. Those extra tokens have no sample logprob (0.0).
-
-Rewards (``token_rewards``, aligned with ``input_ids``):
-- trajectory level (default): ``sum(turn rewards) + sum(format penalties)`` on the last trained token;
-- turn level (``use_turn_scores=True``): each turn's reward on that turn's last assistant token (its stop
-  token, or last sampled token). RAGEN adds penalties only in the trajectory-level path (``_normalize_score_tensor``
-  is skipped with turn scores), so they are dropped by default; ``turn_level_penalties=True`` adds each turn's
-  penalty to its turn reward. (RAGEN's turn-level rewards sit one token later, on the newline after
-  ``<|im_end|>``; here they sit on the trained token.)
-``Trajectory.reward = sum(token_rewards)``, the score the trainer sees. ``turn_end`` is 1 at the last token of
-each assistant turn (the bi-level GAE's turn boundaries), else 0.
-
-Starting states: ``env.reset(seeds)``; with ``already_reset=True`` the caller has reset the env (e.g. with
-``reset_from_layouts``) and the rollout starts from ``env.render()``; ``seeds`` are then only recorded.
-
-Batch-env stepping: grid envs are stepped with ``render=False`` (one ``env.render()`` after the turn); instances
-without an action in a sub-step get action id 0 (a no-op). ``TextBatchEnv`` has no no-op text, so its idle
-instances are parked as finished for that sub-step (private state, restored right after).
+Loss mask: the model's own sampled tokens (and the stop token that ended a turn); ``cfg.train_on_observations``
+also every token after the system message (RAGEN ``enable_response_mask: False``). Rewards: ``sum(turn rewards)
++ sum(format penalties)`` on the last trained token, or with ``cfg.reward_level == "turn"`` each turn's reward on
+its last token (penalties dropped as in RAGEN unless ``cfg.turn_level_penalties``). ``turn_end`` marks each
+assistant turn's last token (bi-level GAE, GiGPO).
 """
 
 from __future__ import annotations
@@ -77,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from .config import RolloutConfig
 from .engine.base import Engine, GenerationResult, SamplingParams
 from .envs.base import text_state_keys
-from .parsing import FORMAT_PENALTY, canonical_response, generation_prefix, parse_actions, parse_generation
+from .parsing import canonical_response, generation_prefix, parse_actions, parse_generation
 from .prompts import EnvPromptSpec, Turn, build_messages, render_chat, turn_reward
 
 #: Metric labels of the built-in envs (``env/<label>/...``), RAGEN's tags.
@@ -95,62 +55,21 @@ def env_label(name: str) -> str:
 
 
 @dataclass
-class RolloutConfig:
-    """How episodes are run and turned into training sequences (RAGEN's names in brackets)."""
-
-    max_turns: int = 5
-    """Turns generated per episode at most [max_turn]."""
-    max_actions_per_turn: int | None = None
-    """Actions kept per answer [max_actions_per_turn]; None: the env's ``max_actions_per_turn``. The episode
-    budget is ``spec.max_actions_per_traj`` (the number the prompt shows)."""
-    format_penalty: float = FORMAT_PENALTY
-    """Added once per turn whose answer did not parse, was empty or named an invalid action [format_penalty]."""
-    count_truncated_penalty: bool = False
-    """Also penalise invalid names among pieces cut by the per-turn cap (``parsing.turn_format_penalty``)."""
-    max_model_len: int = 3600
-    """Whole-context token cap: a turn is only generated when prompt + ``max_new_tokens`` fit, else the episode
-    ends (``context_truncated``)."""
-    max_context_window: int = -1
-    """k > 0: prompts and the training sequence keep only the last k turns [max_context_window]."""
-    canonical: bool = False
-    """Keep RAGEN's canonical rewrites in the history and train on their re-tokenisation (inexact ratios)."""
-    train_on_observations: bool = False
-    """Train on every token after the system message too (RAGEN ``enable_response_mask=False``)."""
-    use_turn_scores: bool = False
-    """Turn-level rewards on each turn's last token instead of one trajectory reward [use_turn_scores]."""
-    turn_level_penalties: bool = False
-    """With ``use_turn_scores``: add each turn's format penalty to its reward (RAGEN drops them)."""
-    window_reward: str = "window"
-    """With ``max_context_window > 0``: "window" (RAGEN: only the kept turns' rewards) or "full"."""
-    already_reset: bool = False
-    """The caller reset the env (e.g. ``reset_from_layouts``); start from ``env.render()``."""
-    env_label: str | None = None
-    """Name in ``env/<label>/...`` metrics; None: ``ENV_LABELS`` of ``env.name`` (else the name itself)."""
-    env_metric_prefix: str = "env"
-    """Prefix of the per-env metrics ("val-env" for validation, docs/SEMANTICS.md section 8)."""
-
-    def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_model_len < 2:
-            raise ValueError(f"need max_turns >= 1 and max_model_len >= 2, got {self.max_turns}, {self.max_model_len}")
-        if self.max_actions_per_turn is not None and self.max_actions_per_turn < 1:
-            raise ValueError(f"max_actions_per_turn must be >= 1 or None, got {self.max_actions_per_turn}")
-        if self.window_reward not in ("window", "full"):
-            raise ValueError(f"window_reward must be 'window' or 'full', got {self.window_reward!r}")
-
-
-@dataclass
 class Trajectory:
-    """One episode as one training sequence. Every per-token list has the length T of ``input_ids``.
+    """One episode as one training sequence: what the rollout produced and, once the trainer has scored it, what the
+    update needs. The one trajectory type from rollout to filter, scoring and update (picklable for the trainer's
+    all-gather). Every per-token array has the length T of ``input_ids``; lists given to the constructor become
+    arrays of the dtypes below, and per-token arrays left out are zeros.
 
     Attributes:
-        group, seed: the group id and env seed of the instance.
-        input_ids: [T] system prompt, user turns and assistant turns.
-        loss_mask: [T] 1 on trained tokens (see the module docstring).
-        sample_logprobs: [T] the engine's logprob of each sampled token (0.0 elsewhere, and everywhere when
+        input_ids: int64 [T] system prompt, user turns and assistant turns.
+        loss_mask: bool [T] trained tokens (see the module docstring).
+        sample_logprobs: fp32 [T] the engine's logprob of each sampled token (0 elsewhere, and everywhere when
             ``logprobs_exact`` is False).
-        token_rewards: [T] rewards placed on tokens (trajectory- or turn-level).
-        turn_end: [T] 1 at the last token of each assistant turn in the sequence.
-        reward: ``sum(token_rewards)``.
+        token_rewards: fp32 [T] rewards placed on tokens (trajectory- or turn-level).
+        turn_end: bool [T] the last token of each assistant turn in the sequence.
+        group, seed: the group id and env seed of the instance.
+        reward: ``sum(token_rewards)``, the trajectory's score.
         success: the env's success flag after the last executed action.
         num_turns: turns generated; num_actions: actions executed; num_valid_actions / num_effective_actions:
             executed actions the env flagged valid / effective; num_format_penalties: penalised turns.
@@ -161,24 +80,29 @@ class Trajectory:
         logprobs_exact: ``sample_logprobs`` are the sampling logprobs of exactly these tokens in this context.
         env_done: the env reported done; context_truncated: ended by ``max_model_len``.
         messages: the chat the sequence renders (``build_messages(..., for_update=True)``), for logging.
+        old_logp, ref_logp, values: fp32 [T] the trainer's logp / the reference's logp / the critic's value of
+            each trained token (0 elsewhere), filled by the scoring pass.
+        advantages, returns: fp32 [T], filled by the advantage estimator.
+        step_keys, step_rewards: int64 / fp32 [K] per trained turn (K = the turn_end flags: the last K generated
+            turns), the state key it starts from and its reward plus format penalty (``turn_data``; GiGPO).
     """
 
-    group: int
-    seed: int
-    input_ids: list[int]
-    loss_mask: list[int]
-    sample_logprobs: list[float]
-    token_rewards: list[float]
-    turn_end: list[int]
-    reward: float
-    success: bool
-    num_turns: int
-    num_actions: int
-    num_valid_actions: int
-    num_effective_actions: int
-    num_format_penalties: int
-    finish_reasons: list[str]
-    response_lengths: list[int]
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    sample_logprobs: np.ndarray | None = None
+    token_rewards: np.ndarray | None = None
+    turn_end: np.ndarray | None = None
+    group: int = 0
+    seed: int = 0
+    reward: float = 0.0
+    success: bool = False
+    num_turns: int = 0
+    num_actions: int = 0
+    num_valid_actions: int = 0
+    num_effective_actions: int = 0
+    num_format_penalties: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    response_lengths: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     turn_penalties: list[float] = field(default_factory=list)
     turn_state_keys: list[int] = field(default_factory=list)
@@ -186,6 +110,39 @@ class Trajectory:
     env_done: bool = False
     context_truncated: bool = False
     messages: list[dict[str, str]] = field(default_factory=list)
+    old_logp: np.ndarray | None = None
+    ref_logp: np.ndarray | None = None
+    values: np.ndarray | None = None
+    advantages: np.ndarray | None = None
+    returns: np.ndarray | None = None
+    step_keys: np.ndarray | None = None
+    step_rewards: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.input_ids = np.asarray(self.input_ids, dtype=np.int64)
+        n = len(self.input_ids)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
+        for name, dtype in (("sample_logprobs", np.float32), ("token_rewards", np.float32), ("turn_end", bool)):
+            value = getattr(self, name)
+            setattr(self, name, np.zeros(n, dtype) if value is None else np.asarray(value, dtype=dtype))
+        for name in ("loss_mask", "sample_logprobs", "token_rewards", "turn_end"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries for {n} tokens")
+
+
+def turn_data(turn_end: np.ndarray, state_keys: Sequence[int], rewards: Sequence[float],
+              penalties: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(step keys int64 [K], step rewards fp32 [K]) of the K turns a training sequence holds (K = turn_end's count:
+    all generated turns, or the last K under a context window), from a Trajectory's per-turn lists (state_keys as
+    ``Trajectory.turn_state_keys``: int64 values; the reward of a step is its turn reward plus format penalty)."""
+    k = int(np.count_nonzero(turn_end))
+    n = len(state_keys)
+    if not len(rewards) == len(penalties) == n >= k:
+        raise ValueError(f"per-turn lists of lengths {n} (keys), {len(rewards)} (rewards), {len(penalties)} "
+                         f"(penalties) do not cover the sequence's {k} turns")
+    keys = np.asarray(list(state_keys)[n - k:], dtype=np.int64)
+    total = np.asarray(list(rewards)[n - k:], dtype=np.float64) + np.asarray(list(penalties)[n - k:], dtype=np.float64)
+    return keys, total.astype(np.float32)
 
 
 @dataclass
@@ -342,6 +299,7 @@ def run_rollout(
     cfg: RolloutConfig | None = None,
     sampling: SamplingParams | None = None,
     request_seeds: Sequence[int] | None = None,
+    **part: Any,
 ) -> RolloutBatch:
     """Run one episode on every instance of ``env`` and build the training batch.
 
@@ -350,47 +308,67 @@ def run_rollout(
         engine: generation engine (sessions in KV mode, ``generate`` otherwise).
         tokenizer: Hugging Face tokenizer with a chat template.
         spec: prompt settings (``prompt_spec(env_name)``); its ``max_actions_per_traj`` is the episode budget.
-        seeds: ``int[N]`` env seeds (recorded only with ``cfg.already_reset``).
+        seeds: ``int[N]`` env seeds (recorded only with ``already_reset``).
         group_ids: ``int[N]`` group of each instance (same seed within a group).
-        cfg: rollout options (default ``RolloutConfig()``).
+        cfg: the trajectory options (``fastpo.config.RolloutConfig``; its defaults when None).
         sampling: engine sampling params (``max_new_tokens`` = RAGEN's response_length).
         request_seeds: ``int[N]`` per-instance sampling seeds; turn t uses ``mix(request_seeds[i], t)``; None lets
             the engine draw.
+        part: the per-env options of :class:`RolloutPart` (max_turns, max_actions_per_turn, label, prefix,
+            already_reset).
 
     Returns:
         ``RolloutBatch`` with N trajectories in instance order and the batch metrics.
     """
-    part = RolloutPart(env, spec, seeds, group_ids, cfg or RolloutConfig(), request_seeds)
-    return run_rollouts([part], engine, tokenizer, sampling)[0]
+    return run_rollouts([RolloutPart(env, spec, seeds, group_ids, request_seeds, **part)], engine, tokenizer,
+                        sampling, cfg)[0]
 
 
 @dataclass
 class RolloutPart:
-    """One env's share of a multi-env rollout (``run_rollouts``): the arguments of ``run_rollout`` that differ per
-    env. ``cfg`` None = ``RolloutConfig()``."""
+    """One env's share of a rollout (``run_rollouts``): its batch env, prompts, instances and per-env budgets."""
 
     env: Any
     spec: EnvPromptSpec
     seeds: Sequence[int] | np.ndarray
     group_ids: Sequence[int] | np.ndarray
-    cfg: RolloutConfig | None = None
     request_seeds: Sequence[int] | None = None
+    max_turns: int = 5
+    """Turns generated per episode at most [max_turn]."""
+    max_actions_per_turn: int | None = None
+    """Actions kept per answer [max_actions_per_turn]; None: the env's own. The episode budget is
+    ``spec.max_actions_per_traj`` (the number the prompt shows)."""
+    label: str | None = None
+    """Name in the ``<prefix>/<label>/...`` metrics; None: ``env_label`` of ``env.name``."""
+    prefix: str = "env"
+    """Prefix of the per-env metrics ("val-env" for validation)."""
+    already_reset: bool = False
+    """The caller reset the env (e.g. ``reset_from_layouts``): start from ``env.render()``."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.max_actions_per_turn is not None and self.max_actions_per_turn < 1:
+            raise ValueError(f"max_actions_per_turn must be >= 1 or None, got {self.max_actions_per_turn}")
 
 
 def run_rollouts(
-    parts: Sequence[RolloutPart], engine: Engine, tokenizer: Any, sampling: SamplingParams | None = None
+    parts: Sequence[RolloutPart], engine: Engine, tokenizer: Any, sampling: SamplingParams | None = None,
+    cfg: RolloutConfig | None = None,
 ) -> list[RolloutBatch]:
     """``run_rollout`` for several envs at once, generating each turn for ALL their active instances in one engine
     call (one decode loop instead of one per env; e.g. Countdown and Bandit groups in one iteration). Each part's
     trajectories are those ``run_rollout`` gives for it alone (every request's draws depend only on its own seed
     and context; the built-in engine up to float differences from the batch's padding). A turn's generation time
     is shared among the parts in proportion to their requests. Returns one ``RolloutBatch`` per part, in order."""
-    sampling = sampling or SamplingParams()
+    sampling, cfg = sampling or SamplingParams(), cfg or RolloutConfig()
+    if cfg.max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
     runs: list[_PartRun] = []
     try:
         for part in parts:
-            runs.append(_PartRun(part, engine, tokenizer, sampling))
-        for turn in range(max((r.cfg.max_turns for r in runs), default=0)):
+            runs.append(_PartRun(part, cfg, engine, tokenizer, sampling))
+        for turn in range(max((r.part.max_turns for r in runs), default=0)):
             todo = [r.prepare(turn) for r in runs]
             if not any(todo):
                 break
@@ -428,8 +406,7 @@ class _PartRun:
     """The state of one env's episodes during ``run_rollouts``: prepare a turn's prompts, absorb its generations
     (parse, step the env, next observation), build the batch at the end."""
 
-    def __init__(self, part: RolloutPart, engine: Engine, tokenizer: Any, sampling: SamplingParams):
-        cfg = part.cfg or RolloutConfig()
+    def __init__(self, part: RolloutPart, cfg: RolloutConfig, engine: Engine, tokenizer: Any, sampling: SamplingParams):
         env, spec = part.env, part.spec
         n = env.num_envs
         seeds = [int(s) for s in np.asarray(part.seeds).reshape(-1)]
@@ -438,10 +415,10 @@ class _PartRun:
             raise ValueError(f"need {n} seeds and group ids (env.num_envs), got {len(seeds)} and {len(groups)}")
         if part.request_seeds is not None and len(part.request_seeds) != n:
             raise ValueError(f"need {n} request seeds or None, got {len(part.request_seeds)}")
-        self.env, self.spec, self.cfg, self.engine, self.tokenizer = env, spec, cfg, engine, tokenizer
-        self.sampling, self.request_seeds = sampling, part.request_seeds
+        self.env, self.spec, self.cfg, self.part, self.engine = env, spec, cfg, part, engine
+        self.tokenizer, self.sampling, self.request_seeds = tokenizer, sampling, part.request_seeds
         self.think = spec.enable_think
-        self.per_turn = cfg.max_actions_per_turn or int(getattr(env, "max_actions_per_turn", 5))
+        self.per_turn = part.max_actions_per_turn or int(getattr(env, "max_actions_per_turn", 5))
         self.budget = spec.max_actions_per_traj
         self.discrete = env.action_space != "text"
         names = list(env.action_names) if self.discrete else list(getattr(env, "action_vocabulary", None) or [])
@@ -455,7 +432,7 @@ class _PartRun:
         self.rseeds: list[int] | None = None
         self.sessions: list[int] = []
         t0 = time.perf_counter()
-        obs = env.render() if cfg.already_reset else env.reset(np.asarray(seeds, dtype=np.int64))
+        obs = env.render() if part.already_reset else env.reset(np.asarray(seeds, dtype=np.int64))
         keys = _state_keys(env, obs)
         self.timings["env_s"] += time.perf_counter() - t0
         self.eps = [
@@ -467,7 +444,7 @@ class _PartRun:
     def prepare(self, turn: int) -> list[int]:
         """The instances that generate at this turn (only what fits the context cap); sets ``pending`` (their new
         token ids) and ``rseeds``."""
-        if turn >= self.cfg.max_turns:
+        if turn >= self.part.max_turns:
             return []
         t0 = time.perf_counter()
         tok, sampling = self.tokenizer, self.sampling
@@ -556,7 +533,7 @@ class _PartRun:
             ep.env_done = i in stopped
             ep.turns.append(Turn(obs[i], actions_left=self.budget - ep.actions_used))
             ep.state_keys.append(keys[i])
-            if ep.env_done or ep.actions_used >= self.budget or turn + 1 >= cfg.max_turns:
+            if ep.env_done or ep.actions_used >= self.budget or turn + 1 >= self.part.max_turns:
                 ep.active = False
 
     def finish(self) -> RolloutBatch:
@@ -564,9 +541,8 @@ class _PartRun:
         trajectories = [_finish(ep, self.tokenizer, self.spec, self.cfg, self.kv) for ep in self.eps]
         self.timings["prompt_s"] += time.perf_counter() - t0
         env = self.env
-        label = self.cfg.env_label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
-        return RolloutBatch(trajectories, _metrics(self.eps, trajectories, self.timings, label,
-                                                   self.cfg.env_metric_prefix))
+        label = self.part.label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
+        return RolloutBatch(trajectories, _metrics(self.eps, trajectories, self.timings, label, self.part.prefix))
 
     def close(self) -> None:
         if self.sessions:
@@ -602,12 +578,13 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
     counted = range(first, num_turns) if window > 0 and cfg.window_reward == "window" else range(num_turns)
     rewards = [0.0] * len(ids)
     if num_turns:
-        if cfg.use_turn_scores:
+        if cfg.reward_level == "turn":
             for pos, k in zip(turn_last, range(first, num_turns), strict=True):
                 rewards[pos] += turn_values[k] + (ep.penalties[k] if cfg.turn_level_penalties else 0.0)
         else:
             last = max(j for j, m in enumerate(mask) if m)
             rewards[last] += sum(turn_values[k] for k in counted) + sum(ep.penalties)
+    step_keys, step_rewards = turn_data(turn_end, ep.state_keys[:num_turns], turn_values, ep.penalties)
     return Trajectory(
         group=ep.group,
         seed=ep.seed,
@@ -632,6 +609,8 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
         env_done=ep.env_done,
         context_truncated=ep.context_truncated,
         messages=messages,
+        step_keys=step_keys,
+        step_rewards=step_rewards,
     )
 
 
@@ -689,3 +668,33 @@ def _metrics(
     metrics.update({f"{prefix}/{label}/{k}": v for k, v in timings.items() if k != "prompt_s"})
     assert all(math.isfinite(v) for v in metrics.values())
     return metrics
+
+
+def metric_sums(batches: Sequence[RolloutBatch]) -> tuple[dict[str, float], dict[str, int]]:
+    """Several batches' metrics as (sums, counts) to combine across parts and ranks: each mean weighted by its
+    batch's trajectory count (parts share the ``rollout/...`` keys; ranks of an env mix hold different numbers of
+    trajectories), each ``..._max`` key by max (count 1)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for batch in batches:
+        n = len(batch.trajectories)
+        for key, value in batch.metrics.items():
+            _add(sums, counts, key, value * (1 if key.endswith("_max") else n), 1 if key.endswith("_max") else n)
+    return sums, counts
+
+
+def combine_metric_sums(parts: Sequence[tuple[dict[str, float], dict[str, int]]]) -> dict[str, float]:
+    """The (sums, counts) of :func:`metric_sums` from several ranks -> one metric dict (means, and maxima)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for part_sums, part_counts in parts:
+        for key, value in part_sums.items():
+            _add(sums, counts, key, value, part_counts[key])
+    return {key: sums[key] / max(counts[key], 1) for key in sorted(sums)}
+
+
+def _add(sums: dict[str, float], counts: dict[str, int], key: str, value: float, count: int) -> None:
+    if key.endswith("_max"):
+        sums[key], counts[key] = max(sums.get(key, -math.inf), value), 1
+    else:
+        sums[key], counts[key] = sums.get(key, 0.0) + value, counts.get(key, 0) + count

@@ -22,10 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from .envs.layouts import FROZENLAKE_GRID_VOCAB, SOKOBAN_ACTIONS
+from .envs.layouts import SOKOBAN_SYMBOLS as _SOKOBAN_SYMBOL_SETS
+
 #: Grid symbols of Sokoban (default and alternative vocab) and FrozenLake; each must stay one token.
-SOKOBAN_SYMBOLS = "#_O√XPS"
-SOKOBAN_ALT_SYMBOLS = "W.GCBA@"
-FROZENLAKE_SYMBOLS = "P_OGX√"
+SOKOBAN_SYMBOLS = _SOKOBAN_SYMBOL_SETS["default"]
+SOKOBAN_ALT_SYMBOLS = _SOKOBAN_SYMBOL_SETS["different"]
+FROZENLAKE_SYMBOLS = "".join(FROZENLAKE_GRID_VOCAB)
 GRID_SYMBOLS = "".join(dict.fromkeys(SOKOBAN_SYMBOLS + SOKOBAN_ALT_SYMBOLS + FROZENLAKE_SYMBOLS))
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -56,7 +59,7 @@ def env_like_texts(num_grids: int = 200, seed: int = 0) -> list[str]:
 
     rng = np.random.default_rng(seed)
     texts: list[str] = []
-    actions = ["Up", "Down", "Left", "Right"]
+    actions = SOKOBAN_ACTIONS
     for i in range(num_grids):
         symbols = (SOKOBAN_SYMBOLS, SOKOBAN_ALT_SYMBOLS, FROZENLAKE_SYMBOLS)[i % 3]
         size = int(rng.integers(4, 9))
@@ -199,7 +202,7 @@ class ScriptedEngine:
         self._stop_matchers: dict[tuple[str, ...], Any] = {}
 
     def _sample(self, seed: int, context: list[int], params: Any) -> Any:
-        from .engine.base import GenerationResult
+        from .engine.base import GenerationResult, stop_matcher
 
         instance, turn = divmod(int(seed), 1_000_003)
         self.prompts.append((instance, turn, list(context)))
@@ -211,12 +214,9 @@ class ScriptedEngine:
             ids = self.tokenizer.encode(entry, add_special_tokens=False)[: params.max_new_tokens - 1]
             ids, finish = ids + [self.eos_token_ids[0]], "stop"
         hit = ""
-        if getattr(params, "stop", ()):
-            from .engine.base import StopStrings
-
-            if params.stop not in self._stop_matchers:  # the vocabulary scan once per stop tuple
-                self._stop_matchers[params.stop] = StopStrings(self.tokenizer, params.stop, len(self.tokenizer))
-            k, hit = self._stop_matchers[params.stop].first_stop(ids)
+        matcher = stop_matcher(self._stop_matchers, self.tokenizer, getattr(params, "stop", ()), len(self.tokenizer))
+        if matcher is not None:
+            k, hit = matcher.first_stop(ids)
             ids, finish = (ids[:k], "stop") if hit else (ids, finish)
         return GenerationResult(list(ids), [self.logprob] * len(ids), finish, stop_string=hit)
 

@@ -270,7 +270,7 @@ def test_gigpo_needs_turn_data_and_a_valid_config():
 
 
 def test_turn_data_keeps_the_sequence_turns():
-    from fastpo.microbatch import turn_data
+    from fastpo.rollout import turn_data
 
     keys, rewards = turn_data([0, 1, 0, 1], [5, -1, 6], [1.0, -0.1, 0.5], [0.0, -0.1, 0.0])
     assert keys.dtype == np.int64 and keys.tolist() == [-1, 6]  # the last 2 of 3 turns (a context window)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import fastpo.model as fm
 from fastpo import distributed as du
-from fastpo.engine import fsdp
+from fastpo import fsdp
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_adam_states(tmp_path):
         before = {n: p.full_tensor().detach().clone() for n, p in trainer.actor.named_parameters()}
         trainer.step = 1
         trainer.iteration()
-        for optim in (trainer.actor_optim, trainer.critic_optim):
+        for optim in (trainer.models.actor_optim, trainer.models.critic_optim):
             states = [s for st in optim.state.values() for s in (st["exp_avg"], st["exp_avg_sq"])]
             assert states and {s.dtype for s in states} == {torch.float32}
         changed = total = 0
@@ -135,14 +135,11 @@ def test_flash_attention_with_fp32_compute_is_refused(monkeypatch):
 
 # ------------------------------------------------------------------------------------ T4: varlen boundaries
 def _samples(lengths, seed=0):
-    from fastpo.microbatch import Sample
+    from fastpo.rollout import Trajectory
 
     rng = np.random.default_rng(seed)
-    out = []
-    for i, n in enumerate(lengths):
-        z = np.zeros(n, np.float32)
-        out.append(Sample(rng.integers(3, 200, n).astype(np.int64), z, z, z, z, 0.0, i, True))
-    return out
+    return [Trajectory(rng.integers(3, 200, n).astype(np.int64), np.zeros(n, bool), group=i)
+            for i, n in enumerate(lengths)]
 
 
 def test_packed_flash_rows_carry_varlen_boundaries(tiny, monkeypatch):

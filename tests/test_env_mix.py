@@ -4,7 +4,6 @@ budgets in the prompt, step limits that follow the budget, and world-size-indepe
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,16 +68,15 @@ def test_legacy_fields_resolve_as_before():
 def test_parts_over_ranks_equal_one_rank():
     """Each rank builds the parts of its own groups; together they are the 1-rank parts, with the same trajectory
     numbers (hence sampling seeds)."""
-    from fastpo.trainer import Trainer
+    from fastpo.env_mix import build_parts
 
     cfg = _cfg("--env.backend", "python")
     entries = resolve_mix(cfg.env, "train")
 
     def parts(world: int, rank: int) -> list[tuple]:
-        fake = SimpleNamespace(cfg=cfg)
-        out = Trainer._env_parts(fake, entries, du.shard_groups(8, world, rank), "env")
-        return [(p["name"], g, p["group_size"], first, p["spec"].max_actions_per_traj)
-                for p in out for g, first in zip(p["groups"], p["first_index"], strict=True)]
+        out = build_parts(entries, du.shard_groups(8, world, rank), "python", True, "||")
+        return [(p.entry.name, g, p.entry.group_size, first, p.spec.max_actions_per_traj)
+                for p in out for g, first in zip(p.groups, p.first_index, strict=True)]
 
     one = parts(1, 0)
     assert sorted(parts(2, 0) + parts(2, 1)) == sorted(one) and len(one) == 8
@@ -87,7 +85,7 @@ def test_parts_over_ranks_equal_one_rank():
 
 def test_per_env_budget_reaches_the_prompt(tmp_path):
     """MetaMathQA in a mix shows RAGEN's budget of 1, Sokoban its 12 (not one global 10)."""
-    from fastpo.trainer import Trainer
+    from fastpo.env_mix import build_parts
 
     data = tmp_path / "qa.jsonl"
     data.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n")
@@ -95,15 +93,15 @@ def test_per_env_budget_reaches_the_prompt(tmp_path):
            {"name": "metamathqa", "groups": 1, "kwargs": {"data_path": str(data)}}]
     cfg = parse_args(["--env.train", json.dumps(mix), "--env.env_groups", "2", "--algorithm.rollout_filter_ratio", "1"])
     validate(cfg)
-    parts = Trainer._env_parts(SimpleNamespace(cfg=cfg), resolve_mix(cfg.env, "train"), range(2), "env")
+    parts = build_parts(resolve_mix(cfg.env, "train"), range(2), "default", True, "||")
     texts = {}
     for p in parts:
-        obs = p["env"].reset([7] * p["env"].num_envs)
-        texts[p["name"]] = build_messages(p["spec"], [Turn(obs[0], actions_left=p["spec"].max_actions_per_traj)])
+        obs = p.env.reset([7] * p.env.num_envs)
+        texts[p.entry.name] = build_messages(p.spec, [Turn(obs[0], actions_left=p.spec.max_actions_per_traj)])
     assert "You have 1 actions left." in texts["metamathqa"][1]["content"]
     assert "You have 12 actions left." in texts["sokoban"][1]["content"]
     assert "You can make up to 12 actions" in texts["sokoban"][1]["content"]
-    assert parts[1]["rollout"].env_label == "MetamathQA"
+    assert parts[1].entry.label == "MetamathQA"
 
 
 def test_bad_mixes_are_refused_before_any_model_loads(tmp_path):

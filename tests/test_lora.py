@@ -137,7 +137,7 @@ def test_lora_trains_adapters_only_engine_parity_reference_and_export(tmp_path):
         assert train_a and all(".lora_A." in n or ".lora_B." in n for n in train_a)
         assert {"value_head.weight", "value_head.bias"} <= train_c
         assert all(".lora_" in n for n in train_c - {"value_head.weight", "value_head.bias"})
-        for model, optim in ((actor, trainer.actor_optim), (critic, trainer.critic_optim)):
+        for model, optim in ((actor, trainer.models.actor_optim), (critic, trainer.models.critic_optim)):
             held = {id(p) for g in optim.param_groups for p in g["params"]}
             assert held == {id(p) for p in model.parameters() if p.requires_grad}
         before_a = {k: v.clone() for k, v in actor.state_dict().items()}

@@ -156,6 +156,22 @@ def test_echo_trap_warns_on_collapse_signals():
     assert mon.metrics()["echo_trap/entropy"] == 2.0
 
 
+def test_echo_trap_entropy_jump_has_its_own_factor():
+    """trainer.entropy_jump_factor: a jump is judged by its own multiple of the running median, a drop by the drop
+    factor (the default without a jump factor stays symmetric: 1 + entropy_rel_change)."""
+    stable = {"actor/entropy": 1.0}
+    mon = EchoTrapMonitor(EchoTrapThresholds(entropy_rel_change=0.5, entropy_jump_factor=2.0, window=5))
+    _run(mon, [stable] * 5)
+    assert mon.update({"actor/entropy": 1.8}) == []  # +80% < 2x: no jump
+    w = mon.update({"actor/entropy": 2.1})
+    assert len(w) == 1 and "entropy jumped" in w[0] and "threshold 2x" in w[0]
+    w = mon.update({"actor/entropy": 0.4})
+    assert len(w) == 1 and "entropy dropped" in w[0] and "threshold -50%" in w[0]
+    inf = EchoTrapMonitor(EchoTrapThresholds(entropy_rel_change=0.5, entropy_jump_factor=float("inf"), window=5))
+    _run(inf, [stable] * 5)
+    assert inf.update({"actor/entropy": 50.0}) == []
+
+
 def test_echo_trap_needs_history_before_comparing():
     mon = EchoTrapMonitor(EchoTrapThresholds(min_history=3))
     assert _run(mon, [{"actor/grad_norm": g} for g in (1.0, 100.0, 1.0)]) == [[], [], []]

@@ -17,7 +17,7 @@ from test_trainer import GAE, SMALL, _metrics, _ok, _weights
 
 import fastpo.model as fm
 from fastpo.config import ConfigError, parse_args, validate
-from fastpo.engine.fsdp import non_persistent_buffers
+from fastpo.fsdp import non_persistent_buffers
 from fastpo.testing import run_killable
 
 torch.set_num_threads(1)
@@ -152,7 +152,7 @@ WORKER = textwrap.dedent('''
 
     import fastpo.model as fm
     from fastpo import distributed as du
-    from fastpo.engine.fsdp import full_state_dict, load_sharded
+    from fastpo.fsdp import full_state_dict, load_sharded
 
     torch.set_num_threads(1)
     path, out, meta_init = sys.argv[1], sys.argv[2], sys.argv[3] == "1"

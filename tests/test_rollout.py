@@ -9,9 +9,10 @@ import torch
 
 import fastpo.envs as E
 from fastpo import testing
+from fastpo.config import RolloutConfig
 from fastpo.engine import HFEngine, SamplingParams
 from fastpo.prompts import prompt_spec, render_chat
-from fastpo.rollout import RolloutConfig, RolloutPart, run_rollout, run_rollouts
+from fastpo.rollout import RolloutPart, run_rollout, run_rollouts
 
 SOKOBAN = "######\n#_P__#\n#_X__#\n#_O__#\n#____#\n######"  # Down pushes the box onto the target: +10.9
 FROZEN = ["SFFF", "FHFH", "FFFH", "HFFG"]
@@ -29,10 +30,14 @@ def _ragen_sum(values):
     return acc
 
 
-def _rollout(tok, env, spec, script, groups=None, already_reset=True, max_new_tokens=24, stop=(), **cfg):
+#: The per-env options of a RolloutPart; the rest of a _rollout call's keywords are RolloutConfig fields.
+PART_KEYS = {"max_turns", "max_actions_per_turn", "label", "prefix"}
+
+
+def _rollout(tok, env, spec, script, groups=None, already_reset=True, max_new_tokens=24, stop=(), **options):
     n = env.num_envs
     engine = testing.ScriptedEngine(tok, script)
-    cfg = RolloutConfig(already_reset=already_reset, **cfg)
+    cfg = RolloutConfig(**{k: v for k, v in options.items() if k not in PART_KEYS})
     batch = run_rollout(
         env,
         engine,
@@ -43,6 +48,8 @@ def _rollout(tok, env, spec, script, groups=None, already_reset=True, max_new_to
         cfg,
         SamplingParams(max_new_tokens=max_new_tokens, stop=stop),
         list(range(n)),
+        already_reset=already_reset,
+        **{k: v for k, v in options.items() if k in PART_KEYS},
     )
     return batch, engine
 
@@ -63,7 +70,7 @@ def _check_invariants(tok, traj, engine=None, sid=None, exact_decode=True):
         assert text == render_chat(tok, traj.messages, for_update=True)
     if engine is not None:  # the session holds the sequence minus the closing tail
         session = engine.sessions[sid]
-        assert traj.input_ids[: len(session)] == session
+        assert traj.input_ids[: len(session)].tolist() == list(session)
         assert not any(traj.loss_mask[len(session) :])
 
 
@@ -148,7 +155,7 @@ def test_turn_level_rewards(tok, penalties):
     script = [["a</think><answer>Left || Jump</answer>", "b</think><answer>Right</answer>", "c</think><answer>Down"]]
     script[0][2] += "</answer>"
     batch, engine = _rollout(
-        tok, env, prompt_spec("sokoban"), script, max_turns=3, use_turn_scores=True, turn_level_penalties=penalties
+        tok, env, prompt_spec("sokoban"), script, max_turns=3, reward_level="turn", turn_level_penalties=penalties
     )
     t = batch.trajectories[0]
     _check_invariants(tok, t, engine, 0)
@@ -313,7 +320,7 @@ def test_train_on_observations(tok):
     t = batch.trajectories[0]
     system = tok.apply_chat_template(t.messages[:1], tokenize=False)
     start = len(tok.encode(system, add_special_tokens=False)) + 1
-    assert t.loss_mask == [0] * start + [1] * (len(t.input_ids) - start)
+    assert t.loss_mask.tolist() == [False] * start + [True] * (len(t.input_ids) - start)
     assert t.token_rewards[-1] == pytest.approx(10.9)
 
 
@@ -353,9 +360,9 @@ def test_several_envs_in_one_engine_call_per_turn(tok):
         s_env, f_env = E.make("sokoban", 2), E.make("frozenlake", 2, is_slippery=False)
         s_env.reset_from_layouts([SOKOBAN] * 2)
         f_env.reset_from_layouts([FROZEN] * 2)
-        cfg = RolloutConfig(already_reset=True, max_turns=3)
-        return [RolloutPart(s_env, prompt_spec("sokoban"), [0, 0], [0, 0], cfg, [0, 1]),
-                RolloutPart(f_env, prompt_spec("frozenlake"), [0, 0], [1, 1], cfg, [2, 3])]
+        opts = {"already_reset": True, "max_turns": 3}
+        return [RolloutPart(s_env, prompt_spec("sokoban"), [0, 0], [0, 0], [0, 1], **opts),
+                RolloutPart(f_env, prompt_spec("frozenlake"), [0, 0], [1, 1], [2, 3], **opts)]
 
     params = SamplingParams(max_new_tokens=24)
     joint = _CountingEngine(tok, script)
@@ -363,13 +370,13 @@ def test_several_envs_in_one_engine_call_per_turn(tok):
     alone = []
     for part in parts():
         engine = _CountingEngine(tok, script)
-        alone.append((run_rollout(part.env, engine, tok, part.spec, part.seeds, part.group_ids, part.cfg, params,
-                                  part.request_seeds), engine.calls))
+        alone.append((run_rollout(part.env, engine, tok, part.spec, part.seeds, part.group_ids, None, params,
+                                  part.request_seeds, max_turns=part.max_turns, already_reset=True), engine.calls))
     assert joint.calls == max(calls for _, calls in alone) == 3 and sum(c for _, c in alone) == 6
     for got, (want, _) in zip(together, alone, strict=True):
         for a, b in zip(got.trajectories, want.trajectories, strict=True):
-            assert (a.input_ids, a.loss_mask, a.token_rewards, a.turn_end) == (b.input_ids, b.loss_mask,
-                                                                              b.token_rewards, b.turn_end)
+            for name in ("input_ids", "loss_mask", "token_rewards", "turn_end"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
         timing = ("generate_s", "env_s", "prompt_s")
         assert {k: v for k, v in got.metrics.items() if not k.endswith(timing)} == {
             k: v for k, v in want.metrics.items() if not k.endswith(timing)}
@@ -395,9 +402,11 @@ def test_hf_engine_end_to_end(tok, tmp_path):
         prompt_spec("sokoban"),
         np.zeros(3),
         [0, 0, 0],
-        RolloutConfig(max_turns=2, already_reset=True),
+        RolloutConfig(),
         params,
         [5, 6, 7],
+        max_turns=2,
+        already_reset=True,
     )
     for t in batch.trajectories:
         n = len(t.input_ids)

@@ -164,7 +164,7 @@ def test_cli_trains_and_saves(tiny, tmp_path):
     assert not (out / "step-3").exists()
     assert len((out / "sft_log.jsonl").read_text().splitlines()) == 3
     assert json.loads((out / "sft_args.json").read_text())["env"]["names"] == ["bandit"]
-    bad = subprocess.run(cmd[:4] + ["--env.names", "chess", "--sft.out", str(out)], cwd=REPO, capture_output=True,
+    bad = subprocess.run(cmd[:5] + ["--env.names", "chess", "--sft.out", str(out)], cwd=REPO, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "env.names: unknown env 'chess'; accepted" in bad.stderr
     bad = subprocess.run(cmd + ["--sft.save_every", "-1", "--sft.noise", "2"], cwd=REPO, capture_output=True, text=True)

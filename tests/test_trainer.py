@@ -69,9 +69,10 @@ def test_packed_logprobs_equal_full_logits(tmp_path, layout, attn):
     """pack + lm_head_inputs + fused_linear_logprob == log_softmax(HF logits / T) of each sequence alone, in every
     micro-batch layout (one packed row; one right-padded row per trajectory; one row per group with the prefix its
     trajectories share once, under a 4D mask: boolean for sdpa, additive for eager)."""
-    from fastpo.config import get_preset
+    from fastpo.microbatch import pack
+    from fastpo.rollout import Trajectory
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
-    from fastpo.trainer import Sample, Trainer, pack
+    from fastpo.update import token_logp, token_values
 
     tok = build_tiny_tokenizer(tmp_path)
     model = build_tiny_model(tmp_path, tok)
@@ -84,8 +85,7 @@ def test_packed_logprobs_equal_full_logits(tmp_path, layout, attn):
         if group == 0:
             ids[:5] = prompt
         mask = np.arange(n) >= 2
-        samples.append(Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool),
-                              0.0, group, True))
+        samples.append(Trajectory(ids, mask, group=group))
     micro = pack(samples, [0, 1, 2], 20, torch.device("cpu"), layout, token_cost=8.0)
     if layout == "shared":  # group 0 costs 7 + (12 - 5) tokens, so all three fit in 20: rows [prefix|2|7], [5]
         assert [m.indices for m in micro] == [[0, 1, 2]]
@@ -103,12 +103,9 @@ def test_packed_logprobs_equal_full_logits(tmp_path, layout, attn):
         assert micro[0].padded_ids is None
     assert micro[0].position_ids[0].tolist() == list(range(7)) + list(range(12)) + [0, 1, 2, 3, 4] * (
         layout == "shared")
-    cfg = get_preset("tiny")
-    cfg.rollout.temperature = 0.7
-    fake = type("T", (), {"cfg": cfg})()
     for mb in micro:
         mask = torch.from_numpy(np.concatenate([samples[i].loss_mask for i in mb.indices]))
-        logp, ent = Trainer._actor_logp(fake, model, mb, mask, True)
+        logp, ent = token_logp(model, mb, mask, 0.7, True)
         cu = mb.cu_seqlens.tolist()
         for j, i in enumerate(mb.indices):
             ids = torch.from_numpy(samples[i].input_ids)[None]
@@ -123,14 +120,14 @@ def test_packed_logprobs_equal_full_logits(tmp_path, layout, attn):
     # the critic on the same packed rows: V_t = head(h_{t-1}) of each sequence alone
     from fastpo.model import load_critic
 
-    fake.critic = load_critic(tmp_path)
-    fake.critic.backbone.set_attn_implementation(attn)
+    critic = load_critic(tmp_path)
+    critic.backbone.set_attn_implementation(attn)
     for mb in micro:
         mask = torch.from_numpy(np.concatenate([samples[i].loss_mask for i in mb.indices]))
-        values = Trainer._values(fake, mb, mask)
+        values = token_values(critic, mb, mask)
         cu = mb.cu_seqlens.tolist()
         for j, i in enumerate(mb.indices):
-            ref = fake.critic(torch.from_numpy(samples[i].input_ids)[None])[0, :-1]
+            ref = critic(torch.from_numpy(samples[i].input_ids)[None])[0, :-1]
             m = torch.from_numpy(samples[i].loss_mask[1:])
             torch.testing.assert_close(values[cu[j] + 1:cu[j + 1]][m], ref[m], atol=2e-5, rtol=1e-5)
 
@@ -138,15 +135,15 @@ def test_packed_logprobs_equal_full_logits(tmp_path, layout, attn):
 def test_shared_layout_falls_back_within_the_token_budget():
     """A micro-batch packed by its shared size that the cost estimate runs as padded rows is re-packed by full
     lengths, so the forward never exceeds optim.micro_batch_tokens."""
-    from fastpo.microbatch import Sample, pack
+    from fastpo.microbatch import pack
+    from fastpo.rollout import Trajectory
 
     rng = np.random.default_rng(3)
     samples = []
     for _ in range(2):  # one group, only 2 of 10 tokens in common: sharing saves too little to pay for the mask
         ids = rng.integers(10, 100, 10)
         ids[:2] = [1, 2]
-        samples.append(Sample(ids, np.ones(10, bool), np.zeros(10, np.float32), np.zeros(10, np.float32),
-                              np.zeros(10, bool), 0.0, 7, True))
+        samples.append(Trajectory(ids, np.ones(10, bool), group=7))
     micro = pack(samples, [0, 1], 18, torch.device("cpu"), "shared", token_cost=0.0)  # 10 + 8 fit, 20 do not
     assert [m.indices for m in micro] == [[0], [1]] and all(m.row_mask is None for m in micro)
     assert all(m.input_ids.shape[1] <= 18 for m in micro)
@@ -160,9 +157,10 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     loss over the whole mini-batch in one micro-batch, for every aggregation mode."""
     from fastpo import algorithms
     from fastpo.config import get_preset
-    from fastpo.microbatch import token_cost
+    from fastpo.microbatch import cat_tokens, pack, token_cost
+    from fastpo.rollout import Trajectory
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
-    from fastpo.trainer import Sample, Trainer, cat_tokens
+    from fastpo.update import loss_scales, norm_len, token_logp
 
     tok = build_tiny_tokenizer(tmp_path)
     model = build_tiny_model(tmp_path, tok)
@@ -173,7 +171,7 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
         if group < 2 and samples and samples[-1].group == group:  # the second of a group shares a prompt prefix
             ids[:4 + group] = samples[-1].input_ids[:4 + group]
         mask = (np.arange(n) >= 3) & (rng.random(n) < 0.8)
-        s = Sample(ids, mask, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool), 0.0, group, True)
+        s = Trajectory(ids, mask, group=group)
         s.old_logp = (-rng.random(n) * mask).astype(np.float32)
         s.advantages = (rng.standard_normal(n) * mask).astype(np.float32)
         samples.append(s)
@@ -182,19 +180,17 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     kept = list(range(5))
 
     def grads(max_tokens, layout):
-        cfg.optim.micro_batch_tokens = max_tokens
-        fake = type("T", (), {"cfg": cfg, "rank": 0, "world": 1, "device": torch.device("cpu"), "_layout": layout,
-                              "_token_cost": token_cost(model), "_pack": Trainer._pack})()
+        cpu = torch.device("cpu")
         model.zero_grad()
-        plan = Trainer._micro_plan(fake, samples, kept)
-        for mb in plan:
-            mask = cat_tokens(samples, mb.indices, "loss_mask", fake.device)
-            logp, ent = Trainer._actor_logp(fake, model, mb, mask, True)
-            old = cat_tokens(samples, mb.indices, "old_logp", fake.device)
-            adv = cat_tokens(samples, mb.indices, "advantages", fake.device)
+        plan = pack(samples, kept, max_tokens, cpu, layout, token_cost(model))
+        for mb, scale in zip(plan, loss_scales(samples, kept, plan, mode, world=1), strict=True):
+            mask = cat_tokens(samples, mb.indices, "loss_mask", cpu)
+            logp, ent = token_logp(model, mb, mask, cfg.rollout.temperature, True)
+            old = cat_tokens(samples, mb.indices, "old_logp", cpu)
+            adv = cat_tokens(samples, mb.indices, "advantages", cpu)
             loss, _ = algorithms.policy_loss(logp, old, adv, mask, ent, None, cfg.algorithm, cu_seqlens=mb.cu_seqlens,
-                                             norm_len=Trainer._norm_len(samples, kept))
-            (loss * mb.scale).backward()
+                                             norm_len=norm_len(samples, kept))
+            (loss * scale).backward()
         return plan, [p.grad.clone() for p in model.parameters()]
 
     plan, one = grads(10**6, "packed")
@@ -209,21 +205,16 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
 
 
 def test_mini_batches_shuffle_groups_deterministically():
-    from fastpo.config import get_preset
-    from fastpo.trainer import Trainer
+    from fastpo.update import mini_batches
 
-    cfg = get_preset("tiny")  # mini-batches of 16
-    fake = type("T", (), {"cfg": cfg, "step": 3})()
     kept = list(range(64))  # 8 groups of 8, group by group as the filter returns them
-    a = Trainer._mini_batches(fake, kept, 0)
+    a = mini_batches(kept, 16, True, seed=42, step=3, epoch=0)  # the tiny preset's mini-batches of 16
     assert sorted(i for mb in a for i in mb) == kept and [len(mb) for mb in a] == [16] * 4
     assert all(len({i // 8 for i in mb}) > 2 for mb in a)  # in order, each would hold exactly 2 groups
-    assert a == Trainer._mini_batches(fake, kept, 0)  # a function of (seed, step, epoch): same on every rank
-    assert a != Trainer._mini_batches(fake, kept, 1)
-    fake.step = 4
-    assert a != Trainer._mini_batches(fake, kept, 0)
-    cfg.optim.shuffle_mini_batches = False
-    assert Trainer._mini_batches(fake, kept, 0) == [kept[i:i + 16] for i in range(0, 64, 16)]
+    assert a == mini_batches(kept, 16, True, 42, 3, 0)  # a function of (seed, step, epoch): same on every rank
+    assert a != mini_batches(kept, 16, True, 42, 3, 1)
+    assert a != mini_batches(kept, 16, True, 42, 4, 0)
+    assert mini_batches(kept, 16, False, 42, 3, 0) == [kept[i:i + 16] for i in range(0, 64, 16)]
 
 
 def test_request_seeds_and_nan_hook(monkeypatch):
@@ -369,11 +360,12 @@ def test_one_rank_equals_two_ranks_first_update(tmp_path):
 def test_on_policy_update_equals_the_scored_path(tmp_path, monkeypatch):
     """One epoch over one mini-batch skips the separate old-logprob pass (the update's detached logp is the old
     logp); the first update must equal the path that scores first, and the parity guard still measures the gap."""
+    from fastpo import update
     from fastpo.config import parse_args, validate
     from fastpo.trainer import Trainer
 
     def first_update(run: str, on_policy: bool):
-        monkeypatch.setattr(Trainer, "_on_policy", lambda self, kept: on_policy)
+        monkeypatch.setattr(update, "is_on_policy", lambda kept, size, epochs: on_policy)
         cfg = validate(parse_args([*SMALL, "--trainer.run_dir", str(tmp_path / run), "--trainer.iterations", "1",
                                    "--optim.mini_batch_size", "8", "--trainer.val_before_train", "false"]), 1)
         trainer = Trainer(cfg)

@@ -22,12 +22,16 @@ pytest.importorskip("vllm")
 from test_trainer import SMALL, _metrics, _ok, _weights  # noqa: E402
 
 from fastpo import envs, testing  # noqa: E402
-from fastpo.config import parse_args, validate  # noqa: E402
+from fastpo.config import (  # noqa: E402
+    RolloutConfig,  # noqa: E402
+    parse_args,
+    validate,
+)
 from fastpo.engine import HFEngine, SamplingParams  # noqa: E402
 from fastpo.engine.vllm import VLLMEngine  # noqa: E402
 from fastpo.model import load_policy, load_tokenizer  # noqa: E402
 from fastpo.prompts import Turn, build_messages, prompt_spec, render_chat  # noqa: E402
-from fastpo.rollout import RolloutConfig, run_rollout  # noqa: E402
+from fastpo.rollout import run_rollout  # noqa: E402
 
 #: vLLM vs trainer logprobs of the sampled tokens after an update + sync (fp32; measured ~1e-5 at most).
 SYNC_ATOL = 1e-4
@@ -169,9 +173,10 @@ def _episode_stats(engine, tok, n: int) -> dict[str, np.ndarray]:
     """n FrozenLake episodes (2 turns, 24 tokens per turn, temperature 1); per-episode statistics."""
     env = envs.make("frozenlake", n)
     spec = prompt_spec("frozenlake", max_actions_per_traj=4)
-    cfg = RolloutConfig(max_turns=2, max_actions_per_turn=2, max_model_len=512)
+    cfg = RolloutConfig(max_model_len=512)
     batch = run_rollout(env, engine, tok, spec, np.arange(n), np.arange(n), cfg,
-                        SamplingParams(temperature=1.0, max_new_tokens=24), list(range(n)))
+                        SamplingParams(temperature=1.0, max_new_tokens=24), list(range(n)), max_turns=2,
+                        max_actions_per_turn=2)
     out: dict[str, list[float]] = {"success": [], "mean_logprob": [], "tokens": [], "stopped": [], "valid": []}
     for t in batch.trajectories:
         mask = np.asarray(t.loss_mask, bool)

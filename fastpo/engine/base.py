@@ -156,6 +156,20 @@ class StopStrings:
         return len(ids), ""
 
 
+def stop_matcher(
+    cache: dict[tuple[str, ...], StopStrings], tokenizer: Any, stops: tuple[str, ...], vocab_size: int
+) -> StopStrings | None:
+    """The ``StopStrings`` for ``SamplingParams.stop`` (None when there are none), kept in `cache` by stop tuple.
+
+    Building one scans the whole vocabulary, so an engine passes the same `cache` on every call. Raises
+    ValueError when `stops` is non-empty and `tokenizer` is None."""
+    if not stops:
+        return None
+    if stops not in cache:
+        cache[stops] = StopStrings(tokenizer, stops, vocab_size)
+    return cache[stops]
+
+
 def check_seeds(seeds: Sequence[int] | None, n: int) -> list[int] | None:
     """Validate per-request seeds: None, or n ints."""
     if seeds is None:

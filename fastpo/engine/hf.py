@@ -53,6 +53,7 @@ from .base import (
     StopStrings,
     check_token_lists,
     eos_ids_from,
+    stop_matcher,
 )
 
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -530,7 +531,7 @@ class HFEngine(SessionEngine):
         raw = torch.zeros_like(logprobs)
         counts = torch.zeros(rows, dtype=torch.long, device=self.device)
         active = torch.ones(rows, dtype=torch.bool, device=self.device)
-        matcher = self._stop_strings(params.stop) if params.stop else None
+        matcher = stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size)
         history: list[list[int]] = [[] for _ in range(rows)]
         stopped_by = [""] * rows
         for step in range(steps):
@@ -553,12 +554,6 @@ class HFEngine(SessionEngine):
             logits = self.decode_one_token(group, tok, active)
         width = int(counts.max())
         return tokens[:, :width].cpu(), logprobs[:, :width].cpu(), raw[:, :width].cpu(), counts.cpu(), stopped_by
-
-    def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings:
-        """The matcher for these stop strings (built once per tuple: it scans the vocabulary)."""
-        if stop not in self._stop_matchers:
-            self._stop_matchers[stop] = StopStrings(self.tokenizer, stop, self.vocab_size)
-        return self._stop_matchers[stop]
 
     # ---- weights --------------------------------------------------------------------------------------------
 

@@ -86,7 +86,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import GenerationResult, SamplingParams, SessionEngine, StopStrings, check_token_lists, eos_ids_from
+from .base import (
+    GenerationResult,
+    SamplingParams,
+    SessionEngine,
+    StopStrings,
+    check_token_lists,
+    eos_ids_from,
+    stop_matcher,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -380,11 +388,6 @@ class VLLMEngine(SessionEngine):
         self._engine_dtype = self.llm.llm_engine.model_config.dtype
         self._inplace_reload = all(self.llm.collective_rpc(_worker_reload_takes_iterator))
 
-    def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings:
-        if stop not in self._stop_matchers:
-            self._stop_matchers[stop] = StopStrings(self.tokenizer, stop, self.vocab_size)
-        return self._stop_matchers[stop]
-
     def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
         try:
             from transformers import GenerationConfig
@@ -460,7 +463,7 @@ class VLLMEngine(SessionEngine):
         # EOS / max_new_tokens and are cut here at the token that first completes a string. Each request's tokens
         # depend only on its seed and context, so the kept ids are exactly what stopping there would have given
         # (the tokens after it are wasted decode steps).
-        matcher = self._stop_strings(params.stop) if params.stop else None
+        matcher = stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size)
 
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=c) for c in contexts],

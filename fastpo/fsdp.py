@@ -1,47 +1,30 @@
-"""FSDP2 wrapping of the actor / critic, mixed precision, activation checkpointing, full state dicts.
+"""The trained models: FSDP2 wrapping, mixed precision over fp32 master weights, activation checkpointing,
+optimisers, full state dicts.
 
+    models = build_trained_models(cfg, model_path, device)   # actor (+ critic, reference), AdamW, schedules
     model = shard_model(model, mixed_precision=torch.bfloat16, activation_checkpointing=True)
-    state = full_state_dict(model)          # {name: full CPU tensor}: weight sync to the engine, HF export
+    state = full_state_dict(model)          # {name: full tensor}: weight sync to the engine, HF export
     model = load_sharded(lambda meta: load_policy(path, meta=meta), device, meta_init=True)  # rank 0 reads only
 
-Layout: every decoder layer (``model.<...>.layers[i]``) is its own ``fully_shard`` unit and the root module is
-the last unit (embeddings, final norm, lm head / value head: tied weights stay in one unit). Always run the
-ROOT module's forward (the trainer gets hidden states with ``logits_to_keep=1`` and a hook on the decoder,
-``fastpo.trainer.lm_head_inputs``): FSDP2 keeps the root's parameters unsharded after its forward, so the
-lm-head weight read after the forward is the gathered full weight, and its gradient is reduce-scattered by the
-root's post-backward like any other. Calling the decoder alone would skip the root's hooks.
+Every decoder layer is its own ``fully_shard`` unit and the root module the last (embeddings, final norm, lm head:
+tied weights stay in one unit). Always run the ROOT module's forward (``microbatch.lm_head_inputs`` reads hidden
+states with ``logits_to_keep=1`` and a hook on the decoder): FSDP2 keeps the root's parameters unsharded after its
+forward, so the lm-head weight read then is the full weight; calling the decoder alone would skip the root's hooks.
+LoRA models shard the same way (frozen base weights beside trainable adapters in a unit). Meta-device init: under
+torchrun only rank 0 reads the checkpoint, the others build the architecture on the meta device and receive rank
+0's weights and non-persistent buffers (the rotary ``inv_freq``) by broadcast into their shards.
 
-LoRA (a ``peft.PeftModel``, or a ``CriticModel`` whose backbone is one) shards the same way: each unit then holds
-frozen base weights beside trainable adapter weights, which FSDP2 allows (only parameters with a gradient are
-reduce-scattered; checked against a single process in tests/test_lora.py). :func:`full_state_dict` returns such a
-model's weights merged, under the plain model's names.
-
-Meta-device init (:func:`load_sharded`, ``model.meta_init``): under torchrun only rank 0 reads the checkpoint; the
-other ranks build the architecture on the meta device (``load_policy(..., meta=True)``), every rank shards it, the
-meta ranks allocate their shards (``to_empty``), and rank 0's full state dict is broadcast into the shards
-(``set_model_state_dict(..., broadcast_from_rank0=True)``). Non-persistent buffers (the rotary ``inv_freq``) are not
-in a state dict: rank 0 broadcasts them too. Tied embeddings stay one parameter (the meta model is tied by
-``from_config`` like the loaded one). LoRA models take the normal path (every rank loads): peft's adapter
-construction on meta tensors is not supported here.
-
-Without a process group (``python -m fastpo.train``) :func:`shard_model` only applies activation checkpointing:
-one code path, no sharding. Mixed precision (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``) is
-applied whenever the caller passes a compute dtype, on any device; the trainer passes one exactly when
-``model.dtype`` is lower than fp32 and then loads the parameters in fp32, so AdamW updates fp32 master weights and
-keeps fp32 states (bf16 parameters would round most updates at lr 1e-6 away). FSDP2 needs a process group for that
-even in a single process: :func:`init_single_rank_group` creates a world-1 one (HashStore, no port), so
-``python -m fastpo.train`` on one GPU runs the same FSDP2 path as torchrun with one rank.
-
-The critic's value head is its own FSDP2 unit with an fp32 policy under mixed precision: the root unit's bf16
-policy would otherwise cast the head's weight to bf16 while ``CriticModel.forward`` feeds it fp32 hidden states
-(a dtype mismatch at the first critic forward), and values would be computed in bf16. At world 1 the decoder layers
-keep their gathered weights after forward (``reshard_after_forward=False``): there is nothing to free by
-resharding, only copies to redo in backward.
+A compute dtype below fp32 runs as FSDP2 mixed precision over fp32 parameters, so AdamW updates fp32 master
+weights (bf16 parameters would round most updates at lr 1e-6 away); a single process gets a world-1 process group
+for it (:func:`init_single_rank_group`). The critic's value head is its own unit with an fp32 policy (the root's
+bf16 policy would cast its weight while it is fed fp32 hidden states). At world 1 the decoder layers keep their
+gathered weights after forward (``reshard_after_forward=False``): there is nothing to free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from .. import distributed as du
-from ..model import is_lora, merged_state_dict
+from . import distributed as du
+from .model import is_lora, merged_state_dict
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -86,7 +69,7 @@ def init_single_rank_group(device: torch.device | str) -> bool:
 def needs_master_weights(compute_dtype: torch.dtype | str) -> bool:
     """True when `compute_dtype` (a torch dtype or its name, e.g. "bfloat16") is lower than fp32: the trained
     models are then loaded in fp32 and run under FSDP2 mixed precision in `compute_dtype`."""
-    from ..model import resolve_dtype
+    from .model import resolve_dtype
 
     return resolve_dtype(compute_dtype) != torch.float32
 
@@ -202,3 +185,87 @@ def load_sharded(
     for buf in non_persistent_buffers(model).values():
         dist.broadcast(buf.data, src=0)
     return model
+
+
+@dataclass
+class TrainedModels:
+    """The models a StarPO run trains (FSDP2-sharded under a process group) with their optimisers and schedules.
+
+    ``critic`` (and its optimiser, schedule) is None for estimators without a critic; ``ref`` is the frozen
+    reference policy when a KL term needs one and the actor is not LoRA (then the reference is the actor with its
+    adapter disabled, ``ref`` None). ``layout`` is the resolved micro-batch layout."""
+
+    actor: nn.Module
+    actor_optim: torch.optim.Optimizer
+    actor_sched: Any
+    critic: nn.Module | None = None
+    critic_optim: torch.optim.Optimizer | None = None
+    critic_sched: Any = None
+    ref: nn.Module | None = None
+    layout: str = "padded"
+
+    def stateful(self) -> dict[str, Any]:
+        """What a checkpoint holds (torch.distributed.checkpoint's stateful objects)."""
+        objs: dict[str, Any] = {"actor": self.actor, "actor_optim": self.actor_optim, "actor_sched": self.actor_sched}
+        if self.critic is not None:
+            objs.update(critic=self.critic, critic_optim=self.critic_optim, critic_sched=self.critic_sched)
+        return objs
+
+
+def constant_schedule(optim: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warmup_steps`` optimiser steps, then the constant lr (StarPO's schedule)."""
+    return torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps
+                                             else 1.0)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimiser holds: all of them, or under LoRA the adapters (and the critic's value head)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_trained_models(cfg: Any, model_path: str, device: torch.device) -> TrainedModels:
+    """Actor (and critic, reference) of a ``fastpo.config.Config`` loaded from ``model_path``, sharded, with AdamW and
+    the warmup-then-constant schedule. A compute dtype below fp32 runs as FSDP2 mixed precision over fp32 master
+    weights and fp32 AdamW states, with or without torchrun (a single process gets a world-1 process group)."""
+    from . import algorithms
+    from .model import load_critic, load_policy, resolve_attn_implementation, resolve_model_path
+
+    m, o = cfg.model, cfg.optim
+    master = needs_master_weights(m.dtype)
+    if master:
+        init_single_rank_group(device)
+    dtype = torch.float32 if master else m.dtype
+    lora = {"lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha, "lora_target_modules": m.lora_target_modules,
+            "lora_seed": cfg.trainer.seed}
+    attn = resolve_attn_implementation(m.attn_implementation, device, m.dtype)
+    # Liger patches transformers' modules in place: every model built afterwards (engine, reference) uses them
+    common = {"attn_implementation": attn, "liger_kernel": m.liger_kernel}
+    # under torchrun only rank 0 reads the weights, the others get them by broadcast into their shards; LoRA models
+    # load on every rank (peft on meta tensors is unsupported)
+    meta_init = m.meta_init and m.lora_rank == 0
+    shard = {"mixed_precision": getattr(torch, m.dtype) if master else None,
+             "activation_checkpointing": m.gradient_checkpointing}
+    adamw = {"lr": o.actor_lr, "betas": o.betas, "weight_decay": o.weight_decay}
+    actor = load_sharded(lambda meta: load_policy(model_path, dtype=dtype, meta=meta, **common, **lora), device,
+                         meta_init, **shard)
+    actor_optim = make_adamw(trainable_parameters(actor), device, **adamw)
+    out = TrainedModels(actor, actor_optim, constant_schedule(actor_optim, o.warmup_steps))
+    if algorithms.needs_critic(cfg.algorithm):
+        path = resolve_model_path(m.critic_path) if m.critic_path else model_path
+        out.critic = load_sharded(lambda meta: load_critic(path, dtype=dtype, head_seed=cfg.trainer.seed, meta=meta,
+                                                           **common, **lora), device, meta_init, **shard)
+        out.critic_optim = make_adamw(trainable_parameters(out.critic), device, **{**adamw, "lr": o.critic_lr})
+        out.critic_sched = constant_schedule(out.critic_optim, o.warmup_steps)
+    if algorithms.needs_reference(cfg.algorithm) and not is_lora(actor):
+        out.ref = load_policy(model_path, dtype=m.dtype, attn_implementation=attn).to(device)
+        out.ref.eval()
+        out.ref.requires_grad_(False)
+    attn_used = getattr(getattr(actor, "config", None), "_attn_implementation", None)
+    layout = o.micro_batch_layout
+    if layout == "auto":
+        layout = "packed" if attn_used == "flash_attention_2" else "shared"
+    if layout == "shared" and attn_used == "flash_attention_2":
+        raise ValueError("optim.micro_batch_layout=shared needs a 4D attention mask, which flash_attention_2 does "
+                         "not take: use packed or auto with model.attn_implementation=flash_attention_2")
+    out.layout = layout
+    return out

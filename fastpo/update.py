@@ -1,0 +1,165 @@
+"""The numerics of one StarPO update as free functions: data in, data out (the trainer calls them in order).
+
+    order = mini_batches(kept, size=16, shuffle=True, seed=42, step=3, epoch=0)   # [[traj index, ...], ...]
+    scales = loss_scales(trajs, order[0], micro, "token-mean", world=2)          # one loss scale per micro-batch
+    adv, ret, metrics = advantages(trajs, kept, cfg.algorithm, with_values=True)  # per kept trajectory, [T] each
+    logp, ent = token_logp(actor, mb, mask, temperature=1.0, entropy=True)       # fp32 [N], trained positions
+    norm, stepped = clip_and_step(actor, optim, sched, loss_sum, grad_clip=1.0)  # skips a non-finite step
+
+Loss scaling: each micro-batch's loss (aggregated over the micro-batch by loss_agg_mode) is multiplied by its share
+of the mini-batch (trained tokens for token-mean, trajectories for seq-mean-token-sum / -mean; 1 for
+seq-mean-token-sum-norm, a plain token sum over one constant) times the world size (FSDP2 averages gradients over
+ranks), so the accumulated gradient equals one loss over the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from . import algorithms, kernels
+from . import distributed as du
+from .config import AlgorithmConfig
+from .microbatch import MicroBatch, cat_tokens, lm_head_inputs, split_tokens
+from .rollout import Trajectory
+
+
+def mini_batches(kept: list[int], size: int, shuffle: bool, seed: int, step: int, epoch: int = 0) -> list[list[int]]:
+    """The mini-batches of one epoch over the kept trajectories. Kept trajectories come group by group, so in order
+    a mini-batch would hold whole groups (e.g. 2 of the 8 initial states): each step would chase a few states. With
+    ``shuffle`` they are drawn from a permutation seeded by (seed, step, epoch): identical on every rank,
+    independent of the world size, reproduced on resume."""
+    order = list(kept)
+    if shuffle and len(order) > size:
+        rng = np.random.default_rng([seed, 2, step, epoch])
+        order = [order[j] for j in rng.permutation(len(order))]
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def is_on_policy(kept: list[int], mini_batch_size: int, ppo_epochs: int) -> bool:
+    """One epoch over one mini-batch: the update's forward runs on the weights that sampled, so its detached logp
+    is the old logp (ratio exactly 1) and a separate no-grad scoring pass of the actor is not needed."""
+    return ppo_epochs == 1 and len(kept) <= mini_batch_size
+
+
+def norm_len(trajs: list[Trajectory], kept: list[int]) -> float:
+    """seq-mean-token-sum-norm's divisor: the longest kept trajectory, one constant for every micro-batch of the
+    iteration (as verl's padded batch width, not each packed micro-batch's own longest sequence, which would weigh
+    short micro-batches up)."""
+    return float(max(len(trajs[i].input_ids) for i in kept))
+
+
+def loss_scales(trajs: list[Trajectory], mini_batch: list[int], micro: list[MicroBatch], agg_mode: str,
+                world: int) -> list[float]:
+    """The loss scale of each of this rank's micro-batches of ``mini_batch`` (see the module docstring)."""
+    token_mean = agg_mode == "token-mean"
+    total = sum(int(trajs[i].loss_mask.sum()) for i in mini_batch) if token_mean else len(mini_batch)
+    scales = []
+    for mb in micro:
+        part = sum(int(trajs[i].loss_mask.sum()) for i in mb.indices) if token_mean else len(mb.indices)
+        scales.append(float(world) if agg_mode == "seq-mean-token-sum-norm" else part / max(total, 1) * world)
+    return scales
+
+
+def advantages(trajs: list[Trajectory], kept: list[int], cfg: AlgorithmConfig,
+               with_values: bool) -> tuple[list[np.ndarray], list[np.ndarray] | None, dict[str, float]]:
+    """``algorithms.compute_advantages`` over the kept trajectories packed into one batch (on the CPU, identical on
+    every rank): (advantages fp32 [T] per kept trajectory, returns likewise or None, the estimator's metrics).
+    ``with_values`` reads ``Trajectory.values`` (a critic scored them); per-turn data (``step_keys`` /
+    ``step_rewards``) is passed when every kept trajectory has it (GiGPO reads it)."""
+    cpu = torch.device("cpu")
+    cu = torch.tensor([0, *np.cumsum([len(trajs[i].input_ids) for i in kept])], dtype=torch.int64)
+    batch = algorithms.PackedBatch(
+        token_rewards=cat_tokens(trajs, kept, "token_rewards", cpu),
+        loss_mask=cat_tokens(trajs, kept, "loss_mask", cpu), turn_end=cat_tokens(trajs, kept, "turn_end", cpu),
+        cu_seqlens=cu, scores=torch.tensor([trajs[i].reward for i in kept], dtype=torch.float32),
+        group_ids=torch.tensor([trajs[i].group for i in kept], dtype=torch.int64),
+        values=cat_tokens(trajs, kept, "values", cpu) if with_values else None)
+    if all(trajs[i].step_keys is not None for i in kept):
+        batch.cu_turns = torch.tensor([0, *np.cumsum([len(trajs[i].step_keys) for i in kept])], dtype=torch.int64)
+        batch.turn_keys = cat_tokens(trajs, kept, "step_keys", cpu)
+        batch.turn_rewards = cat_tokens(trajs, kept, "step_rewards", cpu)
+        batch.turn_ids = algorithms.token_turn_ids(batch.turn_end, cu, batch.cu_turns)
+    adv, ret = algorithms.compute_advantages(batch, cfg)
+    return split_tokens(adv, cu), (split_tokens(ret, cu) if ret is not None else None), batch.metrics
+
+
+def logprob_gap(trajs: list[Trajectory], kept: list[int], train_on_observations: bool) -> dict[str, float]:
+    """Mean and max |engine logp - trainer logp| over the trained tokens of the kept trajectories whose sample
+    logprobs are exact ({} when none qualifies; observation tokens have no sample logprob)."""
+    if train_on_observations:
+        return {}
+    gaps = [np.abs(trajs[i].sample_logprobs - trajs[i].old_logp)[trajs[i].loss_mask]
+            for i in kept if trajs[i].logprobs_exact]
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    if not gaps.size:
+        return {}
+    return {"rollout/logprob_gap_mean": float(gaps.mean()), "rollout/logprob_gap_max": float(gaps.max())}
+
+
+def micro_gap(trajs: list[Trajectory], mb: MicroBatch, mask: Tensor, logp: Tensor) -> tuple[float, int, float]:
+    """(sum, count, max) of |engine logp - trainer logp| over one micro-batch's trained tokens of trajectories with
+    exact sample logprobs: the on-policy form of :func:`logprob_gap`, from the update's own forward."""
+    exact = torch.cat([torch.full((len(trajs[i].input_ids),), trajs[i].logprobs_exact, dtype=torch.bool)
+                       for i in mb.indices]).to(mask.device)
+    diff = (cat_tokens(trajs, mb.indices, "sample_logprobs", mask.device) - logp)[mask.bool() & exact].abs()
+    return float(diff.sum()), int(diff.numel()), float(diff.max()) if diff.numel() else 0.0
+
+
+def reduce_gap(total: float, count: int, peak: float) -> dict[str, float]:
+    """The ranks' :func:`micro_gap` sums combined into :func:`logprob_gap`'s metrics ({} when no token
+    qualified); collective."""
+    total, count = du.all_reduce_sum([total, float(count)])
+    peak = du.all_reduce_max(peak)
+    if count == 0:
+        return {}
+    return {"rollout/logprob_gap_mean": float(total / count), "rollout/logprob_gap_max": float(peak)}
+
+
+def token_logp(model: nn.Module, mb: MicroBatch, mask: Tensor, temperature: float, entropy: bool):
+    """logp (and entropy) fp32 [N] of every token of a micro-batch under ``model`` at the sampling temperature,
+    from the last hidden states and the lm-head weight (``fastpo.kernels.fused_linear_logprob``, no logits);
+    computed on the trained positions only (0 where ``mask`` is 0)."""
+    hidden, weight, bias = lm_head_inputs(model, mb)
+    tgt = mask.nonzero().squeeze(-1)
+    out = kernels.fused_linear_logprob(hidden[0, tgt - 1], weight, mb.input_ids[0, tgt], bias,
+                                       temperature=temperature, return_entropy=entropy)
+    vals = out if isinstance(out, tuple) else (out,)
+    full = tuple(torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device).index_copy(0, tgt, v)
+                 for v in vals)
+    return full if entropy else full[0]
+
+
+def token_values(critic: nn.Module, mb: MicroBatch, mask: Tensor) -> Tensor:
+    """Critic values fp32 [N]: V_t from the hidden state before token t (verl's alignment), 0 off the mask."""
+    v = mb.to_packed(critic(**mb.model_inputs(critic)))[0]
+    tgt = mask.nonzero().squeeze(-1)
+    return torch.zeros_like(v, dtype=torch.float32).index_copy(0, tgt, v[tgt - 1].float())
+
+
+def clip_and_step(model: nn.Module, optim: torch.optim.Optimizer, sched: Any, loss_sum: float,
+                  grad_clip: float) -> tuple[float, bool]:
+    """Clip the gradient norm, then step (optimiser and schedule) unless the loss or the norm is non-finite on any
+    rank (collective: the same decision everywhere); gradients are cleared either way. Returns (norm, stepped)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    ok = math.isfinite(norm) and math.isfinite(loss_sum)
+    ok = du.all_reduce_max(0.0 if ok else 1.0) == 0.0
+    if ok:
+        optim.step()
+        sched.step()
+    optim.zero_grad(set_to_none=True)
+    return norm, ok
+
+
+def metric_means(sums: dict[str, float], world: int, steps: int) -> dict[str, float]:
+    """Share-weighted per-rank metric sums (each rank's micro-batch values times its loss scale / world) ->
+    mini-batch means averaged over the ``steps`` optimiser steps; collective."""
+    parts = du.all_gather_list([sums])
+    keys = sorted({k for p in parts for k in p})
+    means = {k: float(np.mean([p[k] for p in parts if k in p])) for k in keys}
+    return {k: v * world / steps for k, v in means.items()}

@@ -1,0 +1,104 @@
+"""fastpo.update: the update's numerics called directly on hand-made trajectories (no Trainer)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastpo import algorithms, update
+from fastpo.config import AlgorithmConfig
+from fastpo.rollout import Trajectory
+
+
+def _trajs():
+    """Two groups of two: group 0 rewards 1 / 0, group 1 rewards 2 / 2 (zero std)."""
+    out = []
+    for group, reward, n in ((0, 1.0, 6), (0, 0.0, 4), (1, 2.0, 5), (1, 2.0, 7)):
+        mask = np.arange(n) >= 2
+        rewards = np.zeros(n, np.float32)
+        rewards[n - 1] = reward
+        out.append(Trajectory(np.arange(n), mask, token_rewards=rewards, group=group, reward=reward,
+                              sample_logprobs=-np.ones(n, np.float32) * mask))
+    return out
+
+
+def test_advantages_are_the_estimator_on_the_packed_kept_batch():
+    trajs = _trajs()
+    kept = [0, 1, 3]
+    adv, ret, metrics = update.advantages(trajs, kept, AlgorithmConfig(adv_estimator="grpo"), with_values=False)
+    assert ret is None and metrics == {} and [len(a) for a in adv] == [6, 4, 7]
+    # GRPO within group 0: (1 - 0.5) / std([1, 0], ddof 1) on the trained tokens; group 1 has one kept member: 0
+    std = np.std([1.0, 0.0], ddof=1)
+    np.testing.assert_allclose(adv[0], np.where(trajs[0].loss_mask, 0.5 / (std + 1e-6), 0.0), rtol=1e-6)
+    np.testing.assert_allclose(adv[1], np.where(trajs[1].loss_mask, -0.5 / (std + 1e-6), 0.0), rtol=1e-6)
+    np.testing.assert_array_equal(adv[2], np.zeros(7, np.float32))
+    # the same as the registry on a batch packed by hand
+    cu = torch.tensor([0, 6, 10, 17])
+    batch = algorithms.PackedBatch(
+        token_rewards=torch.from_numpy(np.concatenate([trajs[i].token_rewards for i in kept])),
+        loss_mask=torch.from_numpy(np.concatenate([trajs[i].loss_mask for i in kept])),
+        turn_end=torch.zeros(17, dtype=torch.bool), cu_seqlens=cu, scores=torch.tensor([1.0, 0.0, 2.0]),
+        group_ids=torch.tensor([0, 0, 1]))
+    ref, _ = algorithms.compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo"))
+    np.testing.assert_array_equal(np.concatenate(adv), ref.numpy())
+
+
+def test_gae_reads_values_and_returns_returns():
+    trajs = _trajs()
+    for t in trajs:
+        t.values = (0.25 * t.loss_mask).astype(np.float32)
+    adv, ret, _ = update.advantages(trajs, [0, 1], AlgorithmConfig(adv_estimator="gae"), with_values=True)
+    assert ret is not None
+    # gamma = lam = 1: return = the trajectory reward on every trained token, advantage = return - value (whitened)
+    np.testing.assert_allclose(ret[0][trajs[0].loss_mask], 1.0)
+    np.testing.assert_allclose(ret[1][trajs[1].loss_mask], 0.0)
+    raw = np.concatenate([np.full(4, 0.75), np.full(2, -0.25)])
+    np.testing.assert_allclose(np.concatenate([adv[0][2:], adv[1][2:]]), (raw - raw.mean()) / raw.std(ddof=1),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_logprob_gap_counts_exact_trained_tokens_only():
+    trajs = _trajs()
+    for t in trajs:
+        t.old_logp = (-0.9 * t.loss_mask).astype(np.float32)
+    trajs[1].logprobs_exact = False  # its sample logprobs belong to other tokens
+    gap = update.logprob_gap(trajs, [0, 1, 2], train_on_observations=False)
+    assert gap["rollout/logprob_gap_mean"] == pytest.approx(0.1, rel=1e-5)
+    assert gap["rollout/logprob_gap_max"] == pytest.approx(0.1, rel=1e-5)
+    assert update.logprob_gap(trajs, [1], False) == {} and update.logprob_gap(trajs, [0], True) == {}
+
+
+def test_loss_scales_and_on_policy():
+    from fastpo.microbatch import pack
+
+    trajs = _trajs()
+    micro = pack(trajs, [0, 1, 2], 10, torch.device("cpu"))
+    assert [mb.indices for mb in micro] == [[0, 1], [2]]
+    tokens = [int(trajs[i].loss_mask.sum()) for i in (0, 1, 2)]  # 4, 2, 3
+    assert update.loss_scales(trajs, [0, 1, 2], micro, "token-mean", 2) == pytest.approx(
+        [(tokens[0] + tokens[1]) / sum(tokens) * 2, tokens[2] / sum(tokens) * 2])
+    assert update.loss_scales(trajs, [0, 1, 2], micro, "seq-mean-token-mean", 1) == pytest.approx([2 / 3, 1 / 3])
+    assert update.loss_scales(trajs, [0, 1, 2], micro, "seq-mean-token-sum-norm", 2) == [2.0, 2.0]
+    assert update.norm_len(trajs, [0, 1, 2]) == 6.0
+    assert update.is_on_policy([0, 1, 2], 3, 1) and not update.is_on_policy([0, 1, 2], 2, 1)
+    assert not update.is_on_policy([0], 8, 2)
+
+
+def test_clip_and_step_skips_a_non_finite_step():
+    model = torch.nn.Linear(3, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 3)).sum().backward()
+    norm, ok = update.clip_and_step(model, optim, sched, float("nan"), grad_clip=1.0)
+    assert not ok and math.isfinite(norm) and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    model(torch.ones(1, 3)).sum().backward()
+    norm, ok = update.clip_and_step(model, optim, sched, 1.0, grad_clip=0.5)
+    assert ok and norm == pytest.approx(2.0)  # |d/dw| = 1 for 3 weights and the bias: norm 2, clipped to 0.5
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_metric_means_average_over_steps():
+    assert update.metric_means({"actor/pg_loss": 3.0}, world=1, steps=3) == {"actor/pg_loss": 1.0}
