@@ -295,22 +295,21 @@ def run_fastpo(s: Settings, work: Path, engine: str = "hf") -> dict[str, Any]:
     log: dict[str, list] = {"t_end": [], "step_sizes": [], "rewards": [], "gen_tokens": [], "metrics": []}
 
     class ObservedTrainer(Trainer):
-        def _rollout(self, parts, seed_base, kind, temperature, step):
-            samples, metrics = super()._rollout(parts, seed_base, kind, temperature, step)
+        def _rollout(self, parts, seed_base, kind, temperature, step, prefix="env", records=None):
+            trajs, metrics = super()._rollout(parts, seed_base, kind, temperature, step, prefix, records)
             if kind == 0:
-                log["rewards"].append([s_.score for s_ in samples])
-                log["gen_tokens"].append(int(sum(int(s_.loss_mask.sum()) for s_ in samples)))
-            return samples, metrics
+                log["rewards"].append([t.reward for t in trajs])
+                log["gen_tokens"].append(int(sum(int(t.loss_mask.sum()) for t in trajs)))
+            return trajs, metrics
 
-        def _micro_plan(self, samples, mb_indices):
-            self._pending = len(mb_indices)
-            return super()._micro_plan(samples, mb_indices)
+        def _micro_batches(self, trajs, mini_batch):
+            self._pending = len(mini_batch)
+            return super()._micro_batches(trajs, mini_batch)
 
-        def _step(self, model, optim, sched, loss_sum):
-            norm, ok = super()._step(model, optim, sched, loss_sum)
-            if model is self.actor and ok:
+        def _count_step(self, ok, critic, loss_sum, norm):
+            if not critic and ok:  # an actor optimiser step over the last mini-batch planned
                 log["step_sizes"].append(self._pending)
-            return norm, ok
+            super()._count_step(ok, critic, loss_sum, norm)
 
     trainer = ObservedTrainer(cfg)
     inner_log = trainer.logger.log
@@ -323,7 +322,7 @@ def run_fastpo(s: Settings, work: Path, engine: str = "hf") -> dict[str, Any]:
     trainer.logger.log = timed_log
     t0 = time.perf_counter()
     trainer.train()
-    states = [st for st in trainer.actor_optim.state.values() if "step" in st]
+    states = [st for st in trainer.models.actor_optim.state.values() if "step" in st]
     adam_steps = int(max(float(torch.as_tensor(st["step"])) for st in states)) if states else 0
     trainer.close(export=False)
     step_times = [b - a for a, b in zip([t0, *log["t_end"][:-1]], log["t_end"], strict=True)]

@@ -98,7 +98,7 @@ def _gaps(trainer, samples) -> np.ndarray:
     """|engine logp - trainer logp| on every sampled (trained) token of `samples`."""
     kept = list(range(len(samples)))
     trainer._score(samples, kept)
-    assert all(s.exact for s in samples)
+    assert all(s.logprobs_exact for s in samples)
     return np.concatenate([np.abs(s.sample_logprobs - s.old_logp)[s.loss_mask] for s in samples])
 
 

