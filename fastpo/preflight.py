@@ -211,6 +211,8 @@ def finite_float_errors(cfg: Config, inf_ok: frozenset[str]) -> list[str]:
     errors = []
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(obj):  # a tool's own option beside the sections (bench/diagnose_groups.py)
+            continue
         for f in dataclasses.fields(obj):
             value, name = getattr(obj, f.name), f"{section.name}.{f.name}"
             values = value if isinstance(value, tuple) else (value,)
