@@ -261,6 +261,7 @@ def _engine(worker, log, dtype=torch.bfloat16):
     engine.llm, engine.bucket_bytes, engine._engine_dtype = _LLM(worker, log), 64, dtype
     engine._inplace_reload = _worker_reload_takes_iterator(worker)
     engine._checkpoint_names, engine._asleep, engine._version = None, None, 0
+    engine._tied, engine._weightless_layers, engine._on_cpu = False, set(), False
     return engine
 
 
