@@ -60,7 +60,7 @@ def test_preset_contents():
     tiny = C.get_preset("tiny")
     assert tiny.model.path == "tiny" and tiny.env.names == ("frozenlake",) and tiny.env.kwargs == {"is_slippery": False}
     assert not tiny.rollout.enable_think and tiny.env.max_actions_per_turn == 2  # what the shipped agent was taught
-    assert tiny.algorithm.adv_estimator == "grpo" and tiny.algorithm.rollout_filter_ratio < 1  # StarPO-S
+    assert tiny.algorithm.adv_estimator == "gigpo" and tiny.algorithm.rollout_filter_ratio < 1  # StarPO-S + GiGPO
     assert tiny.env.val_groups == 256 and tiny.trainer.val_before_train
     validate(tiny, world_size=2)
     validate(C.get_preset("sokoban"), world_size=8)
