@@ -181,7 +181,7 @@ def save(
     keep_last: int | None = 3,
     config_hash: str | None = None,
 ) -> Path:
-    """Write ``<run_dir>/checkpoints/step-XXXXXX/`` atomically; every rank must call it (collective).
+    """Write ``<run_dir>/checkpoints/step-000150/`` (zero-padded step) atomically; every rank must call it (collective).
 
     Args:
         step: training step (the checkpoint is named after it; re-saving a step replaces it).
@@ -254,7 +254,7 @@ def _complete_steps(root: Path) -> list[tuple[int, Path]]:
 
 
 def latest(run_dir: str | os.PathLike) -> Path | None:
-    """Newest complete checkpoint (``step-XXXXXX`` with its COMPLETE marker) under `run_dir`, or None.
+    """Newest complete checkpoint (``step-000150`` with its COMPLETE marker) under `run_dir`, or None.
     ``.tmp-`` directories and directories without the marker are ignored; the files are not verified
     (:func:`verify`, :func:`resume` do that)."""
     complete = _complete_steps(checkpoint_dir(run_dir))

@@ -6,7 +6,7 @@
     python -m fastpo.train --help                                             # every config field
 
 ``--model.path tiny`` (the tiny preset) is the tiny CPU agent shipped in the package (``fastpo.tiny_agent``).
-The run directory receives ``config.json`` (resolved config), ``metrics.jsonl``, ``checkpoints/step-XXXXXX``
+The run directory receives ``config.json`` (resolved config), ``metrics.jsonl``, ``checkpoints/step-000150``
 and, at the end, the Hugging Face export ``hf/``, the training curves ``curves.png`` and ``report.txt`` (the
 per-env validation success before vs after training, also printed; ``fastpo.report``).
 
