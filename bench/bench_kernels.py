@@ -435,7 +435,7 @@ def bench_gigpo_cpu(groups: int, group: int, turns: int, length: int, repeats: i
     arrays of each trajectory, their concatenation, the token -> turn map, the estimator) minus GRPO's estimator."""
     from fastpo import algorithms as alg
     from fastpo.config import AlgorithmConfig
-    from fastpo.microbatch import turn_data
+    from fastpo.rollout import turn_data
 
     trajs = gigpo_batch(groups, group, turns, length)
     cu = torch.tensor([0, *np.cumsum([length] * len(trajs))], dtype=torch.int64)
@@ -495,7 +495,7 @@ def tiny_iteration_s() -> tuple[float | None, str]:
     return float(r["p50"]), f"bench/results/train.csv tiny iteration of {r['timestamp']} at {r['commit']}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu", action="store_true", help="GPU benchmarks (triton do_bench)")
     ap.add_argument("--dry", action="store_true", help="with --gpu: run the GPU code path on CPU, tiny shapes")
@@ -506,7 +506,7 @@ def main() -> None:
     ap.add_argument("--results-dir", default=None, help="where kernels.csv goes (default bench/results)")
     ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     add_allow_dirty(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child_memory:
         child_memory(args.child_memory, int(args.tokens))
         return
