@@ -311,8 +311,10 @@ class Trainer:
         for epoch in range(o.ppo_epochs):
             for mini in update.mini_batches(kept, o.mini_batch_size, o.shuffle_mini_batches, cfg.trainer.seed,
                                             self.step, epoch):
-                loss_sum = 0.0
-                for mb in self._micro_batches(trajs, mini):
+                loss_sum, micro = 0.0, self._micro_batches(trajs, mini)
+                for j, mb in enumerate(micro):
+                    if o.defer_grad_sync:
+                        update.set_grad_sync(model, j == len(micro) - 1)
                     mask = cat_tokens(trajs, mb.indices, "loss_mask", self.device)
                     if critic:
                         loss, m = algorithms.critic_loss(

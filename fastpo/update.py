@@ -141,6 +141,15 @@ def token_values(critic: nn.Module, mb: MicroBatch, mask: Tensor) -> Tensor:
     return torch.zeros_like(v, dtype=torch.float32).index_copy(0, tgt, v[tgt - 1].float())
 
 
+def set_grad_sync(model: nn.Module, sync: bool) -> None:
+    """FSDP2 gradient accumulation (``optim.defer_grad_sync``): with ``sync`` False the next backward keeps its
+    gradients unsharded (accumulated in the reduce dtype, fp32) and the weights gathered; the next backward with
+    ``sync`` True reduce-scatters the accumulated sum once. No-op for a model that is not FSDP-sharded."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+        model.set_reshard_after_backward(sync)
+
+
 def clip_and_step(model: nn.Module, optim: torch.optim.Optimizer, sched: Any, loss_sum: float,
                   grad_clip: float) -> tuple[float, bool]:
     """Clip the gradient norm, then step (optimiser and schedule) unless the loss or the norm is non-finite on any

@@ -1,6 +1,7 @@
 """fastpo.config: defaults, presets, CLI / YAML parsing, JSON round trip, hash and validation messages."""
 
 import dataclasses
+import hashlib
 import json
 import math
 
@@ -169,6 +170,12 @@ def test_config_hash_covers_math_only():
     for override in (["--algorithm.eps_high", "0.3"], ["--env.group_size", "8"], ["--trainer.seed", "1"],
                      ["--model.path", "other"], ["--optim.betas", "0.9,0.99"]):
         assert C.config_hash(parse_args(override)) != h, override
+    # a field added later hashes only when set: checkpoints written before it existed still resume
+    data = C.to_dict(base)
+    del data["optim"]["defer_grad_sync"]
+    data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in C.TrainerConfig._unhashed}
+    assert h == hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    assert C.config_hash(parse_args(["--optim.defer_grad_sync", "true"])) != h
 
 
 # ------------------------------------------------------------------------------------------------ validate

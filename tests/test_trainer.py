@@ -357,6 +357,22 @@ def test_one_rank_equals_two_ranks_first_update(tmp_path):
         assert ((wa[k] - wb[k]).abs() > 3e-5).float().mean() < 1e-3, k
 
 
+@pytest.mark.slow
+def test_deferred_grad_sync_equals_one_rank(tmp_path):
+    """optim.defer_grad_sync on 2 ranks (micro-batch gradients summed unsharded, reduced once per mini-batch, for
+    actor and critic) gives the 1-rank update within the same float noise as the per-micro-batch reduction."""
+    args = [*SMALL, *GAE, "--trainer.iterations", "1"]
+    _ok(args, tmp_path / "one")
+    _ok([*args, "--optim.defer_grad_sync", "true"], tmp_path / "deferred", nproc=2)
+    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "deferred")[0]
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "rollout/reward"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    wa, wb = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "deferred" / "hf")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=0)
+        assert ((wa[k] - wb[k]).abs() > 3e-5).float().mean() < 1e-3, k
+
+
 def test_on_policy_update_equals_the_scored_path(tmp_path, monkeypatch):
     """One epoch over one mini-batch skips the separate old-logprob pass (the update's detached logp is the old
     logp); the first update must equal the path that scores first, and the parity guard still measures the gap."""
