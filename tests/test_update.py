@@ -102,3 +102,30 @@ def test_clip_and_step_skips_a_non_finite_step():
 
 def test_metric_means_average_over_steps():
     assert update.metric_means({"actor/pg_loss": 3.0}, world=1, steps=3) == {"actor/pg_loss": 1.0}
+
+
+def test_set_grad_sync_defers_the_reduction_to_the_last_backward():
+    """optim.defer_grad_sync's mechanism on a real FSDP2 module (world-1 gloo group): with sync off, a backward
+    leaves the weights gathered with their gradients accumulating unsharded; the backward with sync on reshards and
+    delivers the sum of all three to the sharded gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fastpo import distributed as du
+    from fastpo import fsdp
+
+    update.set_grad_sync(torch.nn.Linear(2, 2), False)  # not sharded: a no-op, no error
+    assert fsdp.init_single_rank_group("cpu")
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Linear(4, 3)
+        xs = [torch.randn(5, 4) for _ in range(3)]
+        expected = sum(torch.autograd.grad(plain(x).square().sum(), plain.weight)[0] for x in xs)
+        model = fully_shard(torch.nn.Sequential(plain))
+        for j, x in enumerate(xs):
+            update.set_grad_sync(model, j == len(xs) - 1)
+            model(x).square().sum().backward()
+            if j < len(xs) - 1:  # deferred: the weight stays gathered (a plain tensor), not resharded to a DTensor
+                assert not hasattr(model[0].weight, "full_tensor"), j
+        torch.testing.assert_close(model[0].weight.grad.full_tensor(), expected, rtol=1e-6, atol=1e-6)
+    finally:
+        du.shutdown()
