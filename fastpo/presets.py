@@ -63,20 +63,21 @@ def grpo() -> Config:
 
 @register_preset("tiny")
 def tiny() -> Config:
-    """The embedded default (``make demo``): the shipped tiny CPU agent (``fastpo.tiny_agent``) trained with
-    StarPO-S with GiGPO advantages (episode-level group advantage + step-level advantage over anchor states, w 1,
-    step discount 0.95; std filter keeping half the groups, clip 0.2 / 0.28, no KL) on non-slippery FrozenLake 4x4:
-    16 groups x 8 rollouts per iteration, 5 turns of at most 2 actions, answer-only prompts (the agent is
-    too small to use a thought), turns end at ``</answer>``, sampling at temperature 0.7, 4 PPO steps per
-    iteration (shuffled mini-batches of 16 of the 64 kept trajectories) at lr 3e-4, 150 iterations, validation on
-    256 fixed states at temperature 0.5 before training and every 10 iterations. ~5 s per iteration on 2 CPU
-    cores (2 ranks). Why these settings (each measured, docs/RESULTS.md): without the stop string the answers grew
-    text after ``</answer>`` that parsing ignores but training reinforces; at temperature 1 the 0.6M-parameter
-    model's long tail of invalid tokens kept entropy and format errors climbing; in-order mini-batches held 2 groups
-    each; GiGPO gained more than GRPO on both seeds compared (+18.4 vs +13.3 and +8.2 vs +5.1); lr 1e-3 fits
-    the 10-minute budget with 100 iterations but its validation swings by 10-15 points between evaluations (+14.1
-    and +2.0 on two runs). Padded micro-batches: shuffled mini-batches of 16 rarely hold two trajectories of a
-    group, so the shared layout saves nothing here (update 1.19 vs 1.22 s per iteration)."""
+    """The embedded default (``make demo``): the shipped tiny CPU agent (``fastpo.tiny_agent``) trained with StarPO-S
+    with GiGPO advantages (episode-level group advantage + step-level advantage over anchor states, w 1, step
+    discount 0.95; std filter keeping half the groups, clip 0.2 / 0.28, no KL) on non-slippery FrozenLake 4x4: 16
+    groups x 8 rollouts per iteration, 5 turns of at most 2 actions, answer-only prompts (the agent is too small to
+    use a thought), turns end at ``</answer>``, sampling at temperature 0.7, 4 PPO steps per iteration (shuffled
+    mini-batches of 16 of the 64 kept trajectories) at lr 3e-4, 150 iterations, validation on 256 fixed states at
+    temperature 0.5 before training and every 10 iterations. ~5 s per iteration on 2 CPU cores (2 ranks) on a fast
+    hour of the project's VM, up to ~2x that on a slow one. Why these settings (each measured, docs/RESULTS.md):
+    without the stop string the answers grew text after ``</answer>`` that parsing ignores but training reinforces;
+    at temperature 1 the 0.6M-parameter model's long tail of invalid tokens kept entropy and format errors climbing;
+    in-order mini-batches held 2 groups each; over 3 training seeds GiGPO gained +14.9 points on average, GRPO
+    +12.8, GAE +16.4 (differences within the seed spread; GiGPO needs no critic and costs 0.04% of an iteration); lr
+    1e-3 fits the 10-minute budget with 100 iterations but its validation swings by 10-15 points between evaluations
+    (+14.1 and +2.0 on two runs). Padded micro-batches: shuffled mini-batches of 16 rarely hold two trajectories of
+    a group, so the shared layout saves nothing here (update 1.19 vs 1.22 s per iteration)."""
     cfg = Config()
     cfg.model.path, cfg.model.dtype, cfg.model.gradient_checkpointing = "tiny", "float32", False
     cfg.env.names, cfg.env.kwargs = ("frozenlake",), {"is_slippery": False}
