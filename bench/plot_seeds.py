@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fastpo.report import load_metrics  # noqa: E402
+from fastpo.report import load_metrics, val_success_mean  # noqa: E402
 
 FIELDS = ("config", "seed", "commit", "iteration", "success")
 
@@ -33,9 +33,9 @@ def run_points(run_dir: str | Path) -> list[tuple[int, float]]:
     """(iteration, validation success in percent, mean over envs) of every validation row of a run folder."""
     points = []
     for row in load_metrics(run_dir):
-        vals = [float(v) for k, v in row.items() if k.startswith("val-env/") and k.endswith("/success")]
-        if vals:
-            points.append((int(row["step"]), 100.0 * sum(vals) / len(vals)))
+        mean = val_success_mean(row)
+        if mean is not None:
+            points.append((int(row["step"]), 100.0 * mean))
     if not points:
         raise ValueError(f"{run_dir}: no validation rows in metrics.jsonl")
     return points

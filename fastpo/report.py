@@ -83,6 +83,13 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def val_success_mean(row: dict[str, Any]) -> float | None:
+    """Validation success of one metrics row, mean over its envs (a fraction in [0, 1]); None when the row holds
+    no finite ``val-env/<env>/success`` value (a training-only row, or every env's value NaN)."""
+    vals = [float(v) for key, v in row.items() if _VAL_SUCCESS.match(key) and _finite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
 def success_table(rows: Sequence[dict[str, Any]]) -> list[EnvSuccess]:
     """Per validation env (sorted by name): success at the first and at the last validation row. Envs validated
     only once get before == after. Empty when the run never validated."""
@@ -184,9 +191,7 @@ def plot_compare(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str 
     axes = axes[0]
     for k, (label, rows) in enumerate(runs):
         color = f"C{k % 10}"
-        val = [(int(r["step"]), [float(v) for key, v in r.items() if _VAL_SUCCESS.match(key) and _finite(v)])
-               for r in rows]
-        val = [(step, sum(vs) / len(vs)) for step, vs in val if vs]
+        val = [(int(r["step"]), m) for r in rows if (m := val_success_mean(r)) is not None]
         axes[0].plot([p[0] for p in val], [p[1] for p in val], "o-", ms=3, lw=1.0, color=color, label=label)
         for ax, (_, keys) in zip(axes[1:], CURVES, strict=True):
             steps, values, key = _series(rows, keys)

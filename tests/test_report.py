@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from fastpo.report import format_table, load_metrics, main, plot_curves, success_table, write_report
+from fastpo.report import (
+    format_table,
+    load_metrics,
+    main,
+    plot_curves,
+    success_table,
+    val_success_mean,
+    write_report,
+)
 
 
 def _write_run(tmp_path, rows, config=None):
@@ -39,6 +47,14 @@ def test_success_table_first_and_last_validation(tmp_path):
     assert (sok.before, sok.after, sok.after_step) == (0.5, 0.5, 0)
     text = format_table(table, n_val=256)
     assert "256 fixed initial states" in text and "+25.0 pt" in text and "50.0%" in text
+
+
+def test_val_success_mean_over_envs_skips_non_finite():
+    assert val_success_mean(ROWS[0]) == pytest.approx(0.375)  # (0.25 + 0.5) / 2
+    assert val_success_mean(ROWS[1]) is None  # a training row: env/... is not val-env/...
+    assert val_success_mean(ROWS[3]) == pytest.approx(0.5)  # Sokoban's None is not counted as 0
+    assert val_success_mean({"step": 4, "val-env/A/success": float("nan"), "val-env/A/success_rate": 1.0}) is None
+    assert val_success_mean({"step": 5, "val-env/A/success": True}) is None  # a bool is not a success rate
 
 
 def test_no_validation_says_so():
