@@ -210,6 +210,14 @@ class AlgorithmConfig:
     """Critic value clip around the old values (>= 0) [cliprange_value]."""
     policy_loss: str = "ppo"
     """Policy loss (fastpo.algorithms registry): ppo = clipped ratio with clip-higher and dual clip."""
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
+    """PPO's old (behaviour) logprobs when an iteration takes several optimiser steps. trainer: a no-grad forward
+    of the actor over the kept trajectories before the update (verl's recompute). engine: the logprobs the engine
+    sampled with (fp32 [T] ``Trajectory.sample_logprobs``), which skips that forward; trajectories whose sample
+    logprobs are not exact (``rollout.canonical``, a context window cut) are still scored by the trainer, and the
+    engine-trainer gap guard (``trainer.logprob_gap_max``) runs on the update's first optimiser step, whose forward
+    is at the sampling weights. Needs rollout.train_on_observations false (observation tokens have no sample
+    logprob). Equal to trainer up to the engine's rounding (fp32 CPU built-in engine: mean gap ~4e-7)."""
     gigpo_step_weight: float = 1.0
     """gigpo: weight w of the step-level (anchor state) advantage, >= 0: A_turn = A_episode + w * A_step."""
     gigpo_step_gamma: float = 0.95
@@ -418,8 +426,11 @@ def config_hash(cfg: Config) -> str:
     a different hash."""
     data = to_dict(cfg)
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in TrainerConfig._unhashed}
-    if not data["optim"]["defer_grad_sync"]:  # added later: off, it hashes as before (old checkpoints resume)
+    # added later: at their defaults they hash as before (old checkpoints resume)
+    if not data["optim"]["defer_grad_sync"]:
         del data["optim"]["defer_grad_sync"]
+    if data["algorithm"]["old_logprobs"] == "trainer":
+        del data["algorithm"]["old_logprobs"]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -579,6 +590,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(a.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {a.value_clip}")
     check(a.gigpo_step_weight >= 0, f"algorithm.gigpo_step_weight must be >= 0, got {a.gigpo_step_weight}")
     check(0 <= a.gigpo_step_gamma <= 1, f"algorithm.gigpo_step_gamma must lie in [0, 1], got {a.gigpo_step_gamma}")
+    check(a.old_logprobs == "trainer" or not r.train_on_observations,
+          "algorithm.old_logprobs=engine needs rollout.train_on_observations=false: observation tokens are not "
+          "sampled, so the engine has no logprob for them")
     check(a.gae_skip_observations or a.adv_estimator == "gae",
           f"algorithm.gae_skip_observations=false applies to adv_estimator 'gae' only, got adv_estimator="
           f"{a.adv_estimator!r}")

@@ -253,11 +253,13 @@ class Trainer:
         return micro
 
     @torch.no_grad()
-    def _score(self, trajs: list[Trajectory], kept: list[int], actor: bool = True) -> None:
+    def _score(self, trajs: list[Trajectory], kept: list[int], actor: bool = True, extras: bool = True) -> None:
         """Old logprobs (and reference logprobs / values) of the kept trajectories: each rank computes
         kept[r::world], then all ranks exchange them. ``actor=False`` skips the old logprobs (on-policy: the
-        update's own forward provides them)."""
-        if not actor and not self.use_ref and self.critic is None:
+        update's own forward provides them; ``algorithm.old_logprobs=engine``: the sampler's); ``extras=False``
+        skips the reference logprobs and values."""
+        use_ref, critic = self.use_ref and extras, self.critic is not None and extras
+        if not actor and not use_ref and not critic:
             return
         mine, results = kept[self.rank::self.world], []
         micro = pack(trajs, mine, self.cfg.optim.micro_batch_tokens, self.device, self._layout, self._token_cost)
@@ -269,9 +271,9 @@ class Trainer:
             out = {}
             if actor:
                 out["old_logp"] = update.token_logp(self.actor, mb, mask, temperature, False)
-            if self.use_ref:
+            if use_ref:
                 out["ref_logp"] = self._ref_logp(mb, mask)
-            if self.critic is not None:
+            if critic:
                 # verl's GAE reads the values of observation tokens too: compute them over the response span
                 vmask = mask if self.cfg.algorithm.gae_skip_observations else kernels.reference.response_span(
                     mask, mb.cu_seqlens)
@@ -300,14 +302,19 @@ class Trainer:
 
     def _update(self, trajs: list[Trajectory], kept: list[int], critic: bool) -> dict[str, float]:
         """ppo_epochs over shuffled mini-batches of the kept trajectories for the critic or the actor; returns the
-        update's metrics. The on-policy actor update measures the logprob gap on its own first forward and runs
-        the parity guard before the weights move."""
+        update's metrics. Where no scoring pass measured it (on-policy, or ``algorithm.old_logprobs=engine``), the
+        actor update measures the logprob gap on its first optimiser step's forward and runs the parity guard before
+        the weights move."""
         cfg, o, a = self.cfg, self.cfg.optim, self.cfg.algorithm
         model, optim, sched = ((self.critic, self.models.critic_optim, self.models.critic_sched) if critic else
                                (self.actor, self.models.actor_optim, self.models.actor_sched))
         on_policy = not critic and trajs[kept[0]].old_logp is None  # _score skipped the actor
+        # the first optimiser step's forward runs at the sampling weights: measure the engine-trainer gap there when
+        # no scoring pass did (on-policy, or the old logprobs are the engine's own)
+        measure = (not critic and not cfg.rollout.train_on_observations
+                   and (on_policy or cfg.algorithm.old_logprobs == "engine"))
         inject, norm_len = not critic and self.step in self.nan_steps, update.norm_len(trajs, kept)
-        sums, norms, steps, gap = {}, [], 0, [0.0, 0, 0.0]
+        sums, norms, steps, gap, measured = {}, [], 0, [0.0, 0, 0.0], {}
         for epoch in range(o.ppo_epochs):
             for mini in update.mini_batches(kept, o.mini_batch_size, o.shuffle_mini_batches, cfg.trainer.seed,
                                             self.step, epoch):
@@ -324,7 +331,7 @@ class Trainer:
                             cu_seqlens=mb.cu_seqlens, norm_len=norm_len)
                     else:
                         logp, ent = update.token_logp(self.actor, mb, mask, cfg.rollout.temperature, True)
-                        if on_policy and mb.scale > 0 and not cfg.rollout.train_on_observations:
+                        if measure and steps == 0 and mb.scale > 0:
                             g = update.micro_gap(trajs, mb, mask, logp.detach())  # scale 0: another rank's data
                             gap = [gap[0] + g[0], gap[1] + g[1], max(gap[2], g[2])]
                         old = logp.detach() if on_policy else cat_tokens(trajs, mb.indices, "old_logp", self.device)
@@ -337,15 +344,15 @@ class Trainer:
                     loss_sum += float(loss.detach()) * mb.scale
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * mb.scale / self.world
-                if on_policy:
-                    measured = update.reduce_gap(*gap)
-                    sums.update({k: v / self.world for k, v in measured.items()})  # identical on every rank
+                if measure and steps == 0:
+                    measured = update.reduce_gap(*gap)  # identical on every rank
                     self._check_gap(measured)
                 norm, ok = update.clip_and_step(model, optim, sched, loss_sum, o.grad_clip)
                 norms.append(norm)
                 steps += 1
                 self._count_step(ok, critic, loss_sum, norm)
         out = update.metric_means(sums, self.world, steps)
+        out.update(measured)
         name = "critic" if critic else "actor"
         out.update({f"{name}/grad_norm": float(np.mean(norms)),
                     f"{name}/nonfinite_skips": self.critic_nonfinite_total if critic else self.nonfinite_total})
@@ -397,9 +404,14 @@ class Trainer:
             return metrics
         self.engine.sleep()  # GPU vLLM: free its memory for the update; _sync_engine wakes it (else a no-op)
         on_policy = update.is_on_policy(kept, cfg.optim.mini_batch_size, cfg.optim.ppo_epochs)
+        engine_old = not on_policy and cfg.algorithm.old_logprobs == "engine"
         with self.timer("score"):
-            self._score(trajs, kept, actor=not on_policy)
-        if not on_policy:  # on-policy, the actor update measures the gap on its own forward
+            self._score(trajs, kept, actor=not on_policy and not engine_old)
+            if engine_old:  # the sampler's logprobs are the old logprobs; score only where they are not exact
+                rest = update.take_engine_logprobs(trajs, kept)
+                if rest:
+                    self._score(trajs, rest, actor=True, extras=False)
+        if not on_policy and not engine_old:  # else the actor update measures the gap on its first forward
             gap = update.logprob_gap(trajs, kept, cfg.rollout.train_on_observations)
             metrics.update(gap)
             self._check_gap(gap)

@@ -46,6 +46,20 @@ def is_on_policy(kept: list[int], mini_batch_size: int, ppo_epochs: int) -> bool
     return ppo_epochs == 1 and len(kept) <= mini_batch_size
 
 
+def take_engine_logprobs(trajs: list[Trajectory], kept: list[int]) -> list[int]:
+    """``algorithm.old_logprobs=engine``: each kept trajectory with exact sample logprobs takes them as its old
+    logprobs (fp32 [T], 0 off the sampled tokens, as the trainer's scoring leaves them). Returns the kept indices
+    whose sample logprobs are not exact, which the trainer must still score."""
+    rest = []
+    for i in kept:
+        t = trajs[i]
+        if t.logprobs_exact:
+            t.old_logp = np.where(t.loss_mask, t.sample_logprobs, 0.0).astype(np.float32)
+        else:
+            rest.append(i)
+    return rest
+
+
 def norm_len(trajs: list[Trajectory], kept: list[int]) -> float:
     """seq-mean-token-sum-norm's divisor: the longest kept trajectory, one constant for every micro-batch of the
     iteration (as verl's padded batch width, not each packed micro-batch's own longest sequence, which would weigh

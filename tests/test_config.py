@@ -173,9 +173,11 @@ def test_config_hash_covers_math_only():
     # a field added later hashes only when set: checkpoints written before it existed still resume
     data = C.to_dict(base)
     del data["optim"]["defer_grad_sync"]
+    del data["algorithm"]["old_logprobs"]
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in C.TrainerConfig._unhashed}
     assert h == hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     assert C.config_hash(parse_args(["--optim.defer_grad_sync", "true"])) != h
+    assert C.config_hash(parse_args(["--algorithm.old_logprobs", "engine"])) != h
 
 
 # ------------------------------------------------------------------------------------------------ validate
@@ -196,6 +198,9 @@ def _set(**changes):
     (_set(algorithm__rollout_filter_type="max_mean"), 1, ["algorithm.rollout_filter_type", "'max_mean'"]),
     (_set(algorithm__loss_agg_mode="mean"), 1, ["algorithm.loss_agg_mode", "'mean'"]),
     (_set(algorithm__kl_type="k2"), 1, ["algorithm.kl_type", "'k2'"]),
+    (_set(algorithm__old_logprobs="vllm"), 1, ["algorithm.old_logprobs", "'vllm'", "'engine'"]),
+    (_set(algorithm__old_logprobs="engine", rollout__train_on_observations=True), 1,
+     ["algorithm.old_logprobs=engine", "rollout.train_on_observations=false"]),
     (_set(algorithm__policy_loss="gspo"), 1, ["algorithm.policy_loss", "'gspo'"]),
     (_set(optim__critic_lr=0.0), 1, ["optim.critic_lr", "critic"]),
     (_set(algorithm__adv_estimator="grpo", model__critic_path="x"), 1, ["model.critic_path", "no critic"]),
