@@ -65,7 +65,7 @@ def _first_update(tmp_path, monkeypatch, run: str, *extra: str):
 
 def test_engine_old_logprobs_skip_the_scoring_forward_and_match_it(tmp_path, monkeypatch):
     m_eng, w_eng, c_eng = _first_update(tmp_path, monkeypatch, "engine", "--algorithm.old_logprobs", "engine")
-    m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer")
+    m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer", "--algorithm.old_logprobs", "trainer")
     assert m_ref["rollout/kept_trajectories"] == 8 and c_ref == [(True, True, 8)]
     assert c_eng == [(False, True, 8)]  # no actor forward: every sample logprob is exact (KV-reuse rollout)
     # the gap guard measured on the first optimiser step's forward, against the same weights as the scoring pass
@@ -93,7 +93,8 @@ def test_inexact_sample_logprobs_are_still_scored(tmp_path, monkeypatch):
     trainer and its update is the trainer mode's, bit for bit."""
     m_eng, w_eng, c_eng = _first_update(tmp_path, monkeypatch, "engine", "--rollout.canonical", "true",
                                         "--algorithm.old_logprobs", "engine")
-    m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer", "--rollout.canonical", "true")
+    m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer", "--rollout.canonical", "true",
+                                        "--algorithm.old_logprobs", "trainer")
     assert c_eng == [(False, True, 8), (True, False, 8)] and c_ref == [(True, True, 8)]
     assert "rollout/logprob_gap_mean" not in m_eng  # no exact token to measure on
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):

@@ -383,7 +383,8 @@ def test_on_policy_update_equals_the_scored_path(tmp_path, monkeypatch):
     def first_update(run: str, on_policy: bool):
         monkeypatch.setattr(update, "is_on_policy", lambda kept, size, epochs: on_policy)
         cfg = validate(parse_args([*SMALL, "--trainer.run_dir", str(tmp_path / run), "--trainer.iterations", "1",
-                                   "--optim.mini_batch_size", "8", "--trainer.val_before_train", "false"]), 1)
+                                   "--optim.mini_batch_size", "8", "--trainer.val_before_train", "false",
+                                   "--algorithm.old_logprobs", "trainer"]), 1)  # the scoring pass under test
         trainer = Trainer(cfg)
         trainer.step = 1
         metrics = trainer.iteration()
