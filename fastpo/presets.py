@@ -69,8 +69,9 @@ def tiny() -> Config:
     groups x 8 rollouts per iteration, 5 turns of at most 2 actions, answer-only prompts (the agent is too small to
     use a thought), turns end at ``</answer>``, sampling at temperature 0.7, 4 PPO steps per iteration (shuffled
     mini-batches of 16 of the 64 kept trajectories) at lr 3e-4, 150 iterations, validation on 256 fixed states at
-    temperature 0.5 before training and every 10 iterations. ~5 s per iteration on 2 CPU cores (2 ranks) on a fast
-    hour of the project's VM, up to ~2x that on a slow one. Why these settings (each measured, docs/RESULTS.md):
+    temperature 0.5 before training and every 10 iterations. ~3.7 s per iteration on 2 CPU cores (2 ranks; 10 min
+    19 s for the run, +11.7 points, 2026-12-03), up to ~2x that on a slow hour of the project's VM. Why these
+    settings (each measured, docs/RESULTS.md):
     without the stop string the answers grew text after ``</answer>`` that parsing ignores but training reinforces;
     at temperature 1 the 0.6M-parameter model's long tail of invalid tokens kept entropy and format errors climbing;
     in-order mini-batches held 2 groups each; over 3 training seeds GiGPO gained +14.9 points on average, GRPO
