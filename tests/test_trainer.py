@@ -278,6 +278,19 @@ def test_exact_resume_single_process(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_validation_schedule_leaves_training_unchanged(tmp_path):
+    """Validating before and after every iteration vs never gives the same weights bit for bit: validation draws
+    its own sampling seeds and never touches the training RNG (the preset's val_every relies on it)."""
+    args = [*SMALL, "--trainer.iterations", "2", "--trainer.deterministic", "true"]
+    often, never = tmp_path / "often", tmp_path / "never"
+    _ok([*args, "--trainer.val_every", "1", "--trainer.val_before_train", "true"], often)
+    _ok([*args, "--trainer.val_every", "0", "--trainer.val_before_train", "false"], never)
+    assert any("val-env/FrozenLake/success" in r for r in _metrics(often))
+    assert not any("val-env/FrozenLake/success" in r for r in _metrics(never))
+    wa, wb = _weights(often / "hf"), _weights(never / "hf")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
     run = tmp_path / "run"
     _ok([*SMALL, *GAE, "--trainer.iterations", "2"], run, env={"FASTPO_INJECT_NAN_AT": "1"})
