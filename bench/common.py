@@ -26,7 +26,6 @@ import datetime as _dt
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +35,11 @@ COLUMNS = ["name", "provider", "mode", "metric", "unit", "x_name", "x_value", "p
            "device", "commit", "timestamp", "versions"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
+try:
+    from fastpo import provenance
+except ImportError:  # a checkout without an install: its own package (appended, so an install would win)
+    sys.path.append(str(REPO))
+    from fastpo import provenance
 
 
 def quantiles(samples: Iterable[float]) -> tuple[float, float, float]:
@@ -95,26 +99,15 @@ class DirtyTreeError(RuntimeError):
 def uncommitted_files(repo: str | os.PathLike | None = None) -> list[str] | None:
     """Paths (relative to the repository root) with uncommitted changes, untracked files included and
     :data:`OUTPUT_PATHS` left out; None outside a git work tree."""
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo or REPO,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    paths = [line[3:].split(" -> ")[-1].strip('"') for line in out.stdout.splitlines() if line.strip()]
-    return [p for p in paths if not p.startswith(OUTPUT_PATHS)]
+    return provenance.uncommitted_files(repo or REPO, OUTPUT_PATHS)
 
 
 def git_commit(repo: str | os.PathLike | None = None) -> str:
     """Short HEAD hash, '+dirty' when the work tree has changes outside bench/results; 'unknown' outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo or REPO, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+    state = provenance.source_state(repo or REPO, OUTPUT_PATHS)
+    if state is None:
         return "unknown"
-    changed = uncommitted_files(repo)
-    return (head or "unknown") + ("+dirty" if changed else "")
+    return state["short"] + ("+dirty" if state["dirty"] else "")
 
 
 def add_allow_dirty(parser: argparse.ArgumentParser) -> None:

@@ -36,7 +36,7 @@ from .config import ConfigError
 #: Env var of the disk-full test hook: ``checkpoint`` or ``export`` (comma-separated for both).
 INJECT_DISK_FULL_ENV = "FASTPO_INJECT_DISK_FULL"
 #: What makes a run directory "hold a run" (refused by resume=never without trainer.overwrite).
-RUN_FILES = ("checkpoints", "metrics.jsonl", "hf", "report.txt", "curves.png")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "hf", "report.txt", "curves.png", "run_info.json")
 # torch's zip writer reports a short write as "unexpected pos N vs M" (a RuntimeError without an errno), safetensors
 # as SafetensorError("... No space left on device (os error 28)")
 _SHORT_WRITE_MARKERS = ("unexpected pos", "No space left on device", "file write failed", "os error 28")

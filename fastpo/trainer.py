@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import algorithms, checkpoint, env_mix, envs, kernels, storage, update
+from . import algorithms, checkpoint, env_mix, envs, kernels, provenance, storage, update
 from . import distributed as du
 from .config import Config, config_hash, to_dict, to_json
 from .config import validate as validate_config
@@ -125,6 +125,8 @@ class Trainer:
                                     wandb_resume=wandb_resume, metric_names=t.metric_names)
         self.timer = PhaseTimer(synchronize=self.device.type == "cuda")
         self.resumed_from = self._resume()
+        if du.is_main():  # which code, libraries and ranks this launch ran with; a resume appends its own record
+            provenance.append_launch(self.run_dir, provenance.launch_record(self.world, self.step))
         self.logger.start_progress(self.step)  # a resumed run's bar continues at its step, its ETA covers the rest
         self._sync_engine()
 

@@ -258,6 +258,8 @@ def test_torchrun_two_ranks_smoke(tmp_path):
     assert set(init) <= set(trained)
     assert max((trained[k] - init[k]).abs().max().item() for k in init) > 1e-5
     assert (run / "checkpoints" / "step-000002" / "COMPLETE").is_file()
+    launches = json.loads((run / "run_info.json").read_text())["launches"]  # written by rank 0 only
+    assert [(r["world_size"], r["start_step"]) for r in launches] == [(2, 0)]
 
 
 def test_exact_resume_single_process(tmp_path):
@@ -268,6 +270,10 @@ def test_exact_resume_single_process(tmp_path):
     _ok([*args, "--trainer.iterations", "1"], split)
     out = _ok([*args, "--trainer.iterations", "3"], split)
     assert "resumed from step 1" in out
+    launches = json.loads((split / "run_info.json").read_text())["launches"]  # one record per launch
+    assert [(r["world_size"], r["start_step"]) for r in launches] == [(1, 0), (1, 1)]
+    source = launches[0]["source"]  # None only when fastpo is imported from outside a git checkout
+    assert source is None or (len(source["commit"]) == 40 and isinstance(source["dirty"], bool))
     a, b = _metrics(straight), _metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3]
     keys = [k for k in a[0] if k.startswith(("actor/", "critic/", "rollout/reward", "rollout/logprob_gap"))]
