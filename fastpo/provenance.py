@@ -49,10 +49,12 @@ def source_state(root: str | os.PathLike = SOURCE_ROOT, ignore: tuple[str, ...] 
     tree. Only the top counts: a copy of fastpo installed into a virtualenv that lives inside some other checkout
     must not report that checkout's commit."""
     root = Path(root).resolve()
-    top = _git(["rev-parse", "--show-toplevel"], root)
-    head, short = _git(["rev-parse", "HEAD"], root), _git(["rev-parse", "--short", "HEAD"], root)
-    if top is None or head is None or short is None or Path(top.strip()).resolve() != root:
+    # One call answers all three: rev-parse prints one line per argument, in order.
+    out = _git(["rev-parse", "--show-toplevel", "HEAD", "--short", "HEAD"], root)
+    lines = out.split("\n")[:3] if out is not None else []
+    if len(lines) < 3 or Path(lines[0].strip()).resolve() != root:
         return None
+    top, head, short = lines
     changed = uncommitted_files(root, ignore) or []
     return {"commit": head.strip(), "short": short.strip(), "dirty": bool(changed), "changed": changed[:MAX_CHANGED],
             "n_changed": len(changed)}
