@@ -361,7 +361,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _run(args: EvalArgs) -> int:
+def evaluate_entry(args: EvalArgs, model: Any, tokenizer: Any, entry: Any, seeds: Sequence[int] | None = None,
+                   progress: bool = False) -> dict[str, Any]:
+    """``evaluate`` one validation entry (``env_mix.resolve_mix(.., "val")``) with the settings in ``args``.
+
+    ``seeds``: a subset of the entry's env seeds to run (each once), e.g. the levels of one kind
+    (``bench/fl_failures.py``); None = all of them, ``entry.group_size`` rollouts each. The k-th rollout of a
+    seed has the same request seed either way, so a subset's episodes are those of the full evaluation."""
+    e, r = args.env, args.rollout
+    if seeds is None:
+        seeds = [e.val_seed + g for g in entry.groups for _ in range(entry.group_size)]
+    return evaluate(
+        model, tokenizer, entry.name, seeds=seeds, temperature=r.val_temperature, max_turns=entry.max_turns,
+        batch_size=args.eval.batch_size, engine=r.engine, max_new_tokens=r.response_length,
+        max_model_len=r.max_model_len, enable_think=r.enable_think,
+        max_actions_per_turn=entry.max_actions_per_turn, max_actions_per_traj=entry.max_actions_per_traj,
+        env_kwargs=entry.kwargs, backend=e.backend, sampling_seed=args.eval.sampling_seed, stop=r.stop,
+        label=entry.label, action_sep=e.action_sep, top_p=r.top_p, top_k=r.top_k,
+        format_penalty=r.format_penalty, max_context_window=r.max_context_window, progress=progress,
+    )  # fmt: skip
+
+
+def prepare(args: EvalArgs) -> tuple[list[Any], Any, Any, str]:
+    """``(entries, tokenizer, model, path)`` for ``args``: the validation entries (``env_mix.resolve_mix``), the
+    tokenizer and model loaded from the resolved model folder ``path`` (the model is ``path`` itself under vLLM,
+    which loads the weights). Bad names and prompts too long for the context fail before the model loads."""
     import torch
 
     from fastpo import envs
@@ -381,21 +405,15 @@ def _run(args: EvalArgs) -> int:
                           r.enable_think, entry.kwargs, e.backend)
     device = args.eval.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if r.engine == "vllm":
-        model: Any = path  # vLLM loads the weights itself
+        model: Any = path
     else:
         model = load_policy(path, dtype=args.model.dtype).to(device).eval()
-    results = []
-    for entry in entries:
-        seeds = [e.val_seed + g for g in entry.groups for _ in range(entry.group_size)]
-        results.append(evaluate(
-            model, tokenizer, entry.name, seeds=seeds, temperature=r.val_temperature, max_turns=entry.max_turns,
-            batch_size=args.eval.batch_size, engine=r.engine, max_new_tokens=r.response_length,
-            max_model_len=r.max_model_len, enable_think=r.enable_think,
-            max_actions_per_turn=entry.max_actions_per_turn, max_actions_per_traj=entry.max_actions_per_traj,
-            env_kwargs=entry.kwargs, backend=e.backend, sampling_seed=args.eval.sampling_seed, stop=r.stop,
-            label=entry.label, action_sep=e.action_sep, top_p=r.top_p, top_k=r.top_k,
-            format_penalty=r.format_penalty, max_context_window=r.max_context_window, progress=True,
-        ))  # fmt: skip
+    return entries, tokenizer, model, path
+
+
+def _run(args: EvalArgs) -> int:
+    entries, tokenizer, model, path = prepare(args)
+    results = [evaluate_entry(args, model, tokenizer, entry, progress=True) for entry in entries]
     print(format_table(results))
     if args.eval.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.eval.out)), exist_ok=True)
