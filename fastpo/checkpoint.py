@@ -69,6 +69,8 @@ EXPORT_MARKER = "COMPLETE"
 TRAINER_STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp-\d+$")
+#: A Hugging Face export being written (:func:`export_hf` into ``<out_dir>.tmp-<pid>``).
+_HF_TMP_DIR = re.compile(r"^hf\.tmp-(\d+)$")
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -240,6 +242,38 @@ def _prune(root: Path, keep_last: int | None, current_step: int) -> None:
     complete = sorted(_complete_steps(root))
     for _step, d in complete[:-keep_last]:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def remove_stale_temp(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders of writes that never finished: ``<run_dir>/hf.tmp-<pid>`` (an export) and
+    ``<run_dir>/checkpoints/step-*.tmp-<pid>`` (a checkpoint, whatever its step); one printed line per removal.
+    Returns the removed folders. Collective (every rank calls it; each disk's leader cleans its disk).
+
+    Only for a process that holds the run directory (the entry point calls it at start-up, under the run
+    directory's lock, before anything is written): then no other trainer writes there and every such folder was
+    left by a killed run, whatever its pid.
+    """
+    run_dir = Path(run_dir)
+    if not storage.disk_layout(run_dir).is_leader:
+        return []
+    root = checkpoint_dir(run_dir)
+    candidates = [d for d in run_dir.iterdir() if _HF_TMP_DIR.match(d.name)] if run_dir.is_dir() else []
+    candidates += [d for d in root.iterdir() if _TMP_DIR.match(d.name)] if root.is_dir() else []
+    removed = []
+    for d in sorted(candidates):
+        pid = d.name.rsplit("-", 1)[1]
+        try:
+            if d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d)
+            else:
+                d.unlink()
+        except OSError as err:
+            print(f"warning: could not remove the stale temporary folder {d}: {err}", file=sys.stderr, flush=True)
+            continue
+        removed.append(d)
+        print(f"removed the stale temporary folder {d} (an unfinished write of pid {pid}, which no longer holds "
+              f"this run directory)", flush=True)
+    return removed
 
 
 def _complete_steps(root: Path) -> list[tuple[int, Path]]:

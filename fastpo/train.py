@@ -18,18 +18,80 @@ Exit status (also in ``--help``; docs/OPERATIONS.md):
        ``env error:`` line naming the env, the method and the seed).
     2  bad input, refused before any model loads: one ``config error:`` line per problem naming the field, the
        value and what is accepted (``config.validate``, ``fastpo.preflight``), or a run directory that may not
-       be used.
+       be used (it holds a run that would be lost, or another trainer holds its lock); nothing is deleted.
 Anything else (a traceback) is a bug.
+
+Start-up order (:func:`prepare_run_dir`): every check first (the config, the run directory, the prompt against the
+tokenizer), then rank 0 takes ``<run_dir>/.lock`` (one trainer per run directory, released when the run ends), and
+only then the first writes: what ``trainer.overwrite`` deletes, the temporary folders of killed writes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 from . import distributed as du
-from .config import ConfigError, config_hash, parse_args, validate
-from .storage import DiskFullError, claim_run_dir
+from .config import Config, ConfigError, config_hash, parse_args, validate
+from .storage import DiskFullError, RunDirLock, claim_run_dir, lock_run_dir
+
+#: The longest collective timeout handed to the process group: 2**31 - 1 ms (24.9 days), the largest that fits the
+#: signed 32-bit millisecond counts some timeout paths use. Far longer values overflow inside torch and gloo
+#: (``timedelta`` raises OverflowError past ~8.6e13 s, gloo refuses ~8.6e13 s as a negative timeout and its socket
+#: times out at once near 9.2e12 s); a longer wait is no different from a hang in practice.
+MAX_COLLECTIVE_TIMEOUT_S = (2**31 - 1) / 1000
+
+
+def process_group_timeout(value: float) -> float | None:
+    """``trainer.collective_timeout_s`` as the process group takes it, before the config is validated: a value
+    above :data:`MAX_COLLECTIVE_TIMEOUT_S` (inf included) is clamped to it; NaN, 0 and negatives give None (the
+    default; ``config.validate`` then refuses the value with its range)."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if math.isnan(value) or value <= 0:
+        return None
+    return min(value, MAX_COLLECTIVE_TIMEOUT_S)
+
+
+def _prompt_problem(cfg: Config) -> str | None:
+    """The Trainer's prompt check (``fastpo.trainer.check_prompt_fits``, one patch point for tests) with the run's
+    tokenizer, run ahead of the Trainer: the problem or None (every rank calls it: resolving ``tiny`` is collective)."""
+    from . import trainer
+    from .model import load_tokenizer, resolve_model_path
+
+    try:
+        trainer.check_prompt_fits(cfg, load_tokenizer(resolve_model_path(cfg.model.path)))
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def prepare_run_dir(cfg: Config) -> RunDirLock | None:
+    """Every check of the run directory and the config that needs the tokenizer, then the run directory's lock, then
+    (only then) the writes: what trainer.overwrite deletes, the temporary folders of killed writes. Collective; one
+    ConfigError on every rank for a refusal, with nothing deleted. Returns the lock (rank 0; None elsewhere): release
+    it when the run ends."""
+    from . import checkpoint, storage
+
+    t = cfg.trainer
+    models = {"model.path": cfg.model.path, "model.critic_path": cfg.model.critic_path}
+    claim_run_dir(t.run_dir, t.resume, t.overwrite, config_hash(cfg), delete=False, model_paths=models)
+    problems = [p for p in storage.all_gather_object(storage.agree(_prompt_problem, cfg)) if p]
+    if problems:  # found once the tokenizer is loaded (a prompt that leaves no room for a turn)
+        raise ConfigError(problems[0])
+    lock = lock_run_dir(t.run_dir)  # a second trainer on this run directory stops here
+    try:
+        # checked again under the lock (the folder may have changed meanwhile); the first deletion of the run
+        claim_run_dir(t.run_dir, t.resume, t.overwrite, config_hash(cfg), delete=True, model_paths=models)
+        checkpoint.remove_stale_temp(t.run_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,12 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    timeout = cfg.trainer.collective_timeout_s
-    info = du.init(timeout_s=timeout if 0 < timeout < float("inf") else None)  # validate reports a bad value
+    timeout = process_group_timeout(cfg.trainer.collective_timeout_s)
+    info = du.init(timeout_s=timeout)  # validate reports a bad value
+    requested = cfg.trainer.collective_timeout_s
+    if timeout is not None and math.isfinite(requested) and timeout < requested and info.is_main \
+            and du.is_distributed():
+        print(f"trainer.collective_timeout_s={requested:g} is above the longest timeout the "
+              f"process group takes: using {timeout:g} s ({timeout / 86400:.1f} days)", file=sys.stderr, flush=True)
+    timeout = timeout if timeout is not None else du.DEFAULT_TIMEOUT_S
+    lock: RunDirLock | None = None
     try:
         try:
             validate(cfg, info.world_size)
-            claim_run_dir(cfg.trainer.run_dir, cfg.trainer.resume, cfg.trainer.overwrite, config_hash(cfg))
+            lock = prepare_run_dir(cfg)
         except ConfigError as err:
             if info.is_main:
                 print(f"config error: {err}", file=sys.stderr)
@@ -55,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             try:
                 trainer = Trainer(cfg, info)
-            except ConfigError as err:  # found once the tokenizer is loaded (a prompt that leaves no room for a turn)
+            except ConfigError as err:  # prepare_run_dir checked the prompt already; kept for other late checks
                 if info.is_main:
                     print(f"config error: {err}", file=sys.stderr)
                 return 2
@@ -66,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"training stopped: {err}", file=sys.stderr, flush=True)
                 trainer.close(export=False)
                 return 1
-            trainer.close()
+            trainer.close()  # the final checkpoint and the export, once (a full disk there is exit 1 below)
         except (DiskFullError, RuntimeError) as err:
             message = str(err) if isinstance(err, DiskFullError) else du.collective_failure(err, timeout)
             if message is None:
@@ -76,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         except TextEnvError as err:  # a plug-in env broke its protocol: one line naming env, method and seed
             print(f"env error: {err}", file=sys.stderr, flush=True)
             return 1
-        trainer.close()
         if info.is_main:
             from .report import write_report
 
             print(write_report(cfg.trainer.run_dir), flush=True)
         return 0
     finally:
+        if lock is not None:
+            lock.release()
         du.shutdown()
 
 
