@@ -2,7 +2,9 @@
 
     keep, metrics = filter_groups(scores, group_ids, cfg.rollout_filter_ratio, cfg.rollout_filter_type)
     advantages, returns = compute_advantages(batch, cfg)        # batch: PackedBatch of the kept trajectories
-    loss, metrics = policy_loss(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens=cu)
+    is_weight, metrics = offpolicy_weights(old_logp, sample_logp, mask, cfg, cu_seqlens=cu)  # None when off
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens=cu,
+                                is_weight=is_weight)
     loss, metrics = critic_loss(values, old_values, returns, mask, cfg, cu_seqlens=cu)
 
 Token tensors are packed ``[N]`` (all trajectories concatenated, ``cu_seqlens`` int ``[B + 1]``); per-trajectory
@@ -316,7 +318,9 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register ``fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens, norm_len) ->
-    (loss, metrics)`` under ``name`` (algorithm.policy_loss); norm_len: seq-mean-token-sum-norm's divisor or None."""
+    (loss, metrics)`` under ``name`` (algorithm.policy_loss); norm_len: seq-mean-token-sum-norm's divisor or None.
+    A loss that supports algorithm.offpolicy_correction also takes ``is_weight`` (fp32 [N], a constant per-token
+    factor of its policy-gradient term); it is passed only when the correction is on."""
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
@@ -328,13 +332,15 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 @register_policy_loss("ppo")
 def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor | None,
         ref_logp: Tensor | None, cfg: AlgorithmConfig, cu_seqlens: Tensor | None,
-        norm_len: float | None = None) -> tuple[Tensor, dict]:
+        norm_len: float | None = None, is_weight: Tensor | None = None) -> tuple[Tensor, dict]:
     """Clipped ratio with clip-higher (eps_low / eps_high), dual clip (clip_c), KL to the reference (kl_coef,
-    kl_type) and entropy bonus (entropy_coef), aggregated by loss_agg_mode."""
+    kl_type) and entropy bonus (entropy_coef), aggregated by loss_agg_mode; is_weight (fp32 [N] or None)
+    multiplies each token's clipped term (the off-policy correction)."""
     return kernels.ppo_loss(logp, old_logp, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                             clip_c=cfg.clip_c, loss_agg_mode=cfg.loss_agg_mode, ref_logp=ref_logp,
                             kl_coef=cfg.kl_coef, kl_type=cfg.kl_type, entropy=entropy,
-                            entropy_coef=cfg.entropy_coef, cu_seqlens=cu_seqlens, norm_len=norm_len)
+                            entropy_coef=cfg.entropy_coef, cu_seqlens=cu_seqlens, norm_len=norm_len,
+                            is_weight=is_weight)
 
 
 _ACTOR_METRIC_NAMES = {"clipfrac": "actor/pg_clipfrac", "clipfrac_lower": "actor/pg_clipfrac_lower",
@@ -343,7 +349,7 @@ _ACTOR_METRIC_NAMES = {"clipfrac": "actor/pg_clipfrac", "clipfrac_lower": "actor
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor | None,
                 ref_logp: Tensor | None, cfg: AlgorithmConfig, *, cu_seqlens: Tensor | None = None,
-                norm_len: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                norm_len: float | None = None, is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The actor loss of cfg.policy_loss.
 
     logp fp32 [N] (differentiable), old_logp / advantages / ref_logp fp32 [N], mask bool [N], entropy fp32 [N]
@@ -351,12 +357,33 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     divisor of seq-mean-token-sum-norm (None: the longest sequence here; the trainer passes one constant for the
     whole batch so that micro-batches are weighed alike). ref_logp is
     required when cfg.kl_coef != 0. Returns (loss fp32 [], metrics of detached 0-dim tensors: actor/pg_loss (the
-    loss), actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy and actor/kl_loss when given)."""
+    loss), actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy and actor/kl_loss when given).
+    is_weight: the off-policy correction (fp32 [N], :func:`offpolicy_weights`) or None (then the registered loss
+    is called exactly as before, so losses without an ``is_weight`` argument keep working)."""
     fn = _lookup(POLICY_LOSSES, cfg.policy_loss, "algorithm.policy_loss")
-    loss, raw = fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens, norm_len)
+    extra = {} if is_weight is None else {"is_weight": is_weight}
+    loss, raw = fn(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens, norm_len, **extra)
     metrics = {_ACTOR_METRIC_NAMES.get(k, f"actor/{k}"): v for k, v in raw.items()}
     metrics["actor/pg_loss"] = loss.detach()
     return loss, metrics
+
+
+def offpolicy_weights(old_logp: Tensor, sample_logp: Tensor, mask: Tensor, cfg: AlgorithmConfig, *,
+                      cu_seqlens: Tensor | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The correction of cfg.offpolicy_correction (docs/SEMANTICS.md section 11): (is_weight fp32
+    [N], metrics), or (None, {}) when it is off.
+
+    old_logp fp32 [N]: the trainer's logprobs at the sampling weights (the scoring pass, or the detached logp of
+    an on-policy update's forward); sample_logp fp32 [N]: the sampler's (``Trajectory.sample_logprobs``); mask
+    bool [N]: the trained tokens whose sample logprobs are exact (the others keep weight 1); cu_seqlens int
+    [B + 1]. Metrics (detached 0-dim): actor/is_ratio_mean, actor/is_ratio_max, actor/is_ratio_min,
+    actor/is_clipped_frac, actor/is_masked_seq_frac, actor/is_masked_token_frac."""
+    if cfg.offpolicy_correction == "none":
+        return None, {}
+    weights, stats = kernels.functional.offpolicy_weights(
+        old_logp, sample_logp, mask, cfg.offpolicy_correction, cfg.is_cap, cfg.is_mask_low, cfg.is_mask_high,
+        cu_seqlens=cu_seqlens)
+    return weights, {f"actor/is_{k}": v for k, v in stats.items()}
 
 
 def critic_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cfg: AlgorithmConfig, *,

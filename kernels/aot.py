@@ -183,18 +183,21 @@ def _ppo_specs(name, fn):
     from .reference import LOG_RATIO_CLAMP
 
     out = []
-    combos = [(False, 0, False, True), (True, 0, True, True), (True, 1, True, True), (True, 1, False, True),
-              (False, 0, False, False), (True, 1, True, False)]
+    # (has_ref, kl_type, has_ent, has_is_weight, need_grad); is_weight (the off-policy correction) is fp32
+    combos = [(False, 0, False, False, True), (True, 0, True, False, True), (True, 1, True, False, True),
+              (True, 1, False, False, True), (False, 0, False, False, False), (True, 1, True, False, False),
+              (False, 0, True, True, True), (True, 1, True, True, True)]
     for dt in ("fp32", "bf16"):
-        for has_ref, kl, has_ent, grad in combos:
-            for aligned in ((True, False) if (has_ref, kl, has_ent, grad) == (True, 1, True, True) else (True,)):
+        for has_ref, kl, has_ent, isw, grad in combos:
+            ragged_too = (has_ref, kl, has_ent, isw, grad) == (True, 1, True, False, True)
+            for aligned in ((True, False) if ragged_too else (True,)):
                 types = {a: (_DT[dt] if a.endswith("_ptr") else _INT_ARG if a == "N" else "fp32")
                          for a in _args(fn)}
-                types.update(mask_ptr="*u8", part_ptr="*fp32", dlp_ptr="*fp32")
-                const = {"HAS_REF": has_ref, "KL_TYPE": kl, "HAS_ENT": has_ent, "NEED_GRAD": grad,
+                types.update(mask_ptr="*u8", isw_ptr="*fp32", part_ptr="*fp32", dlp_ptr="*fp32")
+                const = {"HAS_REF": has_ref, "KL_TYPE": kl, "HAS_ENT": has_ent, "HAS_ISW": isw, "NEED_GRAD": grad,
                          "LOG_RATIO_CLAMP": LOG_RATIO_CLAMP, "BLOCK": losses.GPU_BLOCK}
                 label = f"{dt}{' ref k' + ('3' if kl else '1') if has_ref else ''}{' ent' if has_ent else ''}" \
-                        f"{' grad' if grad else ''}"
+                        f"{' isw' if isw else ''}{' grad' if grad else ''}"
                 out.append(_spec(name, label, _args(fn), {a: types[a] for a in _args(fn) if a not in const}, const,
                                  aligned))
     return out

@@ -14,10 +14,12 @@ import math
 import torch
 from torch import Tensor
 
+from . import offpolicy
 from . import reference as ref
 from .ops import library as lib
 
 LOSS_AGG_MODES = ref.LOSS_AGG_MODES
+OFFPOLICY_MODES = offpolicy.OFFPOLICY_MODES
 KL_TYPES = {"k1": 0, "kl": 0, "k3": 1, "low_var_kl": 1}
 
 
@@ -167,15 +169,17 @@ def _per_token(x: Tensor, name: str, shape) -> Tensor:
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
                 eps_low: float, eps_high: float, clip_c: float, ref_logp: Tensor | None, kl_coef: float,
-                kl_type: str, entropy: Tensor | None, entropy_coef: float):
+                kl_type: str, entropy: Tensor | None, entropy_coef: float, is_weight: Tensor | None = None):
     """:func:`ppo_loss` with explicit per-token aggregation weights (fp32, logp's shape): the shared core of
-    ppo_loss and the TRL-style modules. Returns (loss fp32 [], stats fp32 [6], see ``reference.ppo_loss_fwd``)."""
+    ppo_loss and the TRL-style modules. is_weight: see :func:`ppo_loss`. Returns (loss fp32 [], stats fp32 [6],
+    see ``reference.ppo_loss_fwd``)."""
     _tensor(logp, "logp")
     shape = logp.shape
     advantages = _per_token(advantages, "advantages", shape)
-    _like({"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "entropy": entropy}, shape, "logp's shape")
+    _like({"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "entropy": entropy, "is_weight": is_weight},
+          shape, "logp's shape")
     _same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
-                 entropy=entropy)
+                 entropy=entropy, is_weight=is_weight)
     _number(eps_low, "eps_low", 0.0, 1.0)
     _number(eps_high, "eps_high", 0.0)
     _number(clip_c, "clip_c", 1.0, low_open=True)
@@ -188,7 +192,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     need_grad = logp.requires_grad and torch.is_grad_enabled()
     loss, stats, _ = lib.ppo_loss(logp, old_logp.detach(), advantages.detach(), weights, mask, detach(ref_logp),
                                   entropy, float(eps_low), float(eps_high), float(clip_c), float(kl_coef),
-                                  KL_TYPES[kl_type], float(entropy_coef), need_grad)
+                                  KL_TYPES[kl_type], float(entropy_coef), need_grad, detach(is_weight))
     return loss, stats
 
 
@@ -196,7 +200,7 @@ def ppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, e
              eps_high: float = 0.28, clip_c: float = 3.0, loss_agg_mode: str = "token-mean",
              ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k1",
              entropy: Tensor | None = None, entropy_coef: float = 0.0, *, cu_seqlens: Tensor | None = None,
-             norm_len: float | None = None):
+             norm_len: float | None = None, is_weight: Tensor | None = None):
     """PPO clipped policy loss with dual clip, KL to a reference and an entropy bonus (docs/SEMANTICS.md section 5).
 
     Per trained token, r = exp(logp - old_logp) (log-ratio clamped to +-20 as verl), l = max(-A r,
@@ -209,12 +213,17 @@ def ppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, e
     logp ``[B, T]`` or packed ``[N]`` (float, differentiable), old_logp / mask / ref_logp / entropy the same
     shape (entropy differentiable), advantages the same shape or ``[B]`` (padded). Returns (loss fp32 [],
     metrics): masked token means (fp32 0-dim, detached) clipfrac (clipped branch taken), clipfrac_lower (dual
-    clip taken), approx_kl (mean old_logp - logp), plus entropy when given and kl when ref_logp is given."""
+    clip taken), approx_kl (mean old_logp - logp), plus entropy when given and kl when ref_logp is given.
+
+    is_weight: optional per-token off-policy correction c (float, logp's shape, e.g. from
+    :func:`offpolicy_weights`; read as a constant): l becomes c * l, the KL and entropy terms and the aggregation
+    weights are unchanged (a token with c = 0 still counts in token-mean's denominator), the metrics ignore c.
+    None: the uncorrected loss, bit for bit."""
     _tensor(logp, "logp")
     _token_layout(mask, cu_seqlens)
     weights = _weights(mask, loss_agg_mode, cu_seqlens, norm_len)
     loss, stats = policy_loss(logp, old_logp, advantages, mask, weights, eps_low, eps_high, clip_c, ref_logp,
-                              kl_coef, kl_type, entropy, entropy_coef)
+                              kl_coef, kl_type, entropy, entropy_coef, is_weight)
     return loss, ppo_metrics(stats, entropy is not None, ref_logp is not None)
 
 
@@ -228,6 +237,41 @@ def ppo_metrics(stats: Tensor, has_entropy: bool, has_kl: bool) -> dict[str, Ten
     if has_kl:
         metrics["kl"] = stats[4] / count
     return metrics
+
+
+def offpolicy_weights(old_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode: str = "tis", cap: float = 2.0,
+                      low: float = 0.5, high: float = 2.0, *,
+                      cu_seqlens: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Off-policy correction weights for :func:`ppo_loss`'s ``is_weight`` (docs/SEMANTICS.md section 11): per
+    trained token, l = clamp(old_logp - sample_logp, +-20), r = exp(l).
+
+    mode ``tis``: w = min(r, cap); ``decoupled`` (AReaL): w = r, or 0 where r > cap; ``mis``: per sequence
+    rho = exp(mean of l over its trained tokens) (geometric mean), w = 0 on every token of a sequence with rho
+    outside [low, high] (inclusive; compared as log(low) <= mean(l) <= log(high)), else 1; ``none``: w = 1. Off
+    the mask w = 1. cap in (1, inf] (inf: no truncation / drop), low in [0, 1), high in (1, inf].
+
+    old_logp, sample_logp: float ``[B, T]`` or packed ``[N]`` (read as constants); mask: the same shape, nonzero =
+    a trained token with an exact sampler logprob; cu_seqlens int ``[B + 1]`` for packed ``mis``. Returns (weights
+    fp32 of mask's shape, stats of fp32 0-dim tensors: ratio_mean / ratio_max / ratio_min over trained tokens of
+    the ratio the mode uses (r, or the token's sequence rho for mis; 1 when no token is trained), clipped_frac
+    (share of trained tokens with r > cap: truncated by tis, dropped by decoupled), masked_seq_frac (share of the
+    sequences holding a trained token that mis masks), masked_token_frac (share of trained tokens with w = 0)).
+    No host sync (beyond the cu_seqlens check, skipped under torch.compile)."""
+    _choice(mode, "mode", OFFPOLICY_MODES)
+    _tensor(old_logp, "old_logp")
+    _token_layout(mask, cu_seqlens)
+    _like({"old_logp": old_logp, "sample_logp": sample_logp}, mask.shape, "mask's shape")
+    _same_device(mask=mask, old_logp=old_logp, sample_logp=sample_logp, cu_seqlens=cu_seqlens)
+    cap = _number(cap, "cap", 1.0, low_open=True)
+    low = _number(low, "low")
+    if not 0.0 <= low < 1.0:
+        raise ValueError(f"low must lie in [0, 1), got {low!r}")
+    high = _number(high, "high", 1.0, low_open=True)
+    if mode == "mis" and mask.dim() == 1 and cu_seqlens is None:
+        raise ValueError("mode='mis' on a packed [N] mask needs cu_seqlens (the ratio is per sequence)")
+    if cu_seqlens is not None and not torch.compiler.is_compiling():
+        lib.check_cu_seqlens(cu_seqlens, mask.shape[0])
+    return offpolicy.offpolicy_weights(old_logp, sample_logp, mask, mode, cap, low, high, cu_seqlens)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float = 0.5,

@@ -255,8 +255,9 @@ def aggregation_weights(mask, loss_agg_mode: str, cu_seqlens=None, norm_len=None
 
 
 def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low, eps_high, clip_c, kl_coef,
-                 kl_type, entropy_coef, need_grad=True):
-    """Weighted PPO loss sum(w * (pg + kl_coef * kl - entropy_coef * entropy)), w from :func:`aggregation_weights`.
+                 kl_type, entropy_coef, need_grad=True, is_weight=None):
+    """Weighted PPO loss sum(w * (c * pg + kl_coef * kl - entropy_coef * entropy)), w from
+    :func:`aggregation_weights`, c the off-policy correction ``is_weight`` (logp's shape, detached; None = 1).
 
     Per token pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), then min(pg, -A clip_c) where A < 0;
     r = exp(clamp(logp - old_logp, +-20)); kl = logp - ref (kl_type 0, k1) or exp(ref - logp) - (ref - logp) - 1
@@ -265,7 +266,8 @@ def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, e
     one shape. Returns (loss [] in compute_dtype(logp), stats fp32 [6] = [n_clipped, n_dual_clipped,
     sum(old_logp - logp), sum(entropy), sum(kl), n_masked] over masked tokens, dloss/dlogp of logp's shape in
     compute_dtype, or [0] when not need_grad). The gradient is linear in the loss's grad, so the backward is
-    a scale of it (and dloss/dentropy = -entropy_coef * w)."""
+    a scale of it (and dloss/dentropy = -entropy_coef * w). c scales only the clipped term and its gradient; the
+    clip statistics ignore it."""
     m = mask != 0
     cd = compute_dtype(logp)
     zero = torch.zeros((), dtype=cd, device=logp.device)
@@ -283,6 +285,10 @@ def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, e
     per_token = torch.where(dual, pg3, pg)
     w = torch.where(m, weights.to(cd), zero)
     d = torch.where(clipped | dual | (raw.abs() > LOG_RATIO_CLAMP), zero, pg1) if need_grad else None
+    if is_weight is not None:  # not applied when None: the uncorrected loss stays bit for bit what it was
+        c = torch.where(m, is_weight.to(cd), zero)
+        per_token = c * per_token
+        d = c * d if need_grad else None
     kl = None
     if ref_logp is not None:
         ref = torch.where(m, ref_logp.to(cd), zero)

@@ -200,18 +200,19 @@ fused_linear_logprob.register_autograd(_flp_backward, setup_context=_flp_setup)
 @torch.library.custom_op("fastpo::ppo_loss", mutates_args=())
 def ppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, weights: Tensor, mask: Tensor,
              ref_logp: Tensor | None, entropy: Tensor | None, eps_low: float, eps_high: float, clip_c: float,
-             kl_coef: float, kl_type: int, entropy_coef: float, need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+             kl_coef: float, kl_type: int, entropy_coef: float, need_grad: bool,
+             is_weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted PPO loss over same-shape token tensors -> (loss [], stats fp32 [6], dloss/dlogp or [0]); see
-    ``reference.ppo_loss_fwd``."""
+    ``reference.ppo_loss_fwd``. is_weight: per-token off-policy weight on the clipped term (detached), or None."""
     impl = triton_module("losses") if backend_for(logp) == "triton" else ref
     loss, stats, d_logp = impl.ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low,
-                                            eps_high, clip_c, kl_coef, kl_type, entropy_coef, need_grad)
+                                            eps_high, clip_c, kl_coef, kl_type, entropy_coef, need_grad, is_weight)
     return _out(loss, logp), stats, _out(d_logp, logp)
 
 
 @ppo_loss.register_fake
 def _(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low, eps_high, clip_c, kl_coef, kl_type,
-      entropy_coef, need_grad):
+      entropy_coef, need_grad, is_weight=None):
     cd = ref.compute_dtype(logp)
     return (logp.new_empty((), dtype=cd), logp.new_empty((6,), dtype=torch.float32),
             logp.new_empty(logp.shape if need_grad else (0,), dtype=cd))
@@ -220,17 +221,17 @@ def _(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low, eps
 def _ppo_setup(ctx, inputs, output):
     logp, entropy, weights, entropy_coef = inputs[0], inputs[6], inputs[3], inputs[12]
     ctx.save_for_backward(output[2], weights if entropy is not None else None)
-    ctx.meta = (logp.dtype, entropy.dtype if entropy is not None else None, entropy_coef)
+    ctx.meta = (logp.dtype, entropy.dtype if entropy is not None else None, entropy_coef, inputs[13])
 
 
 def _ppo_backward(ctx, grad_loss, _grad_stats, _grad_d):
     d_logp, weights = ctx.saved_tensors
-    logp_dtype, entropy_dtype, entropy_coef = ctx.meta
-    if d_logp.numel() == 0 and ctx.needs_input_grad[0]:
+    logp_dtype, entropy_dtype, entropy_coef, need_grad = ctx.meta
+    if not need_grad and ctx.needs_input_grad[0]:  # (not d_logp.numel(): an empty logp has an empty gradient)
         raise RuntimeError("fastpo::ppo_loss was called with need_grad=False; pass a logp that requires grad")
     g_logp = (grad_loss * d_logp).to(logp_dtype)
     g_ent = (-entropy_coef * grad_loss * weights).to(entropy_dtype) if entropy_dtype is not None else None
-    return (g_logp, None, None, None, None, None, g_ent) + (None,) * 7
+    return (g_logp, None, None, None, None, None, g_ent) + (None,) * 8  # is_weight is a constant
 
 
 ppo_loss.register_autograd(_ppo_backward, setup_context=_ppo_setup)

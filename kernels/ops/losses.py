@@ -45,16 +45,17 @@ def _ppo_token(lp, old, adv, eps_low, eps_high, clip_c, LOG_RATIO_CLAMP: tl.cons
     return pg, clipped, dual, log_ratio, ratio, out_of_clamp
 
 
-# Kernel: grid cdiv(N, BLOCK). Loads logp, old_logp, advantages, weights, mask (+ ref_logp, entropy when present),
-# zeroing masked tokens right after the load; computes the per-token PPO loss (clip, dual clip, KL k1/k3,
-# entropy bonus), writes 7 fp32 partial sums per program to part[pid, :] and, with NEED_GRAD, the derivative
-# dlogp = w * (-A r unless a clip branch is strictly taken or the log-ratio clamp is active, + kl_coef * dkl)
-# with dkl = 1 (k1) or 1 - exp(ref - logp) (k3). Backward: a scale of dlogp; d entropy = -entropy_coef * w.
+# Kernel: grid cdiv(N, BLOCK). Loads logp, old_logp, advantages, weights, mask (+ ref_logp, entropy, is_weight
+# when present), zeroing masked tokens right after the load; computes the per-token PPO loss (clip, dual clip,
+# off-policy weight c on the clipped term, KL k1/k3, entropy bonus), writes 7 fp32 partial sums per program to
+# part[pid, :] and, with NEED_GRAD, the derivative dlogp = w * (c * (-A r unless a clip branch is strictly taken
+# or the log-ratio clamp is active) + kl_coef * dkl) with dkl = 1 (k1) or 1 - exp(ref - logp) (k3), c = 1 without
+# is_weight. Backward: a scale of dlogp; d entropy = -entropy_coef * w.
 @triton.jit
-def _ppo_fwd_kernel(lp_ptr, old_ptr, adv_ptr, w_ptr, mask_ptr, ref_ptr, ent_ptr, part_ptr, dlp_ptr, N,
+def _ppo_fwd_kernel(lp_ptr, old_ptr, adv_ptr, w_ptr, mask_ptr, ref_ptr, ent_ptr, isw_ptr, part_ptr, dlp_ptr, N,
                     eps_low, eps_high, clip_c, kl_coef, ent_coef,
-                    HAS_REF: tl.constexpr, KL_TYPE: tl.constexpr, HAS_ENT: tl.constexpr, NEED_GRAD: tl.constexpr,
-                    LOG_RATIO_CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_REF: tl.constexpr, KL_TYPE: tl.constexpr, HAS_ENT: tl.constexpr, HAS_ISW: tl.constexpr,
+                    NEED_GRAD: tl.constexpr, LOG_RATIO_CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -67,6 +68,10 @@ def _ppo_fwd_kernel(lp_ptr, old_ptr, adv_ptr, w_ptr, mask_ptr, ref_ptr, ent_ptr,
                                                                    LOG_RATIO_CLAMP)
     per_token = pg
     d = tl.where(clipped | dual | out_of_clamp, 0.0, -adv * ratio)
+    if HAS_ISW:  # a compile-time switch: without is_weight the kernel is the uncorrected one, bit for bit
+        c = tl.where(mk, tl.load(isw_ptr + offs, mask=mk, other=0.0).to(tl.float32), 0.0)
+        per_token = c * per_token
+        d = c * d
     kl = tl.zeros([BLOCK], dtype=tl.float32)
     ent = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_REF:
@@ -103,7 +108,7 @@ def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
 
 
 def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low, eps_high, clip_c, kl_coef,
-                 kl_type, entropy_coef, need_grad=True):
+                 kl_type, entropy_coef, need_grad=True, is_weight=None):
     """Same contract as ``reference.ppo_loss_fwd``: (loss fp32 [], stats fp32 [6], dlogp fp32 or [0])."""
     n = logp.numel()
     block = _block(logp)
@@ -114,9 +119,10 @@ def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, e
         _ppo_fwd_kernel[(grid,)](
             _flat(logp), _flat(old_logp), _flat(advantages), _flat(weights), _mask_arg(mask),
             _flat(ref_logp) if ref_logp is not None else logp, _flat(entropy) if entropy is not None else logp,
+            _flat(is_weight) if is_weight is not None else logp,
             part, d_logp.view(-1) if need_grad else part, n, eps_low, eps_high, clip_c, kl_coef, entropy_coef,
-            HAS_REF=ref_logp is not None, KL_TYPE=kl_type, HAS_ENT=entropy is not None, NEED_GRAD=need_grad,
-            LOG_RATIO_CLAMP=LOG_RATIO_CLAMP, BLOCK=block,
+            HAS_REF=ref_logp is not None, KL_TYPE=kl_type, HAS_ENT=entropy is not None,
+            HAS_ISW=is_weight is not None, NEED_GRAD=need_grad, LOG_RATIO_CLAMP=LOG_RATIO_CLAMP, BLOCK=block,
         )
     total = part.sum(0)
     return total[0], total[1:].clone(), d_logp
