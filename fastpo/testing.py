@@ -197,6 +197,7 @@ class ScriptedEngine:
         self.eos_token_ids = (tokenizer.convert_tokens_to_ids(EOS_TOKEN),)
         self.weight_version = 0
         self.sessions: dict[int, list[int]] = {}
+        self.closed: list[int] = []
         self.prompts: list[tuple[int, int, list[int]]] = []
         self._next = 0
         self._stop_matchers: dict[tuple[str, ...], Any] = {}
@@ -240,7 +241,7 @@ class ScriptedEngine:
         return results
 
     def close_sessions(self, session_ids) -> None:
-        self.closed = list(session_ids)
+        self.closed += list(session_ids)  # every close, in order: each session must be closed exactly once
 
     def session_token_ids(self, session_id: int) -> list[int]:
         return list(self.sessions[session_id])

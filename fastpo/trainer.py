@@ -53,7 +53,8 @@ from .metrics import (
 from .microbatch import MicroBatch, cat_tokens, pack, split_tokens, token_cost
 from .model import is_lora, load_policy, load_tokenizer, merged_state_dict, resolve_model_path
 from .preflight import check_prompt_fits
-from .rollout import RolloutPart, Trajectory, combine_metric_sums, metric_sums, run_rollouts
+from .rollout import RolloutPart, Trajectory, run_rollouts
+from .rollout_metrics import combine_metric_sums, metric_sums
 
 #: Env var of the NaN-injection test hook: comma-separated 1-based iteration numbers.
 INJECT_NAN_ENV = "FASTPO_INJECT_NAN_AT"
@@ -306,7 +307,8 @@ class Trainer:
         """ppo_epochs over shuffled mini-batches of the kept trajectories for the critic or the actor; returns the
         update's metrics. Where no scoring pass measured it (on-policy, or ``algorithm.old_logprobs=engine``), the
         actor update measures the logprob gap on its first optimiser step's forward and runs the parity guard before
-        the weights move."""
+        the weights move. With ``algorithm.offpolicy_correction`` on, each actor micro-batch's clipped term is
+        weighed by the trainer-vs-sampler ratio of its tokens (``algorithms.offpolicy_weights``)."""
         cfg, o, a = self.cfg, self.cfg.optim, self.cfg.algorithm
         model, optim, sched = ((self.critic, self.models.critic_optim, self.models.critic_sched) if critic else
                                (self.actor, self.models.actor_optim, self.models.actor_sched))
@@ -317,6 +319,8 @@ class Trainer:
                    and (on_policy or cfg.algorithm.old_logprobs == "engine"))
         inject, norm_len = not critic and self.step in self.nan_steps, update.norm_len(trajs, kept)
         sums, norms, steps, gap, measured = {}, [], 0, [0.0, 0, 0.0], {}
+        correct = not critic and a.offpolicy_correction != "none"
+        is_range = [-float("inf"), float("inf")]  # the iteration's largest / smallest ratio (true extremes)
         for epoch in range(o.ppo_epochs):
             for mini in update.mini_batches(kept, o.mini_batch_size, o.shuffle_mini_batches, cfg.trainer.seed,
                                             self.step, epoch):
@@ -338,9 +342,23 @@ class Trainer:
                             gap = [gap[0] + g[0], gap[1] + g[1], max(gap[2], g[2])]
                         old = logp.detach() if on_policy else cat_tokens(trajs, mb.indices, "old_logp", self.device)
                         ref = cat_tokens(trajs, mb.indices, "ref_logp", self.device) if self.use_ref else None
+                        is_weight, m_is = None, {}
+                        if correct:
+                            # old is the trainer at the sampling weights (the scoring pass, or this forward when
+                            # on-policy); tokens without exact sample logprobs (a context-window cut) keep weight 1
+                            exact = torch.cat([torch.full((len(trajs[i].input_ids),), trajs[i].logprobs_exact)
+                                               for i in mb.indices]).to(self.device)
+                            is_weight, m_is = algorithms.offpolicy_weights(
+                                old, cat_tokens(trajs, mb.indices, "sample_logprobs", self.device), mask & exact, a,
+                                cu_seqlens=mb.cu_seqlens)
+                            hi, lo = float(m_is.pop("actor/is_ratio_max")), float(m_is.pop("actor/is_ratio_min"))
+                            if bool((mask & exact).any()):  # an empty micro-batch reports the neutral 1
+                                is_range = [max(is_range[0], hi), min(is_range[1], lo)]
                         loss, m = algorithms.policy_loss(logp, old, cat_tokens(trajs, mb.indices, "advantages",
                                                                                self.device), mask, ent, ref, a,
-                                                         cu_seqlens=mb.cu_seqlens, norm_len=norm_len)
+                                                         cu_seqlens=mb.cu_seqlens, norm_len=norm_len,
+                                                         is_weight=is_weight)
+                        m.update(m_is)  # the means; the extremes are reduced below
                         loss = loss * float("nan") if inject else loss
                     (loss * mb.scale).backward()
                     loss_sum += float(loss.detach()) * mb.scale
@@ -355,6 +373,10 @@ class Trainer:
                 self._count_step(ok, critic, loss_sum, norm)
         out = update.metric_means(sums, self.world, steps)
         out.update(measured)
+        if correct:  # collective, on every rank alike (the config is the same everywhere)
+            hi, lo = du.all_reduce_max(is_range[0]), -du.all_reduce_max(-is_range[1])
+            out["actor/is_ratio_max"] = hi if hi != -float("inf") else 1.0
+            out["actor/is_ratio_min"] = lo if lo != float("inf") else 1.0
         name = "critic" if critic else "actor"
         out.update({f"{name}/grad_norm": float(np.mean(norms)),
                     f"{name}/nonfinite_skips": self.critic_nonfinite_total if critic else self.nonfinite_total})
@@ -465,7 +487,11 @@ class Trainer:
                     self.save()
 
     def close(self, export: bool = True) -> None:
-        """Final checkpoint (unless this step is saved already) and Hugging Face export to <run_dir>/hf."""
+        """Final checkpoint (unless this step is saved already) and Hugging Face export to <run_dir>/hf, then the
+        logger and the engine are closed. Runs once: later calls return at once (every rank calls it)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         if export:
             latest = checkpoint.latest(self.run_dir) if du.is_main() else None
             # decided once on rank 0: node-local disks may differ, and a rank that skips the collective save hangs

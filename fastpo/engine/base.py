@@ -11,6 +11,17 @@ Two ways to generate:
     results = engine.generate_sessions(sids, params, seeds)
     engine.close_sessions(sids)
 
+    engine.submit(sid, params, seed, tag)                    # asynchronous: queue one turn of one session
+    for done in engine.step():                               # advance the running batch by one decode step
+        done.session_id, done.tag, done.result               # each request as soon as it finished
+    engine.num_unfinished()                                  # requests queued or running
+
+The asynchronous interface is what the barrier-free rollout (``rollout.mode=async``, ``fastpo.rollout``) drives: a request's result
+is returned by the step at which it finished, so its episode can step its env and submit the next turn while the
+other requests go on decoding. The built-in engine runs it with continuous batching (a finished row frees its slot
+at once, a submitted row joins the running batch at the next step); an engine without its own scheduler inherits
+the lock-step fallback of :class:`Engine` (one ``generate_sessions`` call over everything queued).
+
 What a result's logprobs are (both engines):
     ``logprobs[i] = log_softmax(logits_i / T)[token_ids[i]]`` over the FULL vocabulary, with ``T = temperature``
     (``T = 1`` for greedy). That is the quantity the trainer recomputes (``fused_linear_logprob(..., temperature=T)``),
@@ -170,6 +181,48 @@ def stop_matcher(
     return cache[stops]
 
 
+@dataclass
+class Completion:
+    """One finished request of the asynchronous interface: the session it sampled for, the caller's tag given to
+    ``submit``, and the result (as ``generate_sessions`` returns it; the sampled ids are already appended to the
+    session)."""
+
+    session_id: int
+    tag: Any
+    result: GenerationResult
+
+
+@dataclass
+class EngineStats:
+    """Decode counters of an engine since it was built (or since ``reset_stats``).
+
+    Attributes:
+        decode_steps: forwards that decode one token per row.
+        row_steps: rows computed by those forwards, counting rows that no longer sample (finished rows kept as
+            padding, idle slots inside the computed range): the compute spent.
+        slot_steps: decode steps x the batch slots the engine held at each step (the rows of the call for a
+            lock-step batch, the slot pool for continuous batching): the capacity.
+        tokens: sampled tokens, each request's first one (sampled from its prefill's logits) included.
+        first_tokens: requests whose first token came from a prefill (not a decode step).
+        prefill_tokens: context tokens fed by prefill forwards.
+    """
+
+    decode_steps: int = 0
+    row_steps: int = 0
+    slot_steps: int = 0
+    tokens: int = 0
+    first_tokens: int = 0
+    prefill_tokens: int = 0
+
+    def occupancy(self) -> float:
+        """Useful decoded tokens / rows computed by decode steps (1.0 = no decode compute wasted)."""
+        return (self.tokens - self.first_tokens) / self.row_steps if self.row_steps else 1.0
+
+    def slot_occupancy(self) -> float:
+        """Useful decoded tokens / (decode steps x batch slots) (1.0 = no slot ever idles)."""
+        return (self.tokens - self.first_tokens) / self.slot_steps if self.slot_steps else 1.0
+
+
 def check_seeds(seeds: Sequence[int] | None, n: int) -> list[int] | None:
     """Validate per-request seeds: None, or n ints."""
     if seeds is None:
@@ -201,6 +254,51 @@ def eos_ids_from(*values: int | Iterable[int] | None) -> tuple[int, ...]:
             continue
         ids.update([value] if isinstance(value, int) else value)
     return tuple(sorted(int(i) for i in ids))
+
+
+class LockstepQueue:
+    """The asynchronous interface (``submit`` / ``step`` / ``num_unfinished`` / ``abort``) for an engine without a
+    scheduler of its own: requests wait in a queue and each ``step`` generates all of them in one
+    ``generate_sessions`` call per distinct params (the lock-step behaviour, with the same results). Every other
+    attribute is the wrapped engine's."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.queue: list[tuple[int, SamplingParams, int | None, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def submit(self, session_id: int, params: SamplingParams, seed: int | None = None, tag: Any = None) -> None:
+        if any(sid == session_id for sid, *_ in self.queue):
+            raise ValueError(f"session {session_id} already has a request in flight; wait for its completion")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_seeds(None if seed is None else [seed], 1)
+        self.queue.append((session_id, params, seed, tag))
+
+    def step(self) -> list[Completion]:
+        queue, self.queue = self.queue, []
+        done: list[Completion] = []
+        for params in dict.fromkeys(p for _, p, _, _ in queue):
+            batch = [q for q in queue if q[1] == params]
+            seeds = [s for _, _, s, _ in batch]
+            results = self.engine.generate_sessions([sid for sid, *_ in batch], params,
+                                                    None if any(s is None for s in seeds) else seeds)
+            done += [Completion(sid, tag, r) for (sid, _, _, tag), r in zip(batch, results, strict=True)]
+        return done
+
+    def num_unfinished(self) -> int:
+        return len(self.queue)
+
+    def abort(self) -> None:
+        self.queue = []
+
+
+def as_async(engine: Any) -> Any:
+    """`engine` when it has the asynchronous interface (every :class:`Engine`), else a :class:`LockstepQueue` over
+    it (a duck-typed engine with ``generate_sessions`` only)."""
+    return engine if callable(getattr(engine, "submit", None)) else LockstepQueue(engine)
 
 
 class Engine(ABC):
@@ -243,6 +341,32 @@ class Engine(ABC):
     def sync_weights(self, state_dict_or_model: Mapping[str, Any] | Any) -> int:
         """Load new policy weights (a state dict or a module); returns the new ``weight_version``. Caches computed
         with the old weights are dropped; open sessions keep their tokens and are re-prefilled when next used."""
+
+    # ---- asynchronous interface (the lock-step fallback; engines with a scheduler override all four) -----------
+
+    def _lockstep_queue(self) -> LockstepQueue:
+        if "_fallback" not in self.__dict__:
+            self.__dict__["_fallback"] = LockstepQueue(self)
+        return self.__dict__["_fallback"]
+
+    def submit(self, session_id: int, params: SamplingParams, seed: int | None = None, tag: Any = None) -> None:
+        """Queue one turn of `session_id`: sample from its context with `params` and the per-request `seed` (None
+        lets the engine draw). The result comes back from a later :meth:`step` as a :class:`Completion` carrying
+        `tag`. A session may have one request in flight at a time."""
+        self._lockstep_queue().submit(session_id, params, seed, tag)
+
+    def step(self) -> list[Completion]:
+        """Advance generation; returns the requests that finished (possibly none; [] when nothing is in flight).
+        This fallback generates everything queued in one ``generate_sessions`` call per distinct params."""
+        return self._lockstep_queue().step()
+
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet returned by :meth:`step`."""
+        return self._lockstep_queue().num_unfinished()
+
+    def abort(self) -> None:
+        """Drop every request in flight (after an error in the caller); their sessions keep the tokens they had."""
+        self._lockstep_queue().abort()
 
     def sleep(self) -> None:
         """Release generation memory before a training step (no-op unless the engine supports it)."""

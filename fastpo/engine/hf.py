@@ -1,35 +1,32 @@
-"""The built-in generation engine on a transformers causal LM: batched sampling with a KV cache.
+"""The built-in generation engine on a transformers causal LM: continuous batching over a slot-based KV cache.
 
     engine = HFEngine(model_or_path, tokenizer)
     results = engine.generate(prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=64), seeds)
     sids = engine.open_sessions(n); engine.extend(sids, prompts); engine.generate_sessions(sids, params, seeds)
+    engine.submit(sid, params, seed, tag); completions = engine.step()      # asynchronous: one decode step
 
-One call = ``prefill`` (the pending tokens of every request, left-padded into one [B, P] chunk) then
-``decode_one_token`` for the whole batch until every row has stopped; finished rows keep running as masked
-padding (their KV columns are marked invalid). Sampling (``sample_tokens``) is inverse-CDF sampling on one
-uniform per request and step, drawn from a counter-based stream (splitmix64 of (seed, step)), so a request's
-tokens depend only on its seed and its own logits, never on the other rows of the batch.
+Scheduling. Requests wait in a FIFO queue. Each ``step`` (1) admits waiting requests into free KV slots and
+prefills their uncached tokens (one forward for all of them), (2) samples one token for every running request,
+(3) returns the requests that stopped (their slot is free for the next admission at once) and (4) runs one decode
+forward for the rest. ``generate_sessions`` submits its requests and steps until they are done, so the lock-step
+interface runs on the same scheduler. Sampling (``fastpo.engine.sampling``) is inverse-CDF sampling on one uniform
+per request and step from a counter-based stream of the request's seed, so a request's tokens depend only on its
+seed and its context, never on the other rows of the batch (up to float differences of batched matmuls).
 
-KV cache and sessions. Sessions that are generated together share a ``_KVGroup``: per layer one preallocated
-[B, kv_heads, capacity, head_dim] buffer for keys and one for values, a [B, capacity] bool mask of valid columns
-and the next position id of each row. Columns are shared by the rows (a forward writes the same columns for all
-rows), rows differ in which columns are valid: left padding, padding inside a turn (rows with shorter
-observations), and the steps after a row stopped, are invalid columns ("holes"). Position ids count valid tokens
-only, so the result equals a fresh forward over the row's tokens (checked within 1e-5 in fp32 by the tests).
-A session's last token (the last sampled one, or the last observation token) is never in the cache: it is fed
-by the next call, which therefore always has at least one token per row to produce the first logits.
+KV cache: a pool of slots. Per layer one [S, kv_heads, C, head_dim] buffer for keys and one for values; slot s
+holds one session's tokens in columns [0, length[s]), so a token's column is its position id and there are no
+holes. A session keeps its slot from turn to turn (the next turn prefills only the new tokens) until it closes, its
+cache is dropped (``sync_weights``, ``reuse_kv=False``), or the slot is taken back for a waiting request while the
+session has nothing in flight (least recently used first). Membership changes copy nothing: a finished row's slot
+is reused in place. A decode forward covers the slot range [0, hi) holding every running row (the lowest free slot
+is taken first, which keeps the range short); rows in the range that do not sample are fed a masked pad token.
+A session's last token (the last sampled one, or the last observation token) is never in the cache: the next
+request feeds it, so every prefill has at least one token per row.
 
-Memory behaviour:
-- A group holds ``2 * layers * kv_heads * head_dim * dtype_bytes`` per column and row, for ``capacity``
-  columns: at least the longest row's valid tokens plus its holes. A call grows the buffers once (to the current
-  length + pending + max_new_tokens, times ``growth`` when it must reallocate); nothing is copied per step.
-- A group is rebuilt (compacted: rows right-aligned, holes dropped) when a call asks for a different set or
-  order of sessions than the group holds, or when fewer than ``compact_below`` (0.5) of its columns x rows are
-  valid. Rebuilding copies the KV of the sessions involved once (old and new buffers coexist during the copy).
-  Rows of sessions that moved to another group or were closed stay allocated until every session of their group
-  has moved or closed; close sessions you no longer need. Peak: about twice the live KV during a rebuild.
-- ``reuse_kv=False`` keeps no cache between calls: every call re-prefills the whole history (the baseline).
-- ``sync_weights`` drops all caches (they were computed with the old weights); sessions keep their tokens.
+Memory: ``2 * layers * kv_heads * head_dim * dtype_bytes * S * C`` for the pool. S grows to the number of requests
+running together (capped by ``max_batch_size``); C grows to the longest session's length plus ``max_new_tokens``.
+Growing reallocates once (times ``growth``) and copies the pool. ``sync_weights`` drops every cache (they were
+computed with the old weights); sessions keep their tokens and are re-prefilled when next used.
 """
 
 from __future__ import annotations
@@ -45,7 +42,8 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .base import (
-    GREEDY_EPS,
+    Completion,
+    EngineStats,
     GenerationResult,
     SamplingParams,
     Session,
@@ -55,180 +53,128 @@ from .base import (
     eos_ids_from,
     stop_matcher,
 )
+from .sampling import apply_top_k_top_p, request_uniforms, sample_tokens
 
-_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on a uint64 array (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+__all__ = ["HFEngine", "apply_top_k_top_p", "request_uniforms", "sample_tokens"]
 
 
-def request_uniforms(seeds: Sequence[int], steps: int) -> np.ndarray:
-    """The random stream of each request: ``u[i, t]`` in [0, 1) is the t-th draw of request i.
+@dataclass
+class _Plan:
+    """Where one forward's rows live in the pool: ``rows`` int64 [R] slot of each batch row, ``cols`` int64 [R, P]
+    the column each new token is written to, ``read`` the slots attention reads (a slice when the rows are the
+    slots 0..R-1, else ``rows``), ``width`` how many columns it reads."""
 
-    A function of ``(seeds[i], t)`` only (splitmix64 seeded with a mix of the seed), so it does not depend on the
-    batch, the device or torch's global RNG. Returns float64 [len(seeds), steps] with 53 random bits each.
-    """
-    mask = (1 << 64) - 1
-    with np.errstate(over="ignore"):
-        state = _mix64(np.array([int(s) & mask for s in seeds], dtype=np.uint64) ^ np.uint64(0x5851F42D4C957F2D))
-        counters = state[:, None] + np.arange(1, steps + 1, dtype=np.uint64)[None, :] * _GOLDEN_GAMMA
-        bits = _mix64(counters)
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    rows: torch.Tensor
+    cols: torch.Tensor
+    read: slice | torch.Tensor
+    width: int
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens top-k and then top-p exclude (vLLM's order: top-p acts on the top-k renormalised
-    distribution; ties at the k-th value are kept). logits: [B, V] fp32 (already divided by the temperature)."""
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p  # the kept prefix is the smallest one whose mass reaches top_p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_tokens(
-    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draw one token per row.
-
-    Args:
-        logits: [B, V] (any float dtype; computed in fp32).
-        uniforms: [B] float64 in [0, 1): each row's draw (``request_uniforms``); unused when greedy.
-        temperature: < 1e-5 means argmax.
-        top_k, top_p: restrict the tokens that can be drawn (``apply_top_k_top_p``).
-
-    Returns:
-        tokens [B] int64; logprobs [B] fp32 = ``log_softmax(logits / T)`` at the token over the full vocab (T = 1
-        when greedy); raw_logprobs [B] fp32 = ``log_softmax(logits)`` at the token.
-    """
-    logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
-    if temperature < GREEDY_EPS:
-        tokens = logits.argmax(dim=-1)
-        picked = raw.gather(1, tokens[:, None]).squeeze(1)
-        return tokens, picked, picked
-    scaled = logits if temperature == 1.0 else logits / temperature
-    logp = raw if temperature == 1.0 else torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    target = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(1)
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # u * total can round up to total: never step past the last token that may be drawn.
-    last_allowed = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
-    tokens = torch.minimum(tokens, last_allowed)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1), raw.gather(1, tokens[:, None]).squeeze(1)
-
-
-class _SlabLayer(CacheLayerMixin):
-    """One layer of a group's cache for transformers: writes new keys/values into preallocated buffers
-    [B, kv_heads, capacity, head_dim] at columns [length, length + n) and returns the views [.., :length + n, :]."""
+class _SlotLayer(CacheLayerMixin):
+    """One layer of the slot pool, as transformers' cache layer: writes each row's new keys / values at its own
+    columns (the pool's current ``_Plan``) and returns the keys / values attention reads."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+    def __init__(self, pool: _SlotPool, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
-        self.keys, self.values, self.length = keys, values, length
+        self.pool, self.keys, self.values = pool, keys, values
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        end = self.length + key_states.shape[-2]
-        self.keys[:, :, self.length : end].copy_(key_states)
-        self.values[:, :, self.length : end].copy_(value_states)
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        plan = self.pool.plan
+        rows = plan.rows[:, None]
+        # [R, kv_heads, P, head_dim] -> [R, P, kv_heads, head_dim], the layout of keys[rows, :, cols]
+        self.keys[rows, :, plan.cols] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows, :, plan.cols] = value_states.transpose(1, 2).to(self.values.dtype)
+        return self.keys[plan.read, :, : plan.width], self.values[plan.read, :, : plan.width]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.pool.plan.width, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.pool.plan.width
 
     def get_max_length(self) -> int:
         return -1
 
 
-class _KVGroup:
-    """The cache of sessions generated together (see the module docstring).
+class _SlotPool:
+    """The KV slots (see the module docstring). ``lengths[s]``: cached tokens of slot s; ``owner[s]``: the session
+    id holding it, or None when free."""
 
-    Attributes:
-        session_ids: the session of each row; None for a row whose session moved away or closed.
-        layers: one ``_SlabLayer`` per model layer; ``cache`` wraps them for the model's forward.
-        valid: [B, capacity] bool, True where a column holds one of the row's tokens.
-        next_pos: [B] int64, the number of valid columns of each row (= the next token's position id).
-    """
-
-    def __init__(self, session_ids: list[int | None], shape: tuple[int, int, int], capacity: int, dtype, device):
-        num_layers, kv_heads, head_dim = shape
-        rows = len(session_ids)
-        self.session_ids = session_ids
-        self.layers = [
-            _SlabLayer(
-                torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device),
-                torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device),
-                0,
-            )
-            for _ in range(num_layers)
-        ]
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        num_layers = shape[0]
+        self.layers = [_SlotLayer(self, self._empty(0, 0), self._empty(0, 0)) for _ in range(num_layers)]
         self.cache = Cache(layers=self.layers)
-        self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
-        self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
+        self.lengths = np.zeros(0, dtype=np.int64)
+        self.owner: list[int | None] = []
+        self.plan: _Plan | None = None
+
+    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
+        _, kv_heads, head_dim = self.shape
+        return torch.zeros(slots, kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
 
     @property
-    def length(self) -> int:
-        return self.layers[0].length
+    def slots(self) -> int:
+        return len(self.owner)
 
     @property
     def capacity(self) -> int:
-        return self.valid.shape[1]
+        return self.layers[0].keys.shape[2]
 
-    def set_length(self, length: int) -> None:
-        for layer in self.layers:
-            layer.length = length
-
-    def reserve(self, columns: int, growth: float) -> None:
-        """Make room for `columns` more columns; reallocates (and copies) at most once."""
-        need = self.length + columns
-        if need <= self.capacity:
+    def reserve(self, slots: int, capacity: int, growth: float) -> None:
+        """At least `slots` slots and `capacity` columns; reallocates (one copy of the pool) when either grows."""
+        if slots <= self.slots and capacity <= self.capacity:
             return
-        new_cap = max(need, int(self.capacity * growth))
-        used = self.length
+        new_slots = self.slots if slots <= self.slots else max(slots, int(self.slots * growth))
+        new_cap = self.capacity if capacity <= self.capacity else max(capacity, int(self.capacity * growth))
+        old_slots, old_cap = self.slots, self.capacity
         for layer in self.layers:
             for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                new[:, :, :used].copy_(old[:, :, :used])
+                new = self._empty(new_slots, new_cap)
+                new[:old_slots, :, :old_cap].copy_(getattr(layer, name))
                 setattr(layer, name, new)
-        valid = self.valid.new_zeros(self.valid.shape[0], new_cap)
-        valid[:, :used] = self.valid[:, :used]
-        self.valid = valid
+        self.lengths = np.concatenate([self.lengths, np.zeros(new_slots - old_slots, dtype=np.int64)])
+        self.owner += [None] * (new_slots - old_slots)
 
-    def fill_ratio(self) -> float:
-        total = len(self.session_ids) * max(self.length, 1)
-        return float(self.next_pos.sum()) / total
+    def copy_slot(self, src: int, dst: int, columns: int) -> None:
+        """Copy the first `columns` cached columns of slot `src` into slot `dst`."""
+        for layer in self.layers:
+            layer.keys[dst, :, :columns].copy_(layer.keys[src, :, :columns])
+            layer.values[dst, :, :columns].copy_(layer.values[src, :, :columns])
+        self.lengths[dst] = columns
 
 
 @dataclass
 class _Session(Session):
     tokens: list[int] = field(default_factory=list)
-    cached: int = 0  # tokens[:cached] are in the cache of `group` (row `row`)
-    group: _KVGroup | None = None
-    row: int = -1
+    cached: int = 0  # tokens[:cached] are in the pool, slot `slot`
+    slot: int = -1
+    last_used: int = 0  # the engine's step counter when it last ran (eviction picks the oldest idle slot)
+
+
+@dataclass
+class _Request:
+    """A request in the queue or running: its session, params, random stream and the tokens sampled so far."""
+
+    session_id: int
+    session: _Session
+    params: SamplingParams
+    uniforms: np.ndarray
+    tag: Any
+    stops: frozenset[int]
+    matcher: StopStrings | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    stop_string: str = ""
+    finished: bool = False
 
 
 @contextlib.contextmanager
@@ -243,20 +189,20 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 class HFEngine(SessionEngine):
-    """Batched sampling with a KV cache on a transformers causal LM (see the module docstring).
+    """Continuous-batching sampling with a slot-based KV cache on a transformers causal LM (module docstring).
 
     Args:
         model: a causal LM module (used as is, shared with the caller) or a path / hub id (loaded with
             ``fastpo.model.load_policy(model, dtype)``).
         tokenizer: optional; its ``eos_token_id`` and ``pad_token_id`` complement the model's generation config.
         eos_token_ids: the ids that end a request (default: generation config + tokenizer eos).
-        reuse_kv: keep each session's cache across calls (True) or re-prefill the whole history every call.
+        reuse_kv: keep each session's cache across turns (True) or re-prefill the whole history every turn.
         seed: seeds the per-request seeds drawn when a call passes ``seeds=None``.
         dtype: the dtype when `model` is a path.
-        max_batch_size: split calls with more requests into chunks of this many (each chunk its own group).
-        max_prefill_tokens: prefill in column chunks of ``max(1, max_prefill_tokens // B)`` to bound activations.
-        growth: capacity factor when a group's buffers must grow.
-        compact_below: rebuild a group when fewer than this fraction of its columns x rows are valid.
+        max_batch_size: at most this many requests run (decode) together; the others wait for a free slot.
+            None: as many as are submitted.
+        max_prefill_tokens: prefill in column chunks of ``max(1, max_prefill_tokens // R)`` to bound activations.
+        growth: capacity factor when the pool must grow (slots or columns).
     """
 
     def __init__(
@@ -270,7 +216,6 @@ class HFEngine(SessionEngine):
         max_batch_size: int | None = None,
         max_prefill_tokens: int = 65536,
         growth: float = 1.5,
-        compact_below: float = 0.5,
     ):
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             from ..model import load_policy
@@ -285,7 +230,6 @@ class HFEngine(SessionEngine):
             raise ValueError(f"HFEngine supports full-attention layers only, the model has {sorted(set(layer_types))}")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self._shape = (config.num_hidden_layers, kv_heads, head_dim)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = (
             tuple(sorted(set(eos_token_ids))) if eos_token_ids is not None else self._eos_ids(tokenizer)
@@ -294,18 +238,22 @@ class HFEngine(SessionEngine):
         if pad is None:
             pad = getattr(model.generation_config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
-        if max_prefill_tokens < 1 or growth < 1.0 or not 0.0 <= compact_below < 1.0:
-            raise ValueError(
-                f"need max_prefill_tokens >= 1, growth >= 1, 0 <= compact_below < 1; got {max_prefill_tokens},"
-                f" {growth}, {compact_below}"
-            )
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be an int >= 1 or None, got {max_batch_size!r}")
+        if max_prefill_tokens < 1 or growth < 1.0:
+            raise ValueError(f"need max_prefill_tokens >= 1 and growth >= 1; got {max_prefill_tokens}, {growth}")
         self.reuse_kv = reuse_kv
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.growth = growth
-        self.compact_below = compact_below
+        self._pool = _SlotPool((config.num_hidden_layers, kv_heads, head_dim), self.dtype, self.device)
+        self._waiting: list[_Request] = []
+        self._running: dict[int, _Request] = {}  # slot -> request
+        self._inflight: dict[int, _Request] = {}  # session id -> request (waiting or running)
+        self._ready: list[Completion] = []  # finished while generate_sessions drove the loop for other requests
+        self._logits = torch.zeros(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        self._clock = 0
+        self.stats = EngineStats()
         self._init_sessions(seed)
 
     def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
@@ -320,20 +268,79 @@ class HFEngine(SessionEngine):
     def dtype(self) -> torch.dtype:
         return self.model.get_output_embeddings().weight.dtype
 
-    # ---- sessions (the table is SessionEngine's; this engine adds each session's place in a KV group) -----------
+    def reset_stats(self) -> EngineStats:
+        """Return the counters so far and start new ones."""
+        stats, self.stats = self.stats, EngineStats()
+        return stats
+
+    # ---- sessions (the table is SessionEngine's; this engine adds each session's slot) ------------------------
 
     def _new_session(self) -> _Session:
         return _Session()
 
-    def _detach(self, session: _Session) -> None:
-        """Forget `session`'s cache (its row in the group becomes dead)."""
-        if session.group is not None:
-            session.group.session_ids[session.row] = None
-        session.group, session.row, session.cached = None, -1, 0
+    def _drop_cache(self, session: _Session) -> None:
+        """Forget `session`'s cache and free its slot (it re-prefills its tokens when next used)."""
+        if session.slot >= 0:
+            self._pool.owner[session.slot] = None
+            self._pool.lengths[session.slot] = 0
+        session.slot, session.cached = -1, 0
 
-    _release = _detach
+    def _release(self, session: _Session) -> None:
+        """close_sessions: abort the session's request in flight, if any, and free its slot."""
+        for sid, request in list(self._inflight.items()):
+            if request.session is session:
+                self._forget(sid, request)
+        self._drop_cache(session)
 
-    # ---- generation -----------------------------------------------------------------------------------------
+    def _forget(self, session_id: int, request: _Request) -> None:
+        self._inflight.pop(session_id, None)
+        if request in self._waiting:
+            self._waiting.remove(request)
+        for slot, running in list(self._running.items()):
+            if running is request:
+                del self._running[slot]
+
+    # ---- the asynchronous interface ---------------------------------------------------------------------------
+
+    def submit(self, session_id: int, params: SamplingParams, seed: int | None = None, tag: Any = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        session = self._lookup([session_id])[0]
+        self._check_non_empty([session_id], [session])
+        if session_id in self._inflight:
+            raise ValueError(f"session {session_id} already has a request in flight; wait for its completion")
+        seed = self._request_seeds(None if seed is None else [seed], 1)[0]
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+        request = _Request(session_id, session, params, request_uniforms([seed], params.max_new_tokens)[0], tag,
+                           stops, stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size))
+        self._waiting.append(request)
+        self._inflight[session_id] = request
+
+    def num_unfinished(self) -> int:
+        return len(self._inflight)
+
+    def abort(self) -> None:
+        """Drop every request in flight; their sessions keep the tokens they had before the request and lose their
+        caches (a half-updated cache is never reused)."""
+        for request in list(self._inflight.values()):
+            self._drop_cache(request.session)
+        self._waiting, self._running, self._inflight = [], {}, {}
+
+    def step(self) -> list[Completion]:
+        done, self._ready = self._ready, []
+        if not self._inflight:
+            return done
+        self._clock += 1
+        try:
+            with _eval_mode(self.model):
+                self._admit()
+                done += self._sample_and_decode()
+        except BaseException:
+            self.abort()
+            raise
+        return done
+
+    # ---- the lock-step interface on the same scheduler ----------------------------------------------------------
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
@@ -356,211 +363,238 @@ class HFEngine(SessionEngine):
         if not sessions:
             return []
         self._check_non_empty(session_ids, sessions)
+        busy = [sid for sid in session_ids if sid in self._inflight]
+        if busy:
+            raise ValueError(f"sessions {busy} already have a request in flight; wait for its completion")
         seeds = self._request_seeds(seeds, len(sessions))
-        chunk = self.max_batch_size or max(len(sessions), 1)
-        results: list[GenerationResult] = []
-        with _eval_mode(self.model):
-            for start in range(0, len(sessions), chunk):
-                part = slice(start, start + chunk)
-                results.extend(self._generate_batch(session_ids[part], sessions[part], params, seeds[part]))
-        return results
+        mine = object()  # tags of this call: other callers' completions are kept for their next step()
+        for k, (sid, seed) in enumerate(zip(session_ids, seeds, strict=True)):
+            self.submit(sid, params, seed, (mine, k))
+        results: list[GenerationResult | None] = [None] * len(sessions)
+        others: list[Completion] = []
+        left = len(sessions)
+        while left:
+            for done in self.step():
+                if isinstance(done.tag, tuple) and len(done.tag) == 2 and done.tag[0] is mine:
+                    results[done.tag[1]] = done.result
+                    left -= 1
+                else:
+                    others.append(done)
+        self._ready = others + self._ready
+        return results  # type: ignore[return-value]
 
-    def _stop_ids(self, params: SamplingParams) -> set[int]:
-        return set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+    # ---- scheduling -------------------------------------------------------------------------------------------
 
-    def _generate_batch(
-        self, session_ids: list[int], sessions: list[_Session], params: SamplingParams, seeds: list[int]
-    ) -> list[GenerationResult]:
-        if not self.reuse_kv:
-            for session in sessions:
-                self._detach(session)
-        pending = [s.tokens[s.cached :] for s in sessions]
-        try:
-            group = self._group_for(session_ids, sessions, max(len(p) for p in pending) + params.max_new_tokens)
-            logits = self.prefill(group, pending)
-            uniforms = torch.from_numpy(request_uniforms(seeds, params.max_new_tokens)).to(self.device)
-            tokens, logprobs, raw, counts, stopped_by = self.decode(group, logits, uniforms, params)
-        except BaseException:
-            for session in sessions:  # a half-updated cache must not be reused: re-prefill next time
-                self._detach(session)
-            raise
-        stops = self._stop_ids(params)
-        results = []
-        for row, session in enumerate(sessions):
-            n = int(counts[row])
-            ids = tokens[row, :n].tolist()
-            session.tokens.extend(ids)
-            session.cached = len(session.tokens) - 1
-            results.append(
-                GenerationResult(
-                    token_ids=ids,
-                    logprobs=logprobs[row, :n].tolist(),
-                    finish_reason="stop" if ids[-1] in stops or stopped_by[row] else "length",
-                    raw_logprobs=raw[row, :n].tolist(),
-                    weight_version=self._version,
-                    stop_string=stopped_by[row],
-                )
-            )
-        if not self.reuse_kv:
-            for session in sessions:
-                self._detach(session)
-        return results
+    def _slot_for(self, request: _Request) -> int:
+        """A slot for `request`'s session: its own, a free one (lowest first), an idle session's (least recently
+        used; that session re-prefills later) or a new one; -1 when every slot runs a request."""
+        session, pool = request.session, self._pool
+        if session.slot >= 0:
+            return session.slot
+        free = [s for s in range(pool.slots) if pool.owner[s] is None]
+        if not free and (self.max_batch_size is None or pool.slots < self.max_batch_size):
+            want = pool.slots + 1 if self.max_batch_size is None else min(pool.slots + 1, self.max_batch_size)
+            self._grow(slots=max(want, len(self._running) + len(self._waiting)))
+            free = [s for s in range(pool.slots) if pool.owner[s] is None]
+        if free:
+            return free[0]
+        idle = [s for s in range(pool.slots) if s not in self._running and pool.owner[s] not in self._inflight]
+        if not idle:
+            return -1
+        slot = min(idle, key=lambda s: self._sessions[pool.owner[s]].last_used)
+        self._drop_cache(self._sessions[pool.owner[slot]])
+        return slot
 
-    def _group_for(self, session_ids: list[int], sessions: list[_Session], columns: int) -> _KVGroup:
-        """The group to generate `sessions` in, with room for `columns` more columns: their current group when it
-        holds exactly them in this order and is not too sparse, else a new compact group gathered from wherever
-        their caches are."""
-        group = sessions[0].group
-        if group is not None and group.session_ids == session_ids and group.fill_ratio() >= self.compact_below:
-            group.reserve(columns, self.growth)
-            return group
-        width = max(s.cached for s in sessions)
-        new = _KVGroup(list(session_ids), self._shape, width + columns, self.dtype, self.device)
-        new.set_length(width)
-        cols = torch.arange(width, device=self.device)
-        for row, session in enumerate(sessions):
-            new.valid[row, :width] = cols >= width - session.cached
-            new.next_pos[row] = session.cached
-        sources: dict[int, tuple[_KVGroup, list[int], list[int]]] = {}
-        for row, session in enumerate(sessions):
-            if session.group is not None and session.cached > 0:
-                sources.setdefault(id(session.group), (session.group, [], []))
-                sources[id(session.group)][1].append(session.row)
-                sources[id(session.group)][2].append(row)
-        for src, src_rows, dst_rows in sources.values():
-            self._copy_rows(src, src_rows, new, dst_rows, width)
-        for row, session in enumerate(sessions):
-            cached = session.cached
-            self._detach(session)
-            session.group, session.row, session.cached = new, row, cached
-        return new
+    def _grow(self, slots: int = 0, capacity: int = 0) -> None:
+        if self.max_batch_size is not None:
+            slots = min(slots, self.max_batch_size)
+        pool = self._pool
+        if slots > pool.slots and pool.slots:
+            slots = max(slots, int(pool.slots * self.growth))
+            if self.max_batch_size is not None:
+                slots = min(slots, self.max_batch_size)
+        pool.reserve(max(slots, pool.slots), capacity, self.growth)
+        if self._logits.shape[0] < pool.slots:
+            logits = self._logits.new_zeros(pool.slots, self.vocab_size)
+            logits[: self._logits.shape[0]] = self._logits
+            self._logits = logits
 
-    @staticmethod
-    def _copy_rows(src: _KVGroup, src_rows: list[int], dst: _KVGroup, dst_rows: list[int], width: int) -> None:
-        """Copy the valid columns of `src_rows`, in order and right-aligned, into the first `width` columns of
-        `dst_rows` (one gather per layer and tensor)."""
-        device = src.valid.device
-        rows = torch.tensor(src_rows, device=device)
-        valid = src.valid[rows, : src.length]
-        cols = torch.arange(src.length, device=device).expand_as(valid)
-        key = torch.where(valid, cols, -1)  # invalid columns sort first, valid ones keep their order
-        if src.length < width:
-            key = torch.nn.functional.pad(key, (width - src.length, 0), value=-1)
-        index = key.sort(dim=1).values[:, key.shape[1] - width :].clamp(min=0)  # [m, width]
-        targets = torch.tensor(dst_rows, device=device)
-        for src_layer, dst_layer in zip(src.layers, dst.layers, strict=True):
-            for name in ("keys", "values"):
-                source = getattr(src_layer, name).transpose(1, 2)  # [B, C, kv_heads, head_dim] view
-                picked = source[rows[:, None], index]  # [m, width, kv_heads, head_dim]
-                getattr(dst_layer, name)[targets, :, :width] = picked.transpose(1, 2)
-
-    def _forward(self, group: _KVGroup, input_ids: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
-        """Run the model on [B, n] new columns of `group`; returns the last column's logits [B, V]."""
-        start, n = group.length, input_ids.shape[1]
-        group.valid[:, start : start + n] = new_valid
-        positions = (group.next_pos[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=group.valid[:, : start + n],
-            position_ids=positions,
-            past_key_values=group.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        group.next_pos += new_valid.sum(dim=1)
-        return out.logits[:, -1]
-
-    def prefill(self, group: _KVGroup, pending: list[list[int]]) -> torch.Tensor:
-        """Feed each row's uncached tokens (left-padded to one [B, P] chunk, split into column chunks of at most
-        ``max_prefill_tokens // B``); returns the logits [B, V] that predict each row's next token.
-
-        Shared prompts: when the group is fresh (nothing cached) and rows repeat the same prompt (a GRPO group's
-        rollouts start from one initial state), each distinct prompt is computed once in a smaller group and its
-        KV columns are copied to every row that has it (the same numbers, up to the float differences a different
-        batch size may give)."""
-        if group.length > 0:  # rows with cached history: their contexts differ even when the new tokens agree
-            return self._prefill_rows(group, pending)
-        distinct: dict[tuple[int, ...], int] = {}
-        index = [distinct.setdefault(tuple(p), len(distinct)) for p in pending]
-        if len(distinct) < len(pending):
-            small = _KVGroup(list(range(len(distinct))), self._shape, group.capacity, self.dtype, self.device)
-            logits = self._prefill_rows(small, [list(p) for p in distinct])
-            rows = torch.tensor(index, dtype=torch.long, device=self.device)
-            used = small.length
-            for mine, theirs in zip(group.layers, small.layers, strict=True):
-                mine.keys[:, :, :used].copy_(theirs.keys[rows, :, :used])
-                mine.values[:, :, :used].copy_(theirs.values[rows, :, :used])
-            group.valid[:, :used] = small.valid[rows, :used]
-            group.next_pos.copy_(small.next_pos[rows])
-            group.set_length(used)
-            return logits[rows]
-        return self._prefill_rows(group, pending)
-
-    def _prefill_rows(self, group: _KVGroup, pending: list[list[int]]) -> torch.Tensor:
-        rows, width = len(pending), max(len(p) for p in pending)
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        new_valid = torch.zeros(rows, width, dtype=torch.bool)
-        for row, ids in enumerate(pending):
-            if ids:
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                new_valid[row, width - len(ids) :] = True
-        input_ids, new_valid = input_ids.to(self.device), new_valid.to(self.device)
-        step = max(1, self.max_prefill_tokens // rows)
-        logits = None
-        for start in range(0, width, step):
-            logits = self._forward(group, input_ids[:, start : start + step], new_valid[:, start : start + step])
-        return logits
-
-    def decode_one_token(self, group: _KVGroup, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row ([B] int64; rows where `active` is False get a masked pad); returns logits [B, V]."""
-        fed = torch.where(active, tokens, self.pad_token_id)
-        return self._forward(group, fed[:, None], active[:, None])
-
-    def decode(
-        self, group: _KVGroup, logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
-        """Sample until every row stopped or hit max_new_tokens.
-
-        Returns tokens [B, S] int64, logprobs [B, S] fp32, raw logprobs [B, S] fp32 (S <= max_new_tokens; row b
-        is valid up to counts[b]), counts [B] int64 and, per row, the ``params.stop`` string that ended it ("").
-        """
-        rows, steps = logits.shape[0], params.max_new_tokens
-        stops = torch.tensor(sorted(self._stop_ids(params)), dtype=torch.long, device=self.device)
-        tokens = torch.zeros(rows, steps, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros(rows, steps, dtype=torch.float32, device=self.device)
-        raw = torch.zeros_like(logprobs)
-        counts = torch.zeros(rows, dtype=torch.long, device=self.device)
-        active = torch.ones(rows, dtype=torch.bool, device=self.device)
-        matcher = stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size)
-        history: list[list[int]] = [[] for _ in range(rows)]
-        stopped_by = [""] * rows
-        for step in range(steps):
-            tok, lp, rlp = sample_tokens(logits, uniforms[:, step], params.temperature, params.top_k, params.top_p)
-            tokens[:, step], logprobs[:, step], raw[:, step] = tok, lp, rlp
-            counts += active
-            active = active & ~torch.isin(tok, stops)
-            if matcher is not None:
-                was_active = active.tolist()
-                for row, t in enumerate(tok.tolist()):
-                    if not was_active[row]:
-                        continue
-                    history[row].append(t)
-                    hit = matcher.match(history[row])
-                    if hit:
-                        stopped_by[row] = hit
-                        active[row] = False
-            if step == steps - 1 or not bool(active.any()):
+    def _admit(self) -> None:
+        """Give waiting requests slots (FIFO, as long as slots are free) and prefill their uncached tokens."""
+        admitted: list[tuple[int, _Request]] = []
+        # requests whose session holds a slot need no new one: they go first (a queued request must never wait
+        # for a slot that its own session holds), then the others in arrival order
+        self._waiting.sort(key=lambda r: r.session.slot < 0)
+        while self._waiting:
+            request = self._waiting[0]
+            slot = self._slot_for(request)
+            if slot < 0:
                 break
-            logits = self.decode_one_token(group, tok, active)
-        width = int(counts.max())
-        return tokens[:, :width].cpu(), logprobs[:, :width].cpu(), raw[:, :width].cpu(), counts.cpu(), stopped_by
+            self._waiting.pop(0)
+            session = request.session
+            if not self.reuse_kv:
+                self._drop_cache(session)
+            session.slot = slot
+            self._pool.owner[slot] = request.session_id
+            self._pool.lengths[slot] = session.cached
+            admitted.append((slot, request))
+        if not admitted:
+            return
+        # room for the whole turn: the context, the new tokens, max_new_tokens, and the column a masked row writes
+        need = max(len(r.session.tokens) + r.params.max_new_tokens + 1 for _, r in admitted)
+        self._grow(capacity=need)
+        self._prefill([(slot, r.session.tokens[r.session.cached:]) for slot, r in admitted])
+        for slot, request in admitted:
+            request.session.cached = len(request.session.tokens)
+            request.session.last_used = self._clock
+            self._running[slot] = request
+
+    def _prefill(self, rows: list[tuple[int, list[int]]]) -> None:
+        """Feed each (slot, new tokens); their next-token logits go to ``self._logits[slot]``.
+
+        Fresh rows that repeat a prompt (a GRPO group's rollouts start from one state) are computed once and their
+        KV columns copied to the others (the same numbers, up to the float differences of another batch size)."""
+        pool = self._pool
+        first: dict[tuple[int, ...], int] = {}
+        compute: list[tuple[int, list[int]]] = []
+        copies: list[tuple[int, int, int]] = []  # (source slot, destination slot, columns)
+        for slot, ids in rows:
+            key = tuple(ids)
+            if pool.lengths[slot] == 0 and key in first:
+                copies.append((first[key], slot, len(ids)))
+                continue
+            if pool.lengths[slot] == 0:
+                first[key] = slot
+            compute.append((slot, ids))
+        self._prefill_rows(compute)
+        for src, dst, columns in copies:
+            pool.copy_slot(src, dst, columns)
+            self._logits[dst] = self._logits[src]
+        self.stats.prefill_tokens += sum(len(ids) for _, ids in compute)
+
+    def _prefill_rows(self, rows: list[tuple[int, list[int]]]) -> None:
+        """One left-padded [R, P] forward (in column chunks) over the rows' new tokens. Row r's real tokens go to
+        columns [len_r, len_r + n_r); its pad queries write past them (columns that are not valid yet)."""
+        pool, device = self._pool, self.device
+        count, width = len(rows), max(len(ids) for _, ids in rows)
+        slots = torch.tensor([s for s, _ in rows], dtype=torch.long, device=device)
+        starts = torch.tensor([int(pool.lengths[s]) for s, _ in rows], dtype=torch.long, device=device)
+        sizes = torch.tensor([len(ids) for _, ids in rows], dtype=torch.long, device=device)
+        input_ids = torch.full((count, width), self.pad_token_id, dtype=torch.long)
+        for row, (_, ids) in enumerate(rows):
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        input_ids = input_ids.to(device)
+        j = torch.arange(width, device=device)[None, :]
+        pad = width - sizes[:, None]  # leading pad queries of each row
+        real = j >= pad
+        # real query j sits at column len + (j - pad); pad queries after the row's real tokens
+        cols = torch.where(real, starts[:, None] + j - pad, starts[:, None] + sizes[:, None] + j)
+        positions = torch.where(real, cols, starts[:, None])
+        read = slice(0, count) if bool((slots == torch.arange(count, device=device)).all()) else slots
+        total = int((starts + width).max())
+        self._grow(capacity=total + 1)  # a short row next to a long one writes pad queries up to start + width
+        chunk = max(1, self.max_prefill_tokens // count)
+        for c0 in range(0, width, chunk):
+            c1 = min(width, c0 + chunk)
+            logits = self._forward(slots, input_ids[:, c0:c1], cols[:, c0:c1], positions[:, c0:c1], read, total)
+        self._logits[slots] = logits
+        for s, ids in rows:
+            pool.lengths[s] += len(ids)
+
+    def _forward(self, rows: torch.Tensor, input_ids: torch.Tensor, cols: torch.Tensor, positions: torch.Tensor,
+                 read: slice | torch.Tensor, width: int) -> torch.Tensor:
+        """Run the model on [R, P] new tokens written at `cols` of slots `rows`; returns the last column's logits
+        [R, V] fp32. Query (r, j) attends to the columns <= its own (a slot's valid columns are a prefix)."""
+        pool = self._pool
+        pool.plan = _Plan(rows, cols, read, width)
+        mask = torch.arange(width, device=cols.device)[None, None, :] <= cols[:, :, None]  # [R, P, width]
+        # an additive mask works for every attention implementation (sdpa, eager) and never masks a whole row
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=cols.device)
+        bias.masked_fill_(~mask, torch.finfo(self.dtype).min)
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=bias[:, None], position_ids=positions,
+                             past_key_values=pool.cache, use_cache=True, logits_to_keep=1)
+        finally:
+            pool.plan = None
+        return out.logits[:, -1].float()
+
+    def _sample_and_decode(self) -> list[Completion]:
+        """Sample one token for every running request, finish those that stopped, decode one step for the rest."""
+        slots = sorted(self._running)
+        if not slots:
+            return []
+        requests = [self._running[s] for s in slots]
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        tokens = torch.empty(len(slots), dtype=torch.long)
+        logps = torch.empty(len(slots), dtype=torch.float32)
+        raws = torch.empty(len(slots), dtype=torch.float32)
+        for params in dict.fromkeys(r.params for r in requests):  # usually one
+            which = [k for k, r in enumerate(requests) if r.params == params]
+            u = torch.from_numpy(np.array([requests[k].uniforms[len(requests[k].tokens)] for k in which]))
+            logits = self._logits[index if len(which) == len(slots) else index[which]]
+            tok, lp, raw = sample_tokens(logits, u.to(self.device), params.temperature, params.top_k, params.top_p)
+            tokens[which], logps[which], raws[which] = tok.cpu(), lp.cpu(), raw.cpu()
+        self.stats.tokens += len(slots)
+        self.stats.first_tokens += sum(1 for r in requests if not r.tokens)
+        done: list[Completion] = []
+        for k, (slot, request) in enumerate(zip(slots, requests, strict=True)):
+            token = int(tokens[k])
+            request.tokens.append(token)
+            request.logprobs.append(float(logps[k]))
+            request.raw.append(float(raws[k]))
+            if request.matcher is not None and token not in request.stops:
+                request.stop_string = request.matcher.match(request.tokens)
+            if token in request.stops or request.stop_string or len(request.tokens) >= request.params.max_new_tokens:
+                done.append(self._finish(slot, request))
+        if self._running:
+            self._decode()
+        return done
+
+    def _finish(self, slot: int, request: _Request) -> Completion:
+        del self._running[slot]
+        del self._inflight[request.session_id]
+        session = request.session
+        session.tokens.extend(request.tokens)
+        session.cached = len(session.tokens) - 1  # the last sampled token was never fed
+        self._pool.lengths[slot] = session.cached
+        last = request.tokens[-1]
+        result = GenerationResult(
+            token_ids=list(request.tokens), logprobs=list(request.logprobs),
+            finish_reason="stop" if last in request.stops or request.stop_string else "length",
+            raw_logprobs=list(request.raw), weight_version=self._version, stop_string=request.stop_string)
+        if not self.reuse_kv:
+            self._drop_cache(session)
+        return Completion(request.session_id, request.tag, result)
+
+    def _decode(self) -> None:
+        """One decode forward over the slots [0, hi) that hold every running row; the other rows in the range feed a
+        masked pad token at their first free column (nothing valid is overwritten)."""
+        pool, device = self._pool, self.device
+        hi = max(self._running) + 1
+        fed = torch.full((hi,), self.pad_token_id, dtype=torch.long)
+        for slot, request in self._running.items():
+            fed[slot] = request.tokens[-1]
+        lengths = torch.from_numpy(pool.lengths[:hi].copy()).to(device)
+        rows = torch.arange(hi, device=device)
+        cols = lengths[:, None]
+        logits = self._forward(rows, fed[:, None].to(device), cols, cols, slice(0, hi), int(lengths.max()) + 1)
+        self._logits[:hi] = logits
+        for slot in self._running:
+            pool.lengths[slot] += 1
+        self.stats.decode_steps += 1
+        self.stats.row_steps += hi
+        self.stats.slot_steps += pool.slots
 
     # ---- weights --------------------------------------------------------------------------------------------
 
     def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
         """Copy new weights into the engine's model (a no-op copy when given the engine's own module) and drop all
         caches. Accepts a module (peft-wrapped modules: merge the adapter first) or a state dict whose tensors may
-        be DTensors (gathered with ``full_tensor``). Returns the new weight_version."""
+        be DTensors (gathered with ``full_tensor``). Returns the new weight_version. Refused while requests are in
+        flight: their tokens so far came from the old weights."""
+        if self._inflight:
+            raise RuntimeError(f"sync_weights with {len(self._inflight)} request(s) in flight; step until they "
+                               f"finish or abort() them first")
         src = state_dict_or_model
         if src is not self.model:
             state = src.state_dict() if isinstance(src, nn.Module) else dict(src)
@@ -578,7 +612,7 @@ class HFEngine(SessionEngine):
                 for name, value in state.items():
                     own[name].copy_(value)
         for session in self._sessions.values():
-            self._detach(session)
+            self._drop_cache(session)
         self._version += 1
         return self._version
 
@@ -587,4 +621,6 @@ class HFEngine(SessionEngine):
         return head is not None and embed is not None and head.weight is embed.weight
 
     def close(self) -> None:
+        self.abort()
         self._close_all_sessions()
+

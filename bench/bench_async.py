@@ -1,0 +1,181 @@
+"""Barrier-free (async) rollout against lock-step on the same seeds: trajectories/s, useful tokens/s and slot
+occupancy, on a long-tail multi-turn workload and on the tiny preset's short answers.
+
+    python bench/bench_async.py                        # both workloads, built-in engine, 2 threads
+    python bench/bench_async.py --workload longtail --episodes 32 --repeats 1
+
+Workloads (docs/ENGINES.md "The long-tail workload"):
+- ``longtail``: 5-turn Sokoban chats (RAGEN's prompts, ``<think>`` on) sampled by a random ~52M Qwen2 (hidden 768,
+  8 layers, the tiny tokenizer's 1,024-token vocab, as bench_vs_trl). Its answers never parse, so every episode
+  runs all 5 turns. The sampling itself draws the lengths: --stop-tokens of the 1,024 ids end a turn, so each
+  turn's length is close to geometric (mean ~1,024 / stop tokens) and capped at --max-new-tokens. In a lock-step
+  batch of 64 rows the longest row nearly always reaches the cap while the typical one stops after ~40 tokens.
+- ``tiny``: the tiny preset's rollout (the shipped tiny agent on non-slippery FrozenLake, 16-token answers that end
+  at ``</answer>``, its env groups, group size and turns), the case where async must not cost anything.
+
+Both drivers run the same parts with the same request seeds, in alternation within each repeat; the trajectories
+are checked equal (tokens) before any row is written. Occupancy: useful decoded tokens / (decode steps x rows
+computed) (``rollout/decode_occupancy``; 1 = no decode compute wasted), and per batch slot
+(``rollout/slot_occupancy``). Rows go to bench/results/async_rollout.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import add_allow_dirty, require_clean_tree  # standard library only: safe before torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", nargs="+", default=["longtail", "tiny"], choices=["longtail", "tiny"])
+    parser.add_argument("--episodes", type=int, default=64, help="longtail: episodes per rollout (groups of 4)")
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="longtail: cap of one turn")
+    parser.add_argument("--stop-tokens", type=int, default=26, help="longtail: ids (of 1,024) that end a turn")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
+    parser.add_argument("--note", default="", help="free text stored with every row (e.g. machine load)")
+    parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to async_rollout.csv)")
+    parser.add_argument("--no-csv", action="store_true", help="print only")
+    add_allow_dirty(parser)
+    args = parser.parse_args(argv)
+    if not args.no_csv:
+        require_clean_tree(args.allow_dirty)
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None:  # before torch is imported, so the OpenMP pool is sized by it
+    os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+    os.environ["MKL_NUM_THREADS"] = str(ARGS.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import append_rows, device_name, print_table, quantiles  # noqa: E402
+
+import fastpo.envs as E  # noqa: E402
+from fastpo.config import RolloutConfig, get_preset  # noqa: E402
+from fastpo.engine import HFEngine, SamplingParams  # noqa: E402
+from fastpo.model import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from fastpo.prompts import prompt_spec  # noqa: E402
+from fastpo.rollout import RolloutPart, run_rollouts  # noqa: E402
+
+#: The random model of the long-tail workload (bench_vs_trl's second model).
+LARGE_SHAPE = dict(hidden=768, layers=8, heads=12, kv_heads=2, intermediate=2176)
+
+
+def longtail_setup(args: argparse.Namespace, root: Path):
+    """(make_parts, engine factory, tokenizer, sampling, rollout config, description) of the long-tail workload."""
+    from fastpo.testing import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(root)
+    build_tiny_model(root, tok, **LARGE_SHAPE)
+    model = load_policy(root).eval()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    stops = tuple(range(vocab - args.stop_tokens, vocab))  # the tail ids: plain byte tokens of the tiny tokenizer
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
+                              ignore_eos=True)
+    cfg = dict(max_model_len=8192)
+    groups = args.episodes // 4
+
+    def parts():
+        env = E.make("sokoban", groups * 4)
+        return [RolloutPart(env, prompt_spec("sokoban"), np.repeat(np.arange(groups) + 10_000, 4),
+                            np.repeat(np.arange(groups), 4), list(range(groups * 4)), max_turns=args.turns)]
+
+    params = sum(p.numel() for p in model.parameters())
+    desc = dict(model=f"qwen2-random-{params / 1e6:.0f}M", episodes=groups * 4, turns=args.turns,
+                max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab)
+    return parts, lambda: HFEngine(model, tok), tok, sampling, cfg, desc
+
+
+def tiny_setup(args: argparse.Namespace, root: Path):
+    """The tiny preset's training rollout (its env, groups, turns, sampling) on the shipped tiny agent."""
+    preset = get_preset("tiny")
+    e, r = preset.env, preset.rollout
+    path = resolve_model_path(preset.model.path)
+    tok, model = load_tokenizer(path), load_policy(path).eval()
+    sampling = SamplingParams(temperature=r.temperature, max_new_tokens=r.response_length, stop=tuple(r.stop))
+    name = e.names[0]
+    n = e.env_groups * e.group_size
+
+    def parts():
+        env = E.make(name, n, **e.kwargs)
+        spec = prompt_spec(name, enable_think=r.enable_think, max_actions_per_traj=e.max_actions_per_traj)
+        return [RolloutPart(env, spec, np.repeat(np.arange(e.env_groups) + e.train_seed, e.group_size),
+                            np.repeat(np.arange(e.env_groups), e.group_size), list(range(n)),
+                            max_turns=e.max_turns, max_actions_per_turn=e.max_actions_per_turn)]
+
+    cfg = dict(max_model_len=r.max_model_len, enable_think=r.enable_think)
+    desc = dict(model="tiny-agent", env=name, episodes=n, turns=e.max_turns, max_new_tokens=r.response_length)
+    return parts, lambda: HFEngine(model, tok), tok, sampling, cfg, desc
+
+
+def measure(setup, args: argparse.Namespace) -> list[dict]:
+    make_parts, make_engine, tok, sampling, cfg, desc = setup
+    samples: dict[str, dict[str, list[float]]] = {m: {} for m in ("lockstep", "async")}
+    tokens_of: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for mode in ("lockstep", "async"):
+            engine = make_engine()
+            t0 = time.perf_counter()
+            batches = run_rollouts(make_parts(), engine, tok, sampling, RolloutConfig(mode=mode, **cfg))
+            wall = time.perf_counter() - t0
+            trajs = [t for b in batches for t in b.trajectories]
+            useful = sum(sum(t.response_lengths) for t in trajs)
+            m = batches[0].metrics
+            got = {"trajectories_per_s": len(trajs) / wall, "useful_tokens_per_s": useful / wall, "wall_s": wall,
+                   "decode_occupancy": m["rollout/decode_occupancy"], "slot_occupancy": m["rollout/slot_occupancy"],
+                   "decode_steps": engine.stats.decode_steps, "useful_tokens": useful,
+                   "mean_response_length": m["rollout/response_length"]}
+            for k, v in got.items():
+                samples[mode].setdefault(k, []).append(float(v))
+            tokens_of[mode] = [list(t.input_ids) for t in trajs]
+        if tokens_of["async"] != tokens_of["lockstep"]:
+            raise SystemExit("async and lock-step trajectories differ: not a like-for-like comparison")
+    rows = []
+    for mode, metrics in samples.items():
+        for metric, values in metrics.items():
+            p50, p20, p80 = quantiles(values)
+            rows.append(dict(name=f"rollout_{desc.get('model')}", provider="fastpo-hf", mode=mode, metric=metric,
+                             unit="", x_name="repeats", x_value=args.repeats, p50=p50, p20=p20, p80=p80,
+                             config=json.dumps({**desc, "threads": args.threads, "note": args.note},
+                                               sort_keys=True)))
+    ratio = np.median(samples["async"]["trajectories_per_s"]) / np.median(samples["lockstep"]["trajectories_per_s"])
+    rows.append(dict(name=f"rollout_{desc.get('model')}", provider="fastpo-hf", mode="async/lockstep",
+                     metric="trajectories_per_s_ratio", unit="x", x_name="repeats", x_value=args.repeats,
+                     p50=float(ratio), p20=float(ratio), p80=float(ratio),
+                     config=json.dumps({**desc, "threads": args.threads, "note": args.note}, sort_keys=True)))
+    return rows
+
+
+def main() -> None:
+    args = ARGS or parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload in args.workload:
+            setup = (longtail_setup if workload == "longtail" else tiny_setup)(args, Path(tmp) / workload)
+            rows += measure(setup, args)
+    for row in rows:
+        row["device"] = device_name()
+    print_table(rows, columns=("name", "mode", "metric", "p50", "p20", "p80"))
+    if not args.no_csv:
+        print("wrote", append_rows("async_rollout", rows, args.results_dir))
+
+
+if __name__ == "__main__":
+    main()
