@@ -61,10 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:  # before torch is imported, so the OpenMP pool is sized by it
-    os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
-    os.environ["MKL_NUM_THREADS"] = str(ARGS.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from common import pin_threads
+
+    pin_threads(ARGS.threads)
 
 import json  # noqa: E402
 import tempfile  # noqa: E402

@@ -135,6 +135,15 @@ def require_clean_tree(allow_dirty: bool = False, repo: str | os.PathLike | None
     return commit
 
 
+def pin_threads(threads: int) -> None:
+    """Size the OpenMP / MKL pools and keep the hub and tokenizers offline and single-threaded. Call it before torch
+    is imported: the pool is sized at import."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def versions() -> str:
     parts = [f"python={platform.python_version()}"]
     for name in ("torch", "triton"):

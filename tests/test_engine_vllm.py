@@ -17,7 +17,8 @@ pytest.importorskip("vllm")
 
 from fastpo import testing  # noqa: E402
 from fastpo.engine import Engine, SamplingParams  # noqa: E402
-from fastpo.engine.vllm import VLLMEngine, _DropWeightlessReloadWarning, iter_buckets  # noqa: E402
+from fastpo.engine.buckets import iter_buckets  # noqa: E402
+from fastpo.engine.vllm import VLLMEngine, _DropWeightlessReloadWarning  # noqa: E402
 from fastpo.model import load_policy, load_tokenizer  # noqa: E402
 
 ATOL = 1e-5

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastpo import algorithms
+from fastpo import algorithms, testing
 from fastpo.config import AlgorithmConfig, ConfigError, config_hash, parse_args, validate
 from fastpo.trainer import Trainer
 
@@ -103,15 +103,9 @@ def _shift_sample_logprobs(monkeypatch, shift: float):
 
 def _iteration(tmp_path, run: str, *extra: str):
     """One iteration: (its metrics, the actor's weights after it)."""
-    cfg = validate(parse_args([*SMALL, *extra, "--trainer.run_dir", str(tmp_path / run)]), 1)
-    trainer = Trainer(cfg)
-    trainer.step = 1
-    try:
-        metrics = trainer.iteration()
-        weights = {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
-    finally:
-        trainer.close(export=False)
-    return metrics, weights
+    rows, weights = testing.train_iterations(
+        validate(parse_args([*SMALL, *extra, "--trainer.run_dir", str(tmp_path / run)]), 1))
+    return rows[0], weights
 
 
 def _same(a: dict, b: dict) -> bool:

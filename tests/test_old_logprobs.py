@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastpo import update
+from fastpo import testing, update
 from fastpo.config import parse_args, validate
 from fastpo.rollout import Trajectory
 from fastpo.trainer import Trainer, TrainingAborted
@@ -52,15 +52,9 @@ def _first_update(tmp_path, monkeypatch, run: str, *extra: str):
         return _SCORE(self, trajs, kept, actor, extras)
 
     monkeypatch.setattr(Trainer, "_score", spy)
-    cfg = validate(parse_args([*SMALL, *extra, "--trainer.run_dir", str(tmp_path / run)]), 1)
-    trainer = Trainer(cfg)
-    trainer.step = 1
-    try:
-        metrics = trainer.iteration()
-        weights = {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
-    finally:
-        trainer.close(export=False)
-    return metrics, weights, calls
+    rows, weights = testing.train_iterations(
+        validate(parse_args([*SMALL, *extra, "--trainer.run_dir", str(tmp_path / run)]), 1))
+    return rows[0], weights, calls
 
 
 def test_engine_old_logprobs_skip_the_scoring_forward_and_match_it(tmp_path, monkeypatch):

@@ -135,7 +135,6 @@ def test_trainer_with_async_rollout_trains_like_lockstep(tmp_path):
     rewards) and weights equal up to the float differences of the sample logprobs (the preset takes PPO's old
     logprobs from the sampler)."""
     from fastpo.config import parse_args
-    from fastpo.trainer import Trainer
 
     small = ["--preset", "tiny", "--env.max_turns", "2", "--env.val_groups", "4", "--env.env_groups", "4",
              "--env.group_size", "4", "--optim.mini_batch_size", "4", "--optim.micro_batch_tokens", "800",
@@ -144,15 +143,7 @@ def test_trainer_with_async_rollout_trains_like_lockstep(tmp_path):
     out = {}
     for mode in ("lockstep", "async"):
         cfg = validate(parse_args([*small, "--rollout.mode", mode, "--trainer.run_dir", str(tmp_path / mode)]), 1)
-        trainer = Trainer(cfg)
-        rows = []
-        try:
-            for step in (1, 2):
-                trainer.step = step
-                rows.append(trainer.iteration())
-            out[mode] = rows, {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
-        finally:
-            trainer.close(export=False)
+        out[mode] = testing.train_iterations(cfg, 2)
     (lock_rows, lock_w), (fast_rows, fast_w) = out["lockstep"], out["async"]
     for a, b in zip(lock_rows, fast_rows, strict=True):
         for key in ("rollout/reward", "rollout/response_length", "rollout/num_turns", "rollout/trained_tokens"):

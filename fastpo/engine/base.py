@@ -16,11 +16,12 @@ Two ways to generate:
         done.session_id, done.tag, done.result               # each request as soon as it finished
     engine.num_unfinished()                                  # requests queued or running
 
-The asynchronous interface is what the barrier-free rollout (``rollout.mode=async``, ``fastpo.rollout``) drives: a request's result
-is returned by the step at which it finished, so its episode can step its env and submit the next turn while the
-other requests go on decoding. The built-in engine runs it with continuous batching (a finished row frees its slot
-at once, a submitted row joins the running batch at the next step); an engine without its own scheduler inherits
-the lock-step fallback of :class:`Engine` (one ``generate_sessions`` call over everything queued).
+The asynchronous interface is what the barrier-free rollout (``rollout.mode=async`` in ``fastpo.rollout``) drives:
+a request's result is returned by the step at which it finished, so its episode can step its env and submit the
+next turn while the other requests go on decoding. The built-in engine runs it with continuous batching (a
+finished row frees its slot at once, a submitted row joins the running batch at the next step); an engine without
+its own scheduler inherits the lock-step fallback of :class:`Engine` (one ``generate_sessions`` call over
+everything queued).
 
 What a result's logprobs are (both engines):
     ``logprobs[i] = log_softmax(logits_i / T)[token_ids[i]]`` over the FULL vocabulary, with ``T = temperature``

@@ -27,8 +27,7 @@ import itertools
 import json
 import logging
 import os
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,10 +46,10 @@ from .base import (
     eos_ids_from,
     stop_matcher,
 )
+from .buckets import iter_buckets
 
 logger = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
 class _DropMessage(logging.Filter):
@@ -192,64 +191,6 @@ def _checkpoint_names(model_path: str | os.PathLike) -> set[str] | None:
         with safe_open(str(f), framework="pt") as handle:
             names.update(handle.keys())
     return names
-
-
-def _layer_key(name: str) -> str:
-    """The decoder layer a tensor belongs to (``model.layers.3``), or its own name for the rest."""
-    match = _LAYER.match(name)
-    return match.group(1) if match else name
-
-
-def iter_buckets(state: Mapping[str, Any], bucket_bytes: int,
-                 dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Split a state dict, in order, into buckets of about ``bucket_bytes`` (never splitting a decoder layer, so a
-    fused vLLM layer always receives all its pieces together). Tensors stay lazy until their bucket is yielded:
-    DTensors are gathered (``full_tensor``) then, one bucket at a time. With `dtype`, floating tensors come out in
-    it (a DTensor is cast before its gather). A tensor object listed under several names (tied weights) is gathered
-    once and kept until its last name has been yielded."""
-    counts: dict[int, int] = {}
-    for value in state.values():
-        counts[id(value)] = counts.get(id(value), 0) + 1
-    shared: dict[int, torch.Tensor] = {}
-    bucket: list[tuple[str, Any]] = []
-    size, last_layer = 0, None
-    for name, value in state.items():
-        layer = _layer_key(name)
-        if bucket and size >= bucket_bytes and layer != last_layer:
-            yield _materialise(bucket, dtype, counts, shared)
-            bucket, size = [], 0
-        bucket.append((name, value))
-        floating = dtype is not None and value.dtype.is_floating_point
-        size += value.numel() * (dtype.itemsize if floating else value.element_size())
-        last_layer = layer
-    if bucket:
-        yield _materialise(bucket, dtype, counts, shared)
-
-
-def _materialise(bucket: list[tuple[str, Any]], dtype: torch.dtype | None, counts: dict[int, int],
-                 shared: dict[int, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, value in bucket:
-        key = id(value)
-        if key in shared:
-            tensor = shared[key]
-        else:
-            tensor = value
-            cast = dtype is not None and value.dtype.is_floating_point and value.dtype != dtype
-            if cast and isinstance(value, torch.Tensor):
-                tensor = tensor.to(dtype)  # a DTensor casts its local shard: the all-gather moves dtype's bytes
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            if cast:
-                tensor = tensor.to(dtype)  # no-op unless it was a LoRAMergedWeight
-            tensor = tensor.detach()
-        counts[key] -= 1
-        if counts[key] > 0:
-            shared[key] = tensor
-        else:
-            shared.pop(key, None)
-        out.append((name, tensor))
-    return out
 
 
 @dataclass
