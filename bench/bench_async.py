@@ -2,14 +2,14 @@
 occupancy, on a long-tail multi-turn workload and on the tiny preset's short answers.
 
     python bench/bench_async.py                        # both workloads, built-in engine, 2 threads
-    python bench/bench_async.py --workload longtail --episodes 32 --repeats 1
+    python bench/bench_async.py --workload longtail --episodes 64 --max-new-tokens 256
 
 Workloads (docs/ENGINES.md "The long-tail workload"):
 - ``longtail``: 5-turn Sokoban chats (RAGEN's prompts, ``<think>`` on) sampled by a random ~52M Qwen2 (hidden 768,
   8 layers, the tiny tokenizer's 1,024-token vocab, as bench_vs_trl). Its answers never parse, so every episode
   runs all 5 turns. The sampling itself draws the lengths: --stop-tokens of the 1,024 ids end a turn, so each
-  turn's length is close to geometric (mean ~1,024 / stop tokens) and capped at --max-new-tokens. In a lock-step
-  batch of 64 rows the longest row nearly always reaches the cap while the typical one stops after ~40 tokens.
+  turn's length is close to geometric and capped at --max-new-tokens (measured mean ~21 tokens with the
+  defaults). In a lock-step batch of 32 rows the longest row nearly always reaches the cap of 128.
 - ``tiny``: the tiny preset's rollout (the shipped tiny agent on non-slippery FrozenLake, 16-token answers that end
   at ``</answer>``, its env groups, group size and turns), the case where async must not cost anything.
 
@@ -32,11 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", nargs="+", default=["longtail", "tiny"], choices=["longtail", "tiny"])
-    parser.add_argument("--episodes", type=int, default=64, help="longtail: episodes per rollout (groups of 4)")
+    parser.add_argument("--episodes", type=int, default=32, help="longtail: episodes per rollout (groups of 4)")
     parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="longtail: cap of one turn")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="longtail: cap of one turn")
     parser.add_argument("--stop-tokens", type=int, default=26, help="longtail: ids (of 1,024) that end a turn")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="longtail: rollouts per driver (minutes each on CPU)")
+    parser.add_argument("--tiny-repeats", type=int, default=7,
+                        help="tiny: rollouts per driver (~2 s each; medians over repeats, drivers alternating)")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
     parser.add_argument("--note", default="", help="free text stored with every row (e.g. machine load)")
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to async_rollout.csv)")
@@ -123,11 +125,11 @@ def tiny_setup(args: argparse.Namespace, root: Path):
     return parts, lambda: HFEngine(model, tok), tok, sampling, cfg, desc
 
 
-def measure(setup, args: argparse.Namespace) -> list[dict]:
+def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
     make_parts, make_engine, tok, sampling, cfg, desc = setup
     samples: dict[str, dict[str, list[float]]] = {m: {} for m in ("lockstep", "async")}
     tokens_of: dict[str, list] = {}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for mode in ("lockstep", "async"):
             engine = make_engine()
             t0 = time.perf_counter()
@@ -150,12 +152,12 @@ def measure(setup, args: argparse.Namespace) -> list[dict]:
         for metric, values in metrics.items():
             p50, p20, p80 = quantiles(values)
             rows.append(dict(name=f"rollout_{desc.get('model')}", provider="fastpo-hf", mode=mode, metric=metric,
-                             unit="", x_name="repeats", x_value=args.repeats, p50=p50, p20=p20, p80=p80,
+                             unit="", x_name="repeats", x_value=repeats, p50=p50, p20=p20, p80=p80,
                              config=json.dumps({**desc, "threads": args.threads, "note": args.note},
                                                sort_keys=True)))
     ratio = np.median(samples["async"]["trajectories_per_s"]) / np.median(samples["lockstep"]["trajectories_per_s"])
     rows.append(dict(name=f"rollout_{desc.get('model')}", provider="fastpo-hf", mode="async/lockstep",
-                     metric="trajectories_per_s_ratio", unit="x", x_name="repeats", x_value=args.repeats,
+                     metric="trajectories_per_s_ratio", unit="x", x_name="repeats", x_value=repeats,
                      p50=float(ratio), p20=float(ratio), p80=float(ratio),
                      config=json.dumps({**desc, "threads": args.threads, "note": args.note}, sort_keys=True)))
     return rows
@@ -168,7 +170,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workload:
             setup = (longtail_setup if workload == "longtail" else tiny_setup)(args, Path(tmp) / workload)
-            rows += measure(setup, args)
+            rows += measure(setup, args, args.repeats if workload == "longtail" else args.tiny_repeats)
     for row in rows:
         row["device"] = device_name()
     print_table(rows, columns=("name", "mode", "metric", "p50", "p20", "p80"))

@@ -475,3 +475,30 @@ def test_async_interface_errors_and_abort(tiny):
     sid = fresh.open_sessions(1)
     fresh.extend(sid, [before])
     assert done[0].result.token_ids == fresh.generate_sessions(sid, params, [7])[0].token_ids
+
+
+def test_tail_rows_move_down_to_free_slots_and_keep_their_tokens(tiny):
+    """At a rollout's tail the last running row sits in a high slot while the low ones are free: it is moved down
+    (one copy of its cache), the decode range shrinks, and its tokens and logprobs equal a request generated
+    alone."""
+    _, tok, model = tiny
+    prompts = _prompts(6, len(tok), seed=31)
+    short = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    engine = HFEngine(model, tok)
+    sids = engine.open_sessions(6)
+    engine.extend(sids, prompts)
+    for i, sid in enumerate(sids):
+        engine.submit(sid, long if i == 5 else short, 40 + i, tag=i)
+    results, ranges = {}, []
+    while engine.num_unfinished():
+        for done in engine.step():
+            results[done.tag] = done.result
+            if done.tag != 5:
+                engine.close_sessions([done.session_id])  # an ended episode frees its slot
+        ranges.append(max(engine._running, default=-1) + 1)
+    assert engine._sessions[sids[5]].slot == 0 and ranges[-2] == 1  # moved from slot 5 to slot 0
+    alone = HFEngine(model, tok).generate([prompts[5]], long, [45])[0]
+    assert results[5].token_ids == alone.token_ids
+    np.testing.assert_allclose(results[5].logprobs, alone.logprobs, atol=ATOL)
+    assert engine.stats.row_steps < 6 * engine.stats.decode_steps

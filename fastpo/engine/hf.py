@@ -570,6 +570,7 @@ class HFEngine(SessionEngine):
         """One decode forward over the slots [0, hi) that hold every running row; the other rows in the range feed a
         masked pad token at their first free column (nothing valid is overwritten)."""
         pool, device = self._pool, self.device
+        self._compact()
         hi = max(self._running) + 1
         fed = torch.full((hi,), self.pad_token_id, dtype=torch.long)
         for slot, request in self._running.items():
@@ -584,6 +585,28 @@ class HFEngine(SessionEngine):
         self.stats.decode_steps += 1
         self.stats.row_steps += hi
         self.stats.slot_steps += pool.slots
+
+    def _compact(self) -> None:
+        """When fewer than half of the decode range [0, hi) runs (the tail of a rollout: the last episodes sit in high
+        slots), move the running rows above the free low slots down into them: one copy of each moved row's cache,
+        after which every decode step computes fewer idle rows."""
+        pool = self._pool
+        hi = max(self._running) + 1
+        if len(self._running) * 2 > hi:
+            return
+        free = [s for s in range(hi) if pool.owner[s] is None]
+        for src in sorted(self._running, reverse=True):
+            if not free or free[0] >= src:
+                break
+            dst = free.pop(0)
+            request = self._running.pop(src)
+            pool.copy_slot(src, dst, int(pool.lengths[src]))
+            pool.owner[dst], pool.owner[src], pool.lengths[src] = pool.owner[src], None, 0
+            self._logits[dst] = self._logits[src]
+            request.session.slot = dst
+            self._running[dst] = request
+            free.append(src)
+            free.sort()
 
     # ---- weights --------------------------------------------------------------------------------------------
 
