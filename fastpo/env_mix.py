@@ -221,7 +221,7 @@ class EnvPart:
     Attributes:
         entry: the mix entry (name, label, budgets, kwargs).
         groups: the GLOBAL group ids this rank runs for the entry.
-        env: the batch env, ``len(groups) * entry.group_size`` instances.
+        env: the batch env, ``len(groups) * entry.group_size`` instances (times ``capacity``).
         spec: the prompt (``prompts.env_prompt_spec``: RAGEN's for built-in envs, the env's own for a plug-in).
         first_index: the global index of each group's first trajectory (its sampling seeds' index).
     """
@@ -234,9 +234,10 @@ class EnvPart:
 
 
 def build_parts(entries: list[EnvEntry], groups: range, backend: str, enable_think: bool,
-                action_sep: str) -> list[EnvPart]:
+                action_sep: str, capacity: int = 1) -> list[EnvPart]:
     """The parts of ``entries`` that this rank's ``groups`` belong to (one batch env each, with the entry's own
-    kwargs and action budget in its prompt)."""
+    kwargs and action budget in its prompt). ``capacity``: instances per trajectory of one iteration (partial
+    rollouts hold episodes of several iterations at once)."""
     from .prompts import env_prompt_spec
 
     offsets = trajectory_offsets(entries)
@@ -245,7 +246,7 @@ def build_parts(entries: list[EnvEntry], groups: range, backend: str, enable_thi
         mine = [g for g in groups if g in set(entry.groups)]
         if not mine:
             continue
-        env = envs.make(entry.name, len(mine) * entry.group_size, backend=backend, **entry.kwargs)
+        env = envs.make(entry.name, len(mine) * entry.group_size * capacity, backend=backend, **entry.kwargs)
         budget = {} if entry.max_actions_per_traj is None else {"max_actions_per_traj": entry.max_actions_per_traj}
         spec = env_prompt_spec(entry.name, env, enable_think=enable_think, action_sep=action_sep, **budget)
         parts.append(EnvPart(entry, mine, env, spec, [offsets[g] for g in mine]))

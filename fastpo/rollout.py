@@ -85,6 +85,8 @@ class Trajectory:
         advantages, returns: fp32 [T], filled by the advantage estimator.
         step_keys, step_rewards: int64 / fp32 [K] per trained turn (K = the turn_end flags: the last K generated
             turns), the state key it starts from and its reward plus format penalty (``turn_data``; GiGPO).
+        versions: int32 [T] the engine weight version that sampled each token of an assistant turn, -1 on the
+            other tokens (None: not recorded). Under partial rollouts one episode spans several versions.
     """
 
     input_ids: np.ndarray
@@ -117,6 +119,7 @@ class Trajectory:
     returns: np.ndarray | None = None
     step_keys: np.ndarray | None = None
     step_rewards: np.ndarray | None = None
+    versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, dtype=np.int64)
@@ -125,7 +128,10 @@ class Trajectory:
         for name, dtype in (("sample_logprobs", np.float32), ("token_rewards", np.float32), ("turn_end", bool)):
             value = getattr(self, name)
             setattr(self, name, np.zeros(n, dtype) if value is None else np.asarray(value, dtype=dtype))
-        for name in ("loss_mask", "sample_logprobs", "token_rewards", "turn_end"):
+        if self.versions is not None:
+            self.versions = np.asarray(self.versions, dtype=np.int32)
+        for name in ("loss_mask", "sample_logprobs", "token_rewards", "turn_end") + (
+                ("versions",) if self.versions is not None else ()):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries for {n} tokens")
 
@@ -179,6 +185,7 @@ class _Episode:
     context_len: int = 0
     stop_texts: list[str] = field(default_factory=list)
     state_keys: list[int] = field(default_factory=list)  # one per entry of turns: the state that turn starts from
+    versions: list[int] = field(default_factory=list)  # per generated turn: the engine's weight version
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -501,7 +508,8 @@ class _PartRun:
     """The state of one env's episodes during ``run_rollouts``: prepare a turn's prompts, absorb its generations
     (parse, step the env, next observation), build the batch at the end."""
 
-    def __init__(self, part: RolloutPart, cfg: RolloutConfig, engine: Engine, tokenizer: Any, sampling: SamplingParams):
+    def __init__(self, part: RolloutPart, cfg: RolloutConfig, engine: Engine, tokenizer: Any, sampling: SamplingParams,
+                 start: bool = True):
         env, spec = part.env, part.spec
         n = env.num_envs
         seeds = [int(s) for s in np.asarray(part.seeds).reshape(-1)]
@@ -511,7 +519,7 @@ class _PartRun:
         if part.request_seeds is not None and len(part.request_seeds) != n:
             raise ValueError(f"need {n} request seeds or None, got {len(part.request_seeds)}")
         self.env, self.spec, self.cfg, self.part, self.engine = env, spec, cfg, part, engine
-        self.tokenizer, self.sampling, self.request_seeds = tokenizer, sampling, part.request_seeds
+        self.tokenizer, self.sampling = tokenizer, sampling
         self.think = spec.enable_think
         self.per_turn = part.max_actions_per_turn or int(getattr(env, "max_actions_per_turn", 5))
         self.budget = spec.max_actions_per_traj
@@ -525,17 +533,39 @@ class _PartRun:
         self.timings = {"generate_s": 0.0, "env_s": 0.0, "prompt_s": 0.0}
         self.pending: list[list[int]] = []
         self.rseeds: list[int] | None = None
-        self.sessions: list[int] = []
+        self.request_seeds = None if part.request_seeds is None else [int(x) for x in part.request_seeds]
+        self.version = int(getattr(engine, "weight_version", 0))  # recorded on every turn absorbed
+        self.eps = [_Episode(seed=0, group=-1, turns=[], active=False) for _ in range(n)]  # idle instances
+        self.sessions, self.closed = [-1] * n if self.kv else [], set()
+        if start:
+            self.start(range(n), seeds, groups, already_reset=part.already_reset)
+
+    def start(self, indices: Sequence[int], seeds: Sequence[int], groups: Sequence[int],
+              request_seeds: Sequence[int] | None = None, already_reset: bool = False) -> None:
+        """Begin new episodes on the instances `indices` (env seeds, group ids and, when given, request seeds one
+        per index); the other instances keep their state. KV mode: each gets a fresh engine session."""
+        indices = list(indices)
+        env, n = self.env, self.env.num_envs
         t0 = time.perf_counter()
-        obs = env.render() if part.already_reset else env.reset(np.asarray(seeds, dtype=np.int64))
+        if already_reset:
+            obs = env.render()
+        elif len(indices) == n and indices == list(range(n)):
+            obs = env.reset(np.asarray(seeds, dtype=np.int64))
+        else:
+            full, mask = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+            full[indices], mask[indices] = seeds, True
+            obs = env.reset(full, mask)
         keys = _state_keys(env, obs)
         self.timings["env_s"] += time.perf_counter() - t0
-        self.eps = [
-            _Episode(seed=seeds[i], group=groups[i], turns=[Turn(obs[i], actions_left=self.budget)],
-                     state_keys=[keys[i]]) for i in range(n)
-        ]
-        self.sessions = engine.open_sessions(n) if self.kv else []
-        self.closed: set[int] = set()
+        for j, i in enumerate(indices):
+            self.eps[i] = _Episode(seed=int(seeds[j]), group=int(groups[j]),
+                                   turns=[Turn(obs[i], actions_left=self.budget)], state_keys=[keys[i]])
+            if request_seeds is not None:
+                self.request_seeds[i] = int(request_seeds[j])
+        if self.kv:
+            self.release([i for i in indices if self.sessions[i] >= 0], force=True)
+            for i, sid in zip(indices, self.engine.open_sessions(len(indices)), strict=True):
+                self.sessions[i] = sid
 
     def prepare(self, candidates: Sequence[int] | None = None) -> list[int]:
         """The instances among `candidates` (default: all) that generate their next turn now: active, under their
@@ -588,6 +618,7 @@ class _PartRun:
             if cfg.count_truncated_penalty and not acts.raw_all_valid:
                 penalty = cfg.format_penalty
             ep.samples.append(res)
+            ep.versions.append(self.version)
             ep.penalties.append(float(penalty))
             ep.canonical.append(canonical_response(resp, acts, think))
             plans[i] = chosen[: max(0, self.budget - ep.actions_used)]
@@ -636,26 +667,29 @@ class _PartRun:
             if ep.env_done or ep.actions_used >= self.budget or len(ep.samples) >= self.part.max_turns:
                 ep.active = False
 
-    def finish(self) -> RolloutBatch:
+    def finish(self, indices: Sequence[int] | None = None) -> RolloutBatch:
+        """The batch of the episodes `indices` (default: every instance), in that order."""
         t0 = time.perf_counter()
-        trajectories = [_finish(ep, self.tokenizer, self.spec, self.cfg, self.kv) for ep in self.eps]
+        eps = self.eps if indices is None else [self.eps[i] for i in indices]
+        trajectories = [_finish(ep, self.tokenizer, self.spec, self.cfg, self.kv) for ep in eps]
         self.timings["prompt_s"] += time.perf_counter() - t0
         env = self.env
         label = self.part.label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
-        return RolloutBatch(trajectories, batch_metrics(self.eps, trajectories, self.timings, label, self.part.prefix))
+        return RolloutBatch(trajectories, batch_metrics(eps, trajectories, self.timings, label, self.part.prefix))
 
-    def release(self, indices: Sequence[int]) -> None:
+    def release(self, indices: Sequence[int], force: bool = False) -> None:
         """Close the engine sessions of finished episodes among `indices` (their training sequences are built from
-        the episode's own record): their KV memory is free for the episodes still running."""
-        done = [self.sessions[i] for i in indices if self.sessions and not self.eps[i].active
-                and self.sessions[i] not in self.closed]
+        the episode's own record): their KV memory is free for the episodes still running. ``force``: close them
+        whether or not the episode finished (its instance starts a new one)."""
+        done = [self.sessions[i] for i in indices if self.sessions and (force or not self.eps[i].active)
+                and self.sessions[i] >= 0 and self.sessions[i] not in self.closed]
         if done:
             self.engine.close_sessions(done)
             self.closed.update(done)
 
     def close(self) -> None:
         if self.sessions:
-            self.engine.close_sessions([s for s in self.sessions if s not in self.closed])
+            self.engine.close_sessions([s for s in self.sessions if s >= 0 and s not in self.closed])
             self.sessions = []
 
 
@@ -674,6 +708,12 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
         else:
             contents.append((list(res.token_ids), list(res.logprobs), stop_text))
     ids, mask, logps, turn_last = _chat_sequence(tokenizer, messages, contents, think)
+    versions = np.full(len(ids), -1, dtype=np.int32)
+    for pos, k in zip(turn_last, range(first, num_turns), strict=True):  # each turn's trained run ends at pos
+        start = pos
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        versions[start:pos + 1] = ep.versions[k]
     exact = not cfg.canonical and (window <= 0 or num_turns <= window)
     if not exact:
         logps = [0.0] * len(ids)
@@ -720,4 +760,5 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
         messages=messages,
         step_keys=step_keys,
         step_rewards=step_rewards,
+        versions=versions,
     )

@@ -55,6 +55,7 @@ from .model import is_lora, load_policy, load_tokenizer, merged_state_dict, reso
 from .preflight import check_prompt_fits
 from .rollout import RolloutPart, Trajectory, run_rollouts
 from .rollout_metrics import combine_metric_sums, metric_sums
+from .rollout_pool import NewGroup, RolloutPool
 
 #: Env var of the NaN-injection test hook: comma-separated 1-based iteration numbers.
 INJECT_NAN_ENV = "FASTPO_INJECT_NAN_AT"
@@ -64,10 +65,11 @@ class TrainingAborted(RuntimeError):
     """A deliberate stop (weight-sync logprob gap, too many non-finite steps); the message says why."""
 
 
-def request_seed(seed: int, kind: int, step: int, index: int) -> int:
+def request_seed(seed: int, kind: int, step: int, index: int, round: int = 0) -> int:
     """Sampling seed of trajectory `index` (global) at `step`: a function of these numbers only (not of the world
-    size). kind 0 = training, 1 = validation."""
-    return int(np.random.SeedSequence([seed, kind, step, index]).generate_state(1, np.uint32)[0])
+    size). kind 0 = training, 1 = validation; ``round`` > 0: a refill round of dynamic sampling."""
+    key = [seed, kind, step, index] + ([round] if round else [])
+    return int(np.random.SeedSequence(key).generate_state(1, np.uint32)[0])
 
 
 def injected_nan_steps() -> set[int]:
@@ -107,11 +109,15 @@ class Trainer:
         self._layout, self._token_cost = self.models.layout, token_cost(self.actor)
         e, r = cfg.env, cfg.rollout
         envs.load_plugins(e.plugins)  # every rank, before any env is built (validate did it on this rank)
+        # partial rollouts: room for the episodes in flight, their finished group mates and the finished groups
         self.train_parts = env_mix.build_parts(env_mix.resolve_mix(e, "train"), du.shard_groups(
-            e.env_groups, self.world, self.rank), e.backend, r.enable_think, e.action_sep)
+            e.env_groups, self.world, self.rank), e.backend, r.enable_think, e.action_sep,
+            capacity=r.max_staleness + 2 if r.partial else 1)
         self.val_parts = env_mix.build_parts(env_mix.resolve_mix(e, "val"), du.shard_groups(
             e.val_groups, self.world, self.rank), e.backend, r.enable_think, e.action_sep)
         self.step, self.train_seed = 0, e.train_seed
+        self.pool: RolloutPool | None = None  # rollout.partial: built at the first iteration
+        self.partial_next = [0] * self.world  # per rank: the next group its pool starts (see _pool_group)
         self.nonfinite_in_a_row = self.nonfinite_total = self.critic_nonfinite_total = 0
         self.nan_steps = injected_nan_steps()
         t = cfg.trainer
@@ -156,7 +162,7 @@ class Trainer:
         return {
             "step": self.step, "train_seed": self.train_seed, "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "nonfinite_total": self.nonfinite_total, "critic_nonfinite_total": self.critic_nonfinite_total,
-            "weight_version": self.engine.weight_version,
+            "weight_version": self.engine.weight_version, "partial_next": list(self.partial_next),
             "echo_trap": {"history": {k: list(v) for k, v in self.trap.history.items()},
                           "counts": dict(self.trap.counts), "iteration": self.trap.iteration},
         }
@@ -165,6 +171,7 @@ class Trainer:
         self.step, self.train_seed = int(state["step"]), int(state["train_seed"])
         self.nonfinite_in_a_row, self.nonfinite_total = int(state["nonfinite_in_a_row"]), int(state["nonfinite_total"])
         self.critic_nonfinite_total = int(state["critic_nonfinite_total"])
+        self.partial_next = [int(x) for x in state.get("partial_next", [0] * self.world)]
         trap = state["echo_trap"]
         self.trap.history = {k: deque(v, maxlen=self.trap.t.window) for k, v in trap["history"].items()}
         self.trap.counts, self.trap.iteration = Counter(trap["counts"]), int(trap["iteration"])
@@ -200,32 +207,109 @@ class Trainer:
                 self.engine.sync_weights(merged_state_dict(self.actor, state) if is_lora(self.actor) else state)
 
     # ---- rollout --------------------------------------------------------------------------------------------
-    def _rollout(self, parts: list[env_mix.EnvPart], seed_base: int, kind: int, temperature: float, step: int,
-                 prefix: str = "env", records: list | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-        """Every env part's episodes in one rollout (one engine call per turn for all of them); returns (this rank's
-        trajectories, metrics combined over parts and ranks by trajectory count). `step` feeds the request seeds
-        (validation passes 0: the same sampling seeds every time). ``records``, when given, receives one
-        generation record per trajectory of this rank (the validation's generations table)."""
+    def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
-        sampling = SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_new_tokens=r.response_length, stop=tuple(r.stop))
+        return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.response_length,
+                              stop=tuple(r.stop))
+
+    def _rollout(self, parts: list[env_mix.EnvPart], seed_base: int, kind: int, temperature: float, step: int,
+                 prefix: str = "env", records: list | None = None,
+                 round: int = 0) -> tuple[list[Trajectory], list[tuple[dict, dict]]]:
+        """Every env part's episodes in one rollout (one engine call per turn for all of them); returns (this rank's
+        trajectories, every rank's metric sums: ``combine_metric_sums`` makes them one dict). `step` feeds the
+        request seeds (validation passes 0: the same sampling seeds every time). ``records``, when given, receives
+        one generation record per trajectory of this rank (the validation's generations table). ``round`` > 0: a
+        refill round (its own request seeds; group ids offset by round x env.env_groups, unique in the batch)."""
         jobs = []
         for part in parts:
             size = part.entry.group_size
             index = [first + j for first in part.first_index for j in range(size)]
             jobs.append(RolloutPart(
                 part.env, part.spec, np.repeat([seed_base + g for g in part.groups], size),
-                np.repeat(part.groups, size), [request_seed(self.cfg.trainer.seed, kind, step, i) for i in index],
+                np.repeat([g + round * self.cfg.env.env_groups for g in part.groups], size),
+                [request_seed(self.cfg.trainer.seed, kind, step, i, round) for i in index],
                 max_turns=part.entry.max_turns, max_actions_per_turn=part.entry.max_actions_per_turn,
                 label=part.entry.label, prefix=prefix))
-        batches = run_rollouts(jobs, self.engine, self.tokenizer, sampling, r)
+        batches = run_rollouts(jobs, self.engine, self.tokenizer, self._sampling(temperature), self.cfg.rollout)
         trajs = [t for batch in batches for t in batch.trajectories]
         for t in trajs:
             t.messages = []  # for logging only: not sent to every rank
         if records is not None:
             for part, batch in zip(parts, batches, strict=True):
                 records.extend(generation_record(self.tokenizer, part.entry.label, t) for t in batch.trajectories)
-        return trajs, combine_metric_sums(du.all_gather_list([metric_sums(batches)]))
+        return trajs, du.all_gather_list([metric_sums(batches)])
+
+    def _train_rollout(self) -> tuple[list[Trajectory], dict[str, float], int | None]:
+        """This iteration's trajectories of every rank, the rollout metrics and the number of groups the filter
+        is to keep (None: its own rule). Dynamic sampling (``algorithm.refill_rounds``): while fewer than
+        int(ratio x env_groups) groups have a non-zero reward std, another round of env_groups new groups
+        (fresh env seeds) joins the batch; ``rollout/refill_rounds`` counts them. Partial rollouts: the pool."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        if cfg.rollout.partial:
+            return self._partial_rollout()
+        target = int(a.rollout_filter_ratio * cfg.env.env_groups + 1e-9)  # the filter's count (RAGEN's rule)
+        trajs, sums, rounds = [], [], 0
+        while True:
+            local, part = self._rollout(self.train_parts, self.train_seed, 0, cfg.rollout.temperature, self.step,
+                                        round=rounds)
+            trajs += du.all_gather_list(local)
+            sums += part
+            self.train_seed += cfg.env.env_groups
+            if not a.refill_rounds or rounds >= a.refill_rounds:
+                break
+            _, _, std, _, _ = algorithms.group_stats(torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+                                                     torch.tensor([t.group for t in trajs], dtype=torch.int64))
+            if int((std > 0).sum()) >= target:
+                break
+            rounds += 1
+        metrics = combine_metric_sums(sums)
+        if a.refill_rounds:
+            metrics["rollout/refill_rounds"] = float(rounds)
+        return trajs, metrics, (max(target, 1) if a.refill_rounds else None)
+
+    def _pool_group(self, n: int) -> NewGroup:
+        """The n-th group this rank's partial-rollout pool starts: the rank's groups of iteration c + 1 in the order
+        the synchronous rollout runs them (c = n // groups per rank), with that iteration's env seeds and request
+        seeds; its group id c x env_groups + g is unique in the pool."""
+        shard = [(k, g, first) for k, part in enumerate(self.train_parts)
+                 for g, first in zip(part.groups, part.first_index, strict=True)]
+        c, (k, g, first) = n // len(shard), shard[n % len(shard)]
+        size = self.train_parts[k].entry.group_size
+        return NewGroup(k, self.cfg.env.train_seed + c * self.cfg.env.env_groups + g,
+                        c * self.cfg.env.env_groups + g,
+                        tuple(request_seed(self.cfg.trainer.seed, 0, c + 1, first + j) for j in range(size)))
+
+    def _partial_rollout(self) -> tuple[list[Trajectory], dict[str, float], None]:
+        """``rollout.partial``: one call of the rank's pool (``fastpo.rollout_pool``), as many finished groups as
+        the rank runs per iteration; checkpoint steps and the last step drain it. Adds the pool's counters
+        (summed over ranks) and the staleness of the returned tokens."""
+        cfg, t = self.cfg, self.cfg.trainer
+        per_rank = sum(len(p.groups) for p in self.train_parts)
+        if self.pool is None:
+            width = cfg.rollout.max_num_seqs or sum(len(p.groups) * p.entry.group_size for p in self.train_parts)
+            self.pool = RolloutPool(
+                [RolloutPart(p.env, p.spec, [], [], max_turns=p.entry.max_turns,
+                             max_actions_per_turn=p.entry.max_actions_per_turn, label=p.entry.label)
+                 for p in self.train_parts], self.engine, self.tokenizer, self._sampling(cfg.rollout.temperature),
+                cfg.rollout, self._pool_group, width, next_group=self.partial_next[self.rank])
+        drain = bool(t.save_every and self.step % t.save_every == 0) or self.step >= t.iterations
+        batches, stats = self.pool.run(per_rank, drain=drain)
+        local = [tr for b in batches for tr in b.trajectories]
+        for tr in local:
+            tr.messages = []
+        self.partial_next = [int(x) for x in du.all_gather_list([self.pool.next_group])]
+        gathered = du.all_gather_list([(metric_sums(batches), stats)])
+        metrics = combine_metric_sums([g[0] for g in gathered])
+        every = [g[1] for g in gathered]
+        for key in ("carried", "interrupted", "forced", "started", "finished"):
+            metrics[f"rollout/partial_{key}"] = float(sum(getattr(x, key) for x in every))
+        rows, slots = sum(x.row_steps for x in every), sum(x.slot_steps for x in every)
+        decoded = sum(x.decoded_tokens for x in every)
+        if rows:
+            metrics["rollout/decode_occupancy"] = decoded / rows
+        if slots:
+            metrics["rollout/slot_occupancy"] = decoded / slots
+        return du.all_gather_list(local), metrics, None
 
     def validate(self) -> dict[str, float]:
         """Fixed-seed validation (env.val_seed, rollout.val_temperature): ``val-env/<Env>/...`` metrics; logs
@@ -233,8 +317,9 @@ class Trainer:
         n = self.cfg.trainer.log_generations
         records: list | None = [] if n > 0 else None
         with self.timer("validate"):
-            _, metrics = self._rollout(self.val_parts, self.cfg.env.val_seed, 1, self.cfg.rollout.val_temperature, 0,
-                                       "val-env", records)
+            _, sums = self._rollout(self.val_parts, self.cfg.env.val_seed, 1, self.cfg.rollout.val_temperature, 0,
+                                    "val-env", records)
+            metrics = combine_metric_sums(sums)
             if records is not None:
                 self.logger.log_generations(self.step, pick_generations(du.all_gather_list(records), n))
         return {k: v for k, v in metrics.items() if k.startswith("val-env/")}
@@ -338,7 +423,8 @@ class Trainer:
                     else:
                         logp, ent = update.token_logp(self.actor, mb, mask, cfg.rollout.temperature, True)
                         if measure and steps == 0 and mb.scale > 0:
-                            g = update.micro_gap(trajs, mb, mask, logp.detach())  # scale 0: another rank's data
+                            # scale 0: another rank's data
+                            g = update.micro_gap(trajs, mb, mask, logp.detach(), self.engine.weight_version)
                             gap = [gap[0] + g[0], gap[1] + g[1], max(gap[2], g[2])]
                         old = logp.detach() if on_policy else cat_tokens(trajs, mb.indices, "old_logp", self.device)
                         ref = cat_tokens(trajs, mb.indices, "ref_logp", self.device) if self.use_ref else None
@@ -408,9 +494,7 @@ class Trainer:
         """One training iteration (self.step is the 1-based number of the iteration being run)."""
         cfg = self.cfg
         with self.timer("generate"):
-            local, metrics = self._rollout(self.train_parts, self.train_seed, 0, cfg.rollout.temperature, self.step)
-            trajs = du.all_gather_list(local)
-        self.train_seed += cfg.env.env_groups
+            trajs, metrics, target = self._train_rollout()
         if not any(t.loss_mask.any() for t in trajs):  # every rank holds all trajectories: all stop together
             raise TrainingAborted(
                 f"iteration {self.step}: no trajectory has a trained token (mean turns per episode "
@@ -419,10 +503,12 @@ class Trainer:
         keep, filter_metrics = algorithms.filter_groups(
             torch.tensor([t.reward for t in trajs], dtype=torch.float32),
             torch.tensor([t.group for t in trajs], dtype=torch.int64), cfg.algorithm.rollout_filter_ratio,
-            cfg.algorithm.rollout_filter_type)
+            cfg.algorithm.rollout_filter_type, target)
         metrics.update(filter_metrics)
         kept = keep.nonzero().squeeze(-1).tolist()
         metrics["rollout/kept_trajectories"] = float(len(kept))
+        if cfg.rollout.partial:
+            metrics.update(update.staleness(trajs, kept, self.engine.weight_version))
         if not kept:
             du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
             return metrics
@@ -436,7 +522,7 @@ class Trainer:
                 if rest:
                     self._score(trajs, rest, actor=True, extras=False)
         if not on_policy and not engine_old:  # else the actor update measures the gap on its first forward
-            gap = update.logprob_gap(trajs, kept, cfg.rollout.train_on_observations)
+            gap = update.logprob_gap(trajs, kept, cfg.rollout.train_on_observations, self.engine.weight_version)
             metrics.update(gap)
             self._check_gap(gap)
         with self.timer("update"):
@@ -501,5 +587,7 @@ class Trainer:
             if du.is_main():
                 (self.run_dir / "hf" / "fastpo_config.json").write_text(
                     json.dumps({"config_hash": self.config_hash, "step": self.step}) + "\n")
+        if self.pool is not None:
+            self.pool.close()
         self.logger.close()
         self.engine.close()

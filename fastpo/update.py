@@ -102,26 +102,51 @@ def advantages(trajs: list[Trajectory], kept: list[int], cfg: AlgorithmConfig,
     return split_tokens(adv, cu), (split_tokens(ret, cu) if ret is not None else None), batch.metrics
 
 
-def logprob_gap(trajs: list[Trajectory], kept: list[int], train_on_observations: bool) -> dict[str, float]:
+def _fresh(t: Trajectory, version: int | None) -> np.ndarray:
+    """bool [T]: the tokens the parity guard compares: exact sample logprobs, sampled at weight ``version`` (under
+    partial rollouts older tokens differ by the policy's own change, not by a broken sync; None: every token)."""
+    if not t.logprobs_exact:
+        return np.zeros(len(t.input_ids), dtype=bool)
+    if version is None or t.versions is None:
+        return np.ones(len(t.input_ids), dtype=bool)
+    return t.versions == version
+
+
+def logprob_gap(trajs: list[Trajectory], kept: list[int], train_on_observations: bool,
+                version: int | None = None) -> dict[str, float]:
     """Mean and max |engine logp - trainer logp| over the trained tokens of the kept trajectories whose sample
-    logprobs are exact ({} when none qualifies; observation tokens have no sample logprob)."""
+    logprobs are exact and (``version`` given) were sampled at that weight version ({} when no token qualifies;
+    observation tokens have no sample logprob)."""
     if train_on_observations:
         return {}
-    gaps = [np.abs(trajs[i].sample_logprobs - trajs[i].old_logp)[trajs[i].loss_mask]
-            for i in kept if trajs[i].logprobs_exact]
+    gaps = [np.abs(trajs[i].sample_logprobs - trajs[i].old_logp)[trajs[i].loss_mask & _fresh(trajs[i], version)]
+            for i in kept]
     gaps = np.concatenate(gaps) if gaps else np.zeros(0)
     if not gaps.size:
         return {}
     return {"rollout/logprob_gap_mean": float(gaps.mean()), "rollout/logprob_gap_max": float(gaps.max())}
 
 
-def micro_gap(trajs: list[Trajectory], mb: MicroBatch, mask: Tensor, logp: Tensor) -> tuple[float, int, float]:
-    """(sum, count, max) of |engine logp - trainer logp| over one micro-batch's trained tokens of trajectories with
-    exact sample logprobs: the on-policy form of :func:`logprob_gap`, from the update's own forward."""
-    exact = torch.cat([torch.full((len(trajs[i].input_ids),), trajs[i].logprobs_exact, dtype=torch.bool)
-                       for i in mb.indices]).to(mask.device)
-    diff = (cat_tokens(trajs, mb.indices, "sample_logprobs", mask.device) - logp)[mask.bool() & exact].abs()
+def micro_gap(trajs: list[Trajectory], mb: MicroBatch, mask: Tensor, logp: Tensor,
+              version: int | None = None) -> tuple[float, int, float]:
+    """(sum, count, max) of |engine logp - trainer logp| over one micro-batch's trained tokens that
+    :func:`logprob_gap` compares: its on-policy form, from the update's own forward."""
+    fresh = torch.from_numpy(np.concatenate([_fresh(trajs[i], version) for i in mb.indices])).to(mask.device)
+    diff = (cat_tokens(trajs, mb.indices, "sample_logprobs", mask.device) - logp)[mask.bool() & fresh].abs()
     return float(diff.sum()), int(diff.numel()), float(diff.max()) if diff.numel() else 0.0
+
+
+def staleness(trajs: list[Trajectory], kept: list[int], version: int) -> dict[str, float]:
+    """How many weight versions the kept trajectories' trained tokens lag ``version`` (the weights being trained):
+    ``rollout/staleness_mean`` / ``_max`` and ``rollout/stale_token_share`` (lag > 0). {} when no trajectory
+    records versions."""
+    lags = [version - trajs[i].versions[trajs[i].loss_mask & (trajs[i].versions >= 0)]
+            for i in kept if trajs[i].versions is not None]
+    lags = np.concatenate(lags) if lags else np.zeros(0)
+    if not lags.size:
+        return {}
+    return {"rollout/staleness_mean": float(lags.mean()), "rollout/staleness_max": float(lags.max()),
+            "rollout/stale_token_share": float((lags > 0).mean())}
 
 
 def reduce_gap(total: float, count: int, peak: float) -> dict[str, float]:

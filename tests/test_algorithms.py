@@ -278,3 +278,18 @@ def test_turn_data_keeps_the_sequence_turns():
     assert turn_data([0, 0], [], [], [])[0].shape == (0,)
     with pytest.raises(ValueError, match="do not cover"):
         turn_data([1, 1], [3], [0.0], [0.0])
+
+
+def test_filter_target_over_refill_rounds():
+    """Dynamic sampling: with ``target`` the std filter keeps exactly that many groups of the pooled rounds (the
+    largest std), the nonzero filter at most that many (the lowest group ids with a spread)."""
+    scores = torch.tensor([0, 0, 1, 0, 3, 0, 1, 1, 0, 2, 5, 5], dtype=torch.float32)  # 6 groups of 2
+    ids = torch.arange(12) // 2
+    keep, _ = alg.filter_groups(scores, ids, 0.25, "std", target=2)
+    assert ids[keep].unique().tolist() == [2, 4]  # std 2.12 and 1.41: the two largest
+    keep, _ = alg.filter_groups(scores, ids, 1.0, "nonzero", target=2)
+    assert ids[keep].unique().tolist() == [1, 2]  # groups 1, 2, 4 have a spread: the first two
+    keep, _ = alg.filter_groups(scores, ids, 1.0, "nonzero", target=9)
+    assert ids[keep].unique().tolist() == [1, 2, 4]  # fewer than the target: all of them
+    with pytest.raises(ValueError, match="target must be >= 1"):
+        alg.filter_groups(scores, ids, 1.0, "std", target=0)

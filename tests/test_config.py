@@ -175,12 +175,14 @@ def test_config_hash_covers_math_only():
     del data["optim"]["defer_grad_sync"]
     del data["algorithm"]["old_logprobs"]
     for section, key in [("algorithm", "offpolicy_correction"), ("algorithm", "is_cap"), ("algorithm", "is_mask_low"),
-                         ("algorithm", "is_mask_high"), ("rollout", "mode"), ("rollout", "max_num_seqs")]:
+                         ("algorithm", "is_mask_high"), ("rollout", "mode"), ("rollout", "max_num_seqs"),
+                         ("rollout", "partial"), ("rollout", "max_staleness"), ("algorithm", "refill_rounds")]:
         del data[section][key]  # added after the first checkpoints, like the two above
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in C.TrainerConfig._unhashed}
     assert h == hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     assert C.config_hash(parse_args(["--optim.defer_grad_sync", "true"])) != h
     assert C.config_hash(parse_args(["--algorithm.old_logprobs", "engine"])) != h
+    assert C.config_hash(parse_args(["--algorithm.refill_rounds", "2"])) != h
 
 
 # ------------------------------------------------------------------------------------------------ validate

@@ -1,0 +1,289 @@
+"""Partial rollouts across iterations (``rollout.partial``): episodes that outlive the iteration that started them.
+
+    pool = RolloutPool(parts, engine, tokenizer, sampling, cfg, source=next_group, width=64)
+    batches, stats = pool.run(target=8)      # one iteration's rollout: at least 8 finished groups
+    ...                                      # train on batches, push the weights (the engine's version moves on)
+    pool.close()
+
+The pool keeps ``width`` episodes in flight. It starts groups in the order ``source(0), source(1), ...`` gives them,
+a whole group at a time, whenever the group fits; so while the slowest episodes of one iteration still run, the
+next iteration's groups have started. Each episode advances as in the asynchronous driver (``rollout.mode
+async``). :meth:`RolloutPool.run` stops once ``target`` groups have finished and so has every group at the
+staleness bound; the turns still being generated are then aborted, and the next call samples each again, with the
+same request seed, under the weights pushed in between. Every turn records the engine's ``weight_version``
+(``Trajectory.versions``). A group started at version v0 must finish in the call where the engine's version
+reaches v0 + max_staleness, so no trained token lags the trained weights by more than that. ``drain`` (a
+checkpoint step): every started group finishes and at most ``target`` new ones start, so nothing stays in flight.
+
+A call returns every group that finished in it, one ``RolloutBatch`` per part, groups in start order, members in
+instance order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .config import RolloutConfig
+from .engine.base import SamplingParams, as_async
+from .rollout import RolloutBatch, RolloutPart, _PartRun
+
+
+@dataclass(frozen=True)
+class NewGroup:
+    """A group to start: its part (index into the pool's parts), env seed, group id (unique among the groups the
+    pool holds: the trainer uses the env seed counter) and one request seed per member (the group's size)."""
+
+    part: int
+    seed: int
+    group: int
+    request_seeds: tuple[int, ...]
+
+
+@dataclass
+class PoolStats:
+    """What one :meth:`RolloutPool.run` did.
+
+    Attributes:
+        started / finished: groups started / finished (and returned) in this call.
+        carried: episodes still running after it (continued by the next call).
+        interrupted: turns aborted at its end (each is sampled again by the next call).
+        forced: groups that had to finish in this call (the staleness bound, or ``drain``).
+        decoded_tokens, row_steps, slot_steps: the engine's counters over the call (occupancy).
+    """
+
+    started: int = 0
+    finished: int = 0
+    carried: int = 0
+    interrupted: int = 0
+    forced: int = 0
+    decoded_tokens: int = 0
+    row_steps: int = 0
+    slot_steps: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/partial_*`` metrics and the occupancy of this call."""
+        out = {f"rollout/partial_{k}": float(getattr(self, k)) for k in ("carried", "interrupted", "forced")}
+        if self.row_steps:
+            out["rollout/decode_occupancy"] = self.decoded_tokens / self.row_steps
+        if self.slot_steps:
+            out["rollout/slot_occupancy"] = self.decoded_tokens / self.slot_steps
+        return out
+
+
+@dataclass
+class _Group:
+    part: int
+    members: list[int]  # instance indices in the part's env
+    version: int  # the engine version when it started (its oldest possible token)
+    order: int  # start order (ties of the env seed never happen: the trainer's seeds are unique)
+    running: set[int] = field(default_factory=set)  # members not finished yet
+
+
+class RolloutPool:
+    """Episodes of several env parts that live across iterations (see the module docstring).
+
+    Args:
+        parts: one ``RolloutPart`` per env; its env's ``num_envs`` is the most instances that part may hold at once
+            (running, or finished and waiting for the rest of their group); ``seeds`` / ``group_ids`` /
+            ``request_seeds`` are not used (groups come from ``source``).
+        engine: the generation engine (its asynchronous interface, or the lock-step fallback).
+        tokenizer, sampling, cfg: as ``run_rollouts``; ``cfg.max_staleness`` is the bound.
+        source: ``source(n)`` is the n-th group to start (0-based; a pure function of n: the pool starts them in
+            order, and :attr:`next_group` says where it is).
+        width: episodes kept in flight (>= the largest group).
+        next_group: the first n to start (a resumed run continues its sequence).
+    """
+
+    def __init__(self, parts: Sequence[RolloutPart], engine: Any, tokenizer: Any, sampling: SamplingParams,
+                 cfg: RolloutConfig, source: Callable[[int], NewGroup], width: int, next_group: int = 0):
+        if cfg.max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1, got {cfg.max_staleness}")
+        if width < 1:
+            raise ValueError(f"width must be >= 1 episode, got {width}")
+        self.cfg, self.sampling, self.engine = cfg, sampling, as_async(engine)
+        self.source, self.width, self.next_group = source, width, next_group
+        self.groups: dict[tuple[int, int], _Group] = {}
+        self.resubmit: list[tuple[int, int]] = []  # episodes whose turn was interrupted, then those not submitted
+        self.runs: list[_PartRun] = []
+        try:
+            for part in parts:
+                n = part.env.num_envs
+                part.env.reset(np.arange(n, dtype=np.int64))  # batch envs render only after every instance is reset
+                self.runs.append(_PartRun(dataclasses.replace(part, seeds=[0] * n, group_ids=[0] * n,
+                                                              request_seeds=[0] * n), cfg, engine, tokenizer,
+                                          sampling, start=False))
+        except BaseException:
+            self.close()
+            raise
+        self.free = [list(range(p.env.num_envs)) for p in parts]
+        self._queued: NewGroup | None = None  # source(next_group), drawn but not started (no room yet)
+        self._owner: dict[tuple[int, int], tuple[int, int]] = {}  # (part, instance) -> its group's key
+
+    def in_flight(self) -> int:
+        """Episodes that have started and not finished."""
+        return sum(len(g.running) for g in self.groups.values())
+
+    def run(self, target: int, drain: bool = False) -> tuple[list[RolloutBatch], PoolStats]:
+        """One iteration's rollout (see the module docstring): at least ``target`` finished groups (fewer only when
+        no group is left to finish and none can start). ``drain``: a checkpoint step, nothing stays in flight."""
+        if target < 1:
+            raise ValueError(f"target must be >= 1 group, got {target}")
+        engine, runs = self.engine, self.runs
+        version = int(getattr(engine, "weight_version", 0))
+        for r in runs:
+            r.version = version
+            r.timings = {k: 0.0 for k in r.timings}
+        stats = PoolStats()
+        before = dataclasses.replace(engine.stats) if hasattr(engine, "stats") else None
+        forced = {key for key, g in self.groups.items() if drain or version - g.version >= self.cfg.max_staleness}
+        stats.forced = len(forced)
+        finished: list[tuple[int, int]] = []
+        first = self.next_group
+        try:
+            stats.interrupted = self._drive(version, forced, target, finished, drain)
+        except BaseException:
+            engine.abort()
+            raise
+        batches = self._collect(finished)
+        stats.started, stats.finished, stats.carried = self.next_group - first, len(finished), self.in_flight()
+        if before is not None:
+            after = engine.stats
+            stats.decoded_tokens = (after.tokens - before.tokens) - (after.first_tokens - before.first_tokens)
+            stats.row_steps, stats.slot_steps = after.row_steps - before.row_steps, after.slot_steps - before.slot_steps
+        return batches, stats
+
+    def _start_next(self, version: int) -> list[tuple[int, int]]:
+        """Start the next group of the source when it fits (width and free instances); returns its episodes
+        (part, instance), or [] when it does not fit."""
+        g = self._queued if self._queued is not None else self.source(self.next_group)
+        self._queued = g
+        if not 0 <= g.part < len(self.runs):
+            raise ValueError(f"NewGroup.part must lie in [0, {len(self.runs)}), got {g.part}")
+        size = len(g.request_seeds)
+        if size < 1 or size > self.width:
+            raise ValueError(f"a group of {size} episodes does not fit the pool's width ({self.width})")
+        if size > self.runs[g.part].env.num_envs:
+            raise ValueError(f"part {g.part} holds {self.runs[g.part].env.num_envs} env instances, fewer than a "
+                             f"group of {size}")
+        if (g.part, g.group) in self.groups:
+            raise ValueError(f"group {g.group} of part {g.part} is still in the pool; group ids must be unique")
+        if self.in_flight() + size > self.width or len(self.free[g.part]) < size:
+            return []
+        self.free[g.part].sort()
+        members = [self.free[g.part].pop(0) for _ in range(size)]
+        self.groups[(g.part, g.group)] = _Group(g.part, members, version, self.next_group, set(members))
+        self._owner.update({(g.part, i): (g.part, g.group) for i in members})
+        self.runs[g.part].start(members, [g.seed] * size, [g.group] * size, list(g.request_seeds))
+        self.next_group += 1
+        self._queued = None
+        return [(g.part, i) for i in members]
+
+    def _drive(self, version: int, forced: set[tuple[int, int]], target: int,
+               finished: list[tuple[int, int]], drain: bool) -> int:
+        """Submit, step and absorb until the stop rule holds (module docstring); then interrupt what runs. Returns
+        the number of turns interrupted."""
+        engine, runs = self.engine, self.runs
+        waiting = collections.deque(self.resubmit)  # the interrupted turns first
+        self.resubmit = []
+        running: set[tuple[int, int]] = set()
+        temp: dict[tuple[int, int], int] = {}  # non-KV requests: the one-request session opened for them
+        started = [0]  # groups started in this call
+
+        def submit(k: int, todo: list[int]) -> None:
+            r = runs[k]
+            for j, i in enumerate(todo):
+                if r.kv:
+                    sid = r.sessions[i]
+                else:
+                    sid = temp[(k, i)] = engine.open_sessions(1)[0]
+                if r.pending[j]:
+                    engine.extend([sid], [r.pending[j]])
+                engine.submit(sid, self.sampling, None if r.rseeds is None else r.rseeds[j], tag=(k, i))
+                running.add((k, i))
+
+        def settle(k: int, indices: list[int]) -> None:
+            """Episodes among `indices` that ended: free their sessions; a group whose members all ended is done."""
+            runs[k].release(indices)
+            for i in indices:
+                key = self._owner[(k, i)]
+                group = self.groups[key]
+                if not runs[k].eps[i].active and i in group.running:
+                    group.running.discard(i)
+                    if not group.running:
+                        finished.append(key)
+
+        def stop() -> bool:
+            done = set(finished)
+            if drain:
+                return all(key in done for key in self.groups)
+            return len(done) >= target and forced <= done
+
+        def start_more() -> None:
+            while not stop():
+                if not waiting and (not drain or started[0] < target):
+                    new = self._start_next(version)
+                    started[0] += bool(new)
+                    waiting.extend(new)
+                if not waiting:
+                    return
+                k, i = waiting.popleft()
+                todo = runs[k].prepare([i])
+                settle(k, [i])  # no turn fits the context cap: the episode ends here
+                submit(k, todo)
+
+        try:
+            start_more()
+            while engine.num_unfinished() and not stop():
+                t0 = time.perf_counter()
+                done = engine.step()
+                spent = time.perf_counter() - t0
+                for k, r in enumerate(runs):
+                    r.timings["generate_s"] += spent * sum(1 for x in running if x[0] == k) / max(len(running), 1)
+                by_part: dict[int, list] = {}
+                for c in done:
+                    k, i = c.tag
+                    by_part.setdefault(k, []).append((i, c.result))
+                    running.discard((k, i))
+                    if (k, i) in temp:
+                        engine.close_sessions([temp.pop((k, i))])
+                for k, items in sorted(by_part.items()):
+                    todo = [i for i, _ in items]
+                    runs[k].absorb(todo, [res for _, res in items])
+                    following = runs[k].prepare(todo)
+                    settle(k, todo)
+                    submit(k, following)
+                start_more()
+            interrupted = len(running)
+            if running:  # the iteration is over: sample these turns again under the next weights
+                engine.abort()
+            self.resubmit = sorted(running) + list(waiting)
+            return interrupted
+        finally:
+            for sid in temp.values():
+                engine.close_sessions([sid])
+
+    def _collect(self, finished: list[tuple[int, int]]) -> list[RolloutBatch]:
+        """The finished groups' trajectories per part (groups in start order), their instances freed."""
+        batches = []
+        for k, r in enumerate(self.runs):
+            keys = sorted((key for key in finished if key[0] == k), key=lambda key: self.groups[key].order)
+            indices = [i for key in keys for i in self.groups[key].members]
+            batches.append(r.finish(indices))
+            for key in keys:
+                self.free[k] += self.groups.pop(key).members
+        return batches
+
+    def close(self) -> None:
+        """Abort what runs and close every session."""
+        if getattr(self, "groups", None) and self.in_flight():
+            self.engine.abort()
+        for r in self.runs:
+            r.close()
+        self.runs = []

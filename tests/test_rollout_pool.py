@@ -1,0 +1,128 @@
+"""Partial rollouts across iterations (``fastpo.rollout_pool``): with the weights unchanged between calls, every
+group's trajectories equal the asynchronous driver's for the same seeds (the interrupted turns are sampled again
+with their seeds); with the version moving on, no trained token lags by more than max_staleness; drain leaves
+nothing in flight; bad groups are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import fastpo.envs as E
+from fastpo.config import RolloutConfig
+from fastpo.engine import HFEngine, SamplingParams
+from fastpo.model import load_policy, load_tokenizer, resolve_model_path
+from fastpo.prompts import prompt_spec
+from fastpo.rollout import RolloutPart, run_rollouts
+from fastpo.rollout_pool import NewGroup, RolloutPool
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=24, stop=("</answer>",))
+ENVS = (("frozenlake", {"is_slippery": False}), ("sokoban", {}))
+SIZE = 3
+
+
+@pytest.fixture(scope="module")
+def agent():
+    torch.set_num_threads(1)
+    path = resolve_model_path("tiny")
+    return load_tokenizer(path), load_policy(path).eval()
+
+
+def group(n: int) -> NewGroup:
+    """The n-th group: parts alternate; env seed, group id and request seeds are functions of n."""
+    return NewGroup(part=n % 2, seed=50 + n, group=n, request_seeds=tuple(7000 + SIZE * n + j for j in range(SIZE)))
+
+
+def pool_parts(capacity: int) -> list[RolloutPart]:
+    return [RolloutPart(E.make(name, capacity, **kw), prompt_spec(name, enable_think=False), [0] * capacity,
+                        [0] * capacity, max_turns=4, max_actions_per_turn=2) for name, kw in ENVS]
+
+
+def reference(groups: list[NewGroup], tok, model) -> dict[int, list]:
+    """The same groups in one asynchronous rollout: group id -> its trajectories."""
+    parts = []
+    for k, (name, kw) in enumerate(ENVS):
+        mine = [g for g in groups if g.part == k]
+        n = len(mine) * SIZE
+        parts.append(RolloutPart(E.make(name, n, **kw), prompt_spec(name, enable_think=False),
+                                 np.repeat([g.seed for g in mine], SIZE), np.repeat([g.group for g in mine], SIZE),
+                                 [s for g in mine for s in g.request_seeds], max_turns=4, max_actions_per_turn=2))
+    batches = run_rollouts(parts, HFEngine(model, tok), tok, PARAMS, RolloutConfig(mode="async"))
+    out: dict[int, list] = {}
+    for b in batches:
+        for t in b.trajectories:
+            out.setdefault(t.group, []).append(t)
+    return out
+
+
+def test_unchanged_weights_give_the_async_trajectories(agent):
+    tok, model = agent
+    engine = HFEngine(model, tok)
+    cfg = RolloutConfig(mode="async", partial=True, max_staleness=2)
+    pool = RolloutPool(pool_parts(4 * 2 * SIZE), engine, tok, PARAMS, cfg, group, width=4 * SIZE)
+    got, stats = {}, []
+    for call in range(4):
+        batches, st = pool.run(target=4, drain=call == 3)
+        stats.append(st)
+        for b in batches:
+            for t in b.trajectories:
+                got.setdefault(t.group, []).append(t)
+        engine.sync_weights(model)  # the same weights: a new version
+    assert pool.in_flight() == 0 and engine.num_unfinished() == 0
+    assert sum(s.interrupted for s in stats) > 0 and max(s.carried for s in stats[:-1]) > 0  # really partial
+    assert all(s.finished >= 4 for s in stats)
+    assert sorted(got) == list(range(pool.next_group))  # every started group came back once
+    want = reference([group(n) for n in range(pool.next_group)], tok, model)
+    spans = 0
+    for gid, trajs in got.items():
+        for a, b in zip(trajs, want[gid], strict=True):
+            for f in dataclasses.fields(a):
+                x, y = getattr(a, f.name), getattr(b, f.name)
+                if f.name == "versions":
+                    spans += len(set(x[x >= 0].tolist())) > 1
+                elif f.name == "sample_logprobs":
+                    np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
+                elif isinstance(x, np.ndarray):
+                    np.testing.assert_array_equal(x, y, err_msg=f.name)
+                else:
+                    assert x == y, f.name
+    assert spans > 0  # some episodes were sampled under two versions
+    pool.close()
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_no_trained_token_is_staler_than_the_bound(agent, staleness):
+    tok, model = agent
+    engine = HFEngine(model, tok)
+    cfg = RolloutConfig(mode="async", partial=True, max_staleness=staleness)
+    pool = RolloutPool(pool_parts(4 * 2 * SIZE), engine, tok, PARAMS, cfg, group, width=4 * SIZE)
+    lags = []
+    for call in range(5):
+        version = engine.weight_version
+        batches, st = pool.run(target=3, drain=call == 4)
+        for t in (t for b in batches for t in b.trajectories):
+            v = t.versions[t.versions >= 0]
+            assert v.size and v.max() <= version and version - v.min() <= staleness
+            assert np.all(t.versions[t.loss_mask] >= 0)  # every trained token has its version
+            lags.append(int(version - v.min()))
+        engine.sync_weights(model)
+    assert max(lags) >= 1 and pool.in_flight() == 0
+    pool.close()
+
+
+def test_bad_groups_are_refused(agent):
+    tok, model = agent
+    cfg = RolloutConfig(mode="async", partial=True)
+    with pytest.raises(ValueError, match="width"):
+        RolloutPool(pool_parts(6), HFEngine(model, tok), tok, PARAMS, cfg, group, width=SIZE - 1).run(1)
+    with pytest.raises(ValueError, match="part must lie"):
+        RolloutPool(pool_parts(6), HFEngine(model, tok), tok, PARAMS, cfg,
+                    lambda n: dataclasses.replace(group(n), part=5), width=6).run(1)
+    with pytest.raises(ValueError, match="still in the pool"):
+        RolloutPool(pool_parts(12), HFEngine(model, tok), tok, PARAMS, cfg,
+                    lambda n: dataclasses.replace(group(n), part=0, group=0), width=12).run(2)
+    with pytest.raises(ValueError, match="target"):
+        RolloutPool(pool_parts(6), HFEngine(model, tok), tok, PARAMS, cfg, group, width=6).run(0)
