@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="longtail: rollouts per driver (minutes each on CPU)")
     parser.add_argument("--tiny-repeats", type=int, default=7,
                         help="tiny: rollouts per driver (~2 s each; medians over repeats, drivers alternating)")
+    parser.add_argument("--partial-iterations", type=int, default=0,
+                        help="longtail: also time this many iterations of partial rollouts (rollout.partial) against "
+                             "the async driver's iterations (a weight sync between iterations); 0 = skip")
+    parser.add_argument("--max-staleness", type=int, default=1, help="partial: rollout.max_staleness")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
     parser.add_argument("--note", default="", help="free text stored with every row (e.g. machine load)")
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to async_rollout.csv)")
@@ -73,6 +77,7 @@ from fastpo.engine import HFEngine, SamplingParams  # noqa: E402
 from fastpo.model import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
 from fastpo.prompts import prompt_spec  # noqa: E402
 from fastpo.rollout import RolloutPart, run_rollouts  # noqa: E402
+from fastpo.rollout_pool import NewGroup, RolloutPool  # noqa: E402
 
 #: The random model of the long-tail workload (bench_vs_trl's second model).
 LARGE_SHAPE = dict(hidden=768, layers=8, heads=12, kv_heads=2, intermediate=2176)
@@ -101,6 +106,70 @@ def longtail_setup(args: argparse.Namespace, root: Path):
     desc = dict(model=f"qwen2-random-{params / 1e6:.0f}M", episodes=groups * 4, turns=args.turns,
                 max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab)
     return parts, lambda: HFEngine(model, tok), tok, sampling, cfg, desc
+
+
+def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
+    """Iterations of the long-tail workload: each iteration rolls out ``episodes / 4`` new groups (new env seeds)
+    and then pushes the weights into the engine (the same weights: the engine's version moves on, the sync cost is
+    paid, the trajectories stay comparable). sync: the async driver, every episode finishes in its iteration.
+    partial: ``RolloutPool`` with as many groups per iteration, episodes in flight carried over. The update's time
+    is the same for both and left out. Reported: median iteration time over iterations 2.. (the pool's first
+    iteration has nothing carried in), trajectories/s over all iterations, and the lag of the returned tokens."""
+    make_parts, make_engine, tok, sampling, cfg, desc = setup
+    groups, iters = args.episodes // 4, args.partial_iterations
+    model_engine = make_engine()
+    template = make_parts()[0]
+
+    def group(n: int) -> NewGroup:  # the n-th group: iteration n // groups, the sync schedule's seeds
+        return NewGroup(0, 10_000 + n, n, tuple(4 * n + j for j in range(4)))
+
+    results = {}
+    for mode in ("sync", "partial"):
+        engine = make_engine() if mode == "partial" else model_engine
+        times, count, lags, pool = [], 0, [], None
+        if mode == "partial":
+            env = E.make("sokoban", groups * 4 * (args.max_staleness + 2))
+            pool = RolloutPool([RolloutPart(env, template.spec, [], [], max_turns=args.turns)], engine, tok,
+                               sampling, RolloutConfig(mode="async", partial=True, max_staleness=args.max_staleness,
+                                                       **cfg), group, width=groups * 4)
+        for it in range(iters):
+            version = engine.weight_version
+            t0 = time.perf_counter()
+            if pool is None:
+                env = E.make("sokoban", groups * 4)
+                gs = [group(it * groups + j) for j in range(groups)]
+                part = RolloutPart(env, template.spec, np.repeat([g.seed for g in gs], 4),
+                                   np.repeat([g.group for g in gs], 4), [s for g in gs for s in g.request_seeds],
+                                   max_turns=args.turns)
+                batches = run_rollouts([part], engine, tok, sampling, RolloutConfig(mode="async", **cfg))
+            else:
+                batches, _ = pool.run(groups)
+            trajs = [t for b in batches for t in b.trajectories]
+            engine.sync_weights(engine.model)
+            times.append(time.perf_counter() - t0)
+            count += len(trajs)
+            lags += [version - v for t in trajs for v in t.versions[t.loss_mask].tolist()]
+        if pool is not None:
+            pool.close()
+        lags = np.asarray(lags)
+        results[mode] = {"iteration_s": float(np.median(times[1:] if iters > 1 else times)),
+                         "trajectories_per_s": count / sum(times),
+                         "stale_token_share": float((lags > 0).mean()) if lags.size else 0.0,
+                         "staleness_mean": float(lags.mean()) if lags.size else 0.0,
+                         "staleness_max": float(lags.max()) if lags.size else 0.0}
+    rows = []
+    conf = json.dumps({**desc, "threads": args.threads, "note": args.note, "iterations": iters,
+                       "max_staleness": args.max_staleness}, sort_keys=True)
+    for mode, metrics in results.items():
+        for metric, value in metrics.items():
+            rows.append(dict(name=f"iterations_{desc.get('model')}", provider="fastpo-hf", mode=mode, metric=metric,
+                             unit="", x_name="iterations", x_value=iters, p50=value, p20=value, p80=value,
+                             config=conf))
+    ratio = results["sync"]["iteration_s"] / results["partial"]["iteration_s"]
+    rows.append(dict(name=f"iterations_{desc.get('model')}", provider="fastpo-hf", mode="sync/partial",
+                     metric="iteration_time_ratio", unit="x", x_name="iterations", x_value=iters, p50=ratio,
+                     p20=ratio, p80=ratio, config=conf))
+    return rows
 
 
 def tiny_setup(args: argparse.Namespace, root: Path):
@@ -170,7 +239,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workload:
             setup = (longtail_setup if workload == "longtail" else tiny_setup)(args, Path(tmp) / workload)
-            rows += measure(setup, args, args.repeats if workload == "longtail" else args.tiny_repeats)
+            if workload == "longtail" and args.repeats > 0:
+                rows += measure(setup, args, args.repeats)
+            elif workload == "tiny":
+                rows += measure(setup, args, args.tiny_repeats)
+            if workload == "longtail" and args.partial_iterations > 0:
+                rows += measure_partial(setup, args)
     for row in rows:
         row["device"] = device_name()
     print_table(rows, columns=("name", "mode", "metric", "p50", "p20", "p80"))

@@ -9,11 +9,12 @@ The pool keeps ``width`` episodes in flight. It starts groups in the order ``sou
 a whole group at a time, whenever the group fits; so while the slowest episodes of one iteration still run, the
 next iteration's groups have started. Each episode advances as in the asynchronous driver (``rollout.mode
 async``). :meth:`RolloutPool.run` stops once ``target`` groups have finished and so has every group at the
-staleness bound; the turns still being generated are then aborted, and the next call samples each again, with the
-same request seed, under the weights pushed in between. Every turn records the engine's ``weight_version``
-(``Trajectory.versions``). A group started at version v0 must finish in the call where the engine's version
-reaches v0 + max_staleness, so no trained token lags the trained weights by more than that. ``drain`` (a
-checkpoint step): every started group finishes and at most ``target`` new ones start, so nothing stays in flight.
+staleness bound; the turns being generated then finish (no token is thrown away) and no new turn starts. The
+episodes' next turns are sampled by the next call, under the weights pushed in between. Every turn records the
+engine's ``weight_version`` (``Trajectory.versions``). A group started at version v0 must finish in the call where
+the engine's version reaches v0 + max_staleness, so no trained token lags the trained weights by more than that.
+``drain`` (a checkpoint step): every started group finishes and at most ``target`` new ones start, so nothing
+stays in flight.
 
 A call returns every group that finished in it, one ``RolloutBatch`` per part, groups in start order, members in
 instance order.
@@ -53,7 +54,8 @@ class PoolStats:
     Attributes:
         started / finished: groups started / finished (and returned) in this call.
         carried: episodes still running after it (continued by the next call).
-        interrupted: turns aborted at its end (each is sampled again by the next call).
+        tail_turns: turns that finished after the stop rule held: the call waits for the turns in flight (their
+            tokens are never thrown away) and starts no new one.
         forced: groups that had to finish in this call (the staleness bound, or ``drain``).
         decoded_tokens, row_steps, slot_steps: the engine's counters over the call (occupancy).
     """
@@ -61,7 +63,7 @@ class PoolStats:
     started: int = 0
     finished: int = 0
     carried: int = 0
-    interrupted: int = 0
+    tail_turns: int = 0
     forced: int = 0
     decoded_tokens: int = 0
     row_steps: int = 0
@@ -69,7 +71,7 @@ class PoolStats:
 
     def metrics(self) -> dict[str, float]:
         """``rollout/partial_*`` metrics and the occupancy of this call."""
-        out = {f"rollout/partial_{k}": float(getattr(self, k)) for k in ("carried", "interrupted", "forced")}
+        out = {f"rollout/partial_{k}": float(getattr(self, k)) for k in ("carried", "tail_turns", "forced")}
         if self.row_steps:
             out["rollout/decode_occupancy"] = self.decoded_tokens / self.row_steps
         if self.slot_steps:
@@ -110,7 +112,7 @@ class RolloutPool:
         self.cfg, self.sampling, self.engine = cfg, sampling, as_async(engine)
         self.source, self.width, self.next_group = source, width, next_group
         self.groups: dict[tuple[int, int], _Group] = {}
-        self.resubmit: list[tuple[int, int]] = []  # episodes whose turn was interrupted, then those not submitted
+        self.resubmit: list[tuple[int, int]] = []  # episodes between turns at the end of the last call, in order
         self.runs: list[_PartRun] = []
         try:
             for part in parts:
@@ -147,7 +149,7 @@ class RolloutPool:
         finished: list[tuple[int, int]] = []
         first = self.next_group
         try:
-            stats.interrupted = self._drive(version, forced, target, finished, drain)
+            stats.tail_turns = self._drive(version, forced, target, finished, drain)
         except BaseException:
             engine.abort()
             raise
@@ -188,9 +190,9 @@ class RolloutPool:
     def _drive(self, version: int, forced: set[tuple[int, int]], target: int,
                finished: list[tuple[int, int]], drain: bool) -> int:
         """Submit, step and absorb until the stop rule holds (module docstring); then interrupt what runs. Returns
-        the number of turns interrupted."""
+        the number of turns that finished after the stop rule held (the tail the iteration waited for)."""
         engine, runs = self.engine, self.runs
-        waiting = collections.deque(self.resubmit)  # the interrupted turns first
+        waiting = collections.deque(self.resubmit)  # the carried episodes first
         self.resubmit = []
         running: set[tuple[int, int]] = set()
         temp: dict[tuple[int, int], int] = {}  # non-KV requests: the one-request session opened for them
@@ -240,7 +242,9 @@ class RolloutPool:
 
         try:
             start_more()
-            while engine.num_unfinished() and not stop():
+            tail = 0
+            while engine.num_unfinished():
+                closing = stop()  # the iteration is over: let the turns in flight finish, start no new one
                 t0 = time.perf_counter()
                 done = engine.step()
                 spent = time.perf_counter() - t0
@@ -256,15 +260,18 @@ class RolloutPool:
                 for k, items in sorted(by_part.items()):
                     todo = [i for i, _ in items]
                     runs[k].absorb(todo, [res for _, res in items])
+                    if closing:  # their next turns wait for the next call (and its weights)
+                        tail += len(todo)
+                        settle(k, todo)  # absorb ended those at the env's end, the budget or the turn cap
+                        self.resubmit += [(k, i) for i in todo if runs[k].eps[i].active]
+                        continue
                     following = runs[k].prepare(todo)
                     settle(k, todo)
                     submit(k, following)
-                start_more()
-            interrupted = len(running)
-            if running:  # the iteration is over: sample these turns again under the next weights
-                engine.abort()
-            self.resubmit = sorted(running) + list(waiting)
-            return interrupted
+                if not closing:
+                    start_more()
+            self.resubmit += list(waiting)  # not submitted yet (episodes ahead of them in line, or the width)
+            return tail
         finally:
             for sid in temp.values():
                 engine.close_sessions([sid])

@@ -1,6 +1,6 @@
 """Partial rollouts across iterations (``fastpo.rollout_pool``): with the weights unchanged between calls, every
-group's trajectories equal the asynchronous driver's for the same seeds (the interrupted turns are sampled again
-with their seeds); with the version moving on, no trained token lags by more than max_staleness; drain leaves
+group's trajectories equal the asynchronous driver's for the same seeds (episodes carried over continue with their
+seeds); with the version moving on, no trained token lags by more than max_staleness; drain leaves
 nothing in flight; bad groups are refused."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_unchanged_weights_give_the_async_trajectories(agent):
                 got.setdefault(t.group, []).append(t)
         engine.sync_weights(model)  # the same weights: a new version
     assert pool.in_flight() == 0 and engine.num_unfinished() == 0
-    assert sum(s.interrupted for s in stats) > 0 and max(s.carried for s in stats[:-1]) > 0  # really partial
+    assert sum(s.tail_turns for s in stats) > 0 and max(s.carried for s in stats[:-1]) > 0  # really partial
     assert all(s.finished >= 4 for s in stats)
     assert sorted(got) == list(range(pool.next_group))  # every started group came back once
     want = reference([group(n) for n in range(pool.next_group)], tok, model)
