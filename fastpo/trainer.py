@@ -52,6 +52,7 @@ from .metrics import (
 )
 from .microbatch import MicroBatch, cat_tokens, pack, split_tokens, token_cost
 from .model import is_lora, load_policy, load_tokenizer, merged_state_dict, resolve_model_path
+from .objectives import ActorObjective, CriticObjective
 from .preflight import check_prompt_fits
 from .rollout import RolloutPart, Trajectory, run_rollouts
 from .rollout_metrics import combine_metric_sums, metric_sums
@@ -388,87 +389,54 @@ class Trainer:
                 f"after weight sync {self.engine.weight_version} exceeds trainer.logprob_gap_max="
                 f"{self.cfg.trainer.logprob_gap_max}: the engine is not sampling from the trained weights")
 
-    def _update(self, trajs: list[Trajectory], kept: list[int], critic: bool) -> dict[str, float]:
-        """ppo_epochs over shuffled mini-batches of the kept trajectories for the critic or the actor; returns the
-        update's metrics. Where no scoring pass measured it (on-policy, or ``algorithm.old_logprobs=engine``), the
-        actor update measures the logprob gap on its first optimiser step's forward and runs the parity guard before
-        the weights move. With ``algorithm.offpolicy_correction`` on, each actor micro-batch's clipped term is
-        weighed by the trainer-vs-sampler ratio of its tokens (``algorithms.offpolicy_weights``)."""
-        cfg, o, a = self.cfg, self.cfg.optim, self.cfg.algorithm
-        model, optim, sched = ((self.critic, self.models.critic_optim, self.models.critic_sched) if critic else
-                               (self.actor, self.models.actor_optim, self.models.actor_sched))
-        on_policy = not critic and trajs[kept[0]].old_logp is None  # _score skipped the actor
-        # the first optimiser step's forward runs at the sampling weights: measure the engine-trainer gap there when
-        # no scoring pass did (on-policy, or the old logprobs are the engine's own)
-        measure = (not critic and not cfg.rollout.train_on_observations
-                   and (on_policy or cfg.algorithm.old_logprobs == "engine"))
-        inject, norm_len = not critic and self.step in self.nan_steps, update.norm_len(trajs, kept)
-        sums, norms, steps, gap, measured = {}, [], 0, [0.0, 0, 0.0], {}
-        correct = not critic and a.offpolicy_correction != "none"
-        is_range = [-float("inf"), float("inf")]  # the iteration's largest / smallest ratio (true extremes)
+    def _fit(self, trajs: list[Trajectory], kept: list[int], objective: ActorObjective | CriticObjective,
+             model: torch.nn.Module, optim: torch.optim.Optimizer, sched: Any) -> dict[str, float]:
+        """The one training loop of the actor and the critic: ppo_epochs over shuffled mini-batches of the kept
+        trajectories, each an optimiser step over this rank's micro-batches of ``objective``'s loss (scaled so the
+        accumulated gradient is one loss over the mini-batch); returns the update's metrics."""
+        o, critic = self.cfg.optim, objective.name == "critic"
+        sums, norms, steps = {}, [], 0
         for epoch in range(o.ppo_epochs):
-            for mini in update.mini_batches(kept, o.mini_batch_size, o.shuffle_mini_batches, cfg.trainer.seed,
+            for mini in update.mini_batches(kept, o.mini_batch_size, o.shuffle_mini_batches, self.cfg.trainer.seed,
                                             self.step, epoch):
                 loss_sum, micro = 0.0, self._micro_batches(trajs, mini)
                 for j, mb in enumerate(micro):
                     if o.defer_grad_sync:
                         update.set_grad_sync(model, j == len(micro) - 1)
-                    mask = cat_tokens(trajs, mb.indices, "loss_mask", self.device)
-                    if critic:
-                        loss, m = algorithms.critic_loss(
-                            update.token_values(self.critic, mb, mask), cat_tokens(trajs, mb.indices, "values",
-                                                                                   self.device),
-                            cat_tokens(trajs, mb.indices, "returns", self.device), mask, a,
-                            cu_seqlens=mb.cu_seqlens, norm_len=norm_len)
-                    else:
-                        logp, ent = update.token_logp(self.actor, mb, mask, cfg.rollout.temperature, True)
-                        if measure and steps == 0 and mb.scale > 0:
-                            # scale 0: another rank's data
-                            g = update.micro_gap(trajs, mb, mask, logp.detach(), self.engine.weight_version)
-                            gap = [gap[0] + g[0], gap[1] + g[1], max(gap[2], g[2])]
-                        old = logp.detach() if on_policy else cat_tokens(trajs, mb.indices, "old_logp", self.device)
-                        ref = cat_tokens(trajs, mb.indices, "ref_logp", self.device) if self.use_ref else None
-                        is_weight, m_is = None, {}
-                        if correct:
-                            # old is the trainer at the sampling weights (the scoring pass, or this forward when
-                            # on-policy); tokens without exact sample logprobs (a context-window cut) keep weight 1
-                            exact = torch.cat([torch.full((len(trajs[i].input_ids),), trajs[i].logprobs_exact)
-                                               for i in mb.indices]).to(self.device)
-                            is_weight, m_is = algorithms.offpolicy_weights(
-                                old, cat_tokens(trajs, mb.indices, "sample_logprobs", self.device), mask & exact, a,
-                                cu_seqlens=mb.cu_seqlens)
-                            hi, lo = float(m_is.pop("actor/is_ratio_max")), float(m_is.pop("actor/is_ratio_min"))
-                            if bool((mask & exact).any()):  # an empty micro-batch reports the neutral 1
-                                is_range = [max(is_range[0], hi), min(is_range[1], lo)]
-                        loss, m = algorithms.policy_loss(logp, old, cat_tokens(trajs, mb.indices, "advantages",
-                                                                               self.device), mask, ent, ref, a,
-                                                         cu_seqlens=mb.cu_seqlens, norm_len=norm_len,
-                                                         is_weight=is_weight)
-                        m.update(m_is)  # the means; the extremes are reduced below
-                        loss = loss * float("nan") if inject else loss
+                    loss, m = objective(mb, cat_tokens(trajs, mb.indices, "loss_mask", self.device), steps)
                     (loss * mb.scale).backward()
                     loss_sum += float(loss.detach()) * mb.scale
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * mb.scale / self.world
-                if measure and steps == 0:
-                    measured = update.reduce_gap(*gap)  # identical on every rank
-                    self._check_gap(measured)
+                objective.before_step(steps)
                 norm, ok = update.clip_and_step(model, optim, sched, loss_sum, o.grad_clip)
                 norms.append(norm)
                 steps += 1
                 self._count_step(ok, critic, loss_sum, norm)
         out = update.metric_means(sums, self.world, steps)
-        out.update(measured)
-        if correct:  # collective, on every rank alike (the config is the same everywhere)
-            hi, lo = du.all_reduce_max(is_range[0]), -du.all_reduce_max(-is_range[1])
-            out["actor/is_ratio_max"] = hi if hi != -float("inf") else 1.0
-            out["actor/is_ratio_min"] = lo if lo != float("inf") else 1.0
-        name = "critic" if critic else "actor"
-        out.update({f"{name}/grad_norm": float(np.mean(norms)),
-                    f"{name}/nonfinite_skips": self.critic_nonfinite_total if critic else self.nonfinite_total})
+        out.update(objective.finish())
+        out.update({f"{objective.name}/grad_norm": float(np.mean(norms)),
+                    f"{objective.name}/nonfinite_skips": self.critic_nonfinite_total if critic else
+                    self.nonfinite_total})
         if not critic:
             out["actor/lr"] = sched.get_last_lr()[0]
         return out
+
+    def _update(self, trajs: list[Trajectory], kept: list[int], source: str) -> dict[str, float]:
+        """The critic's update (when there is a critic), then the actor's, through ``_fit``. ``source``: where the
+        actor's old logprobs come from (``update.old_logprob_source``). Where no scoring pass measured the logprob
+        gap ("update", "sampler"), the actor's first optimiser step measures it and runs the parity guard before
+        the weights move; with ``algorithm.offpolicy_correction`` each token's clipped term is weighed by the
+        trainer-vs-sampler ratio (``algorithms.offpolicy_weights``)."""
+        m, norm_len, metrics = self.models, update.norm_len(trajs, kept), {}
+        if self.critic is not None:
+            metrics.update(self._fit(trajs, kept, CriticObjective(self.critic, trajs, self.cfg, self.device, norm_len),
+                                     self.critic, m.critic_optim, m.critic_sched))
+        actor = ActorObjective(
+            self.actor, trajs, self.cfg, self.device, norm_len, source, self.engine.weight_version,
+            self._ref_logp if self.use_ref else None, self._check_gap, inject_nan=self.step in self.nan_steps)
+        metrics.update(self._fit(trajs, kept, actor, self.actor, m.actor_optim, m.actor_sched))
+        return metrics
 
     def _count_step(self, ok: bool, critic: bool, loss_sum: float, norm: float) -> None:
         """Count a skipped (non-finite) step; the actor's stop after optim.max_nonfinite_in_a_row of them."""
@@ -513,15 +481,14 @@ class Trainer:
             du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
             return metrics
         self.engine.sleep()  # GPU vLLM: free its memory for the update; _sync_engine wakes it (else a no-op)
-        on_policy = update.is_on_policy(kept, cfg.optim.mini_batch_size, cfg.optim.ppo_epochs)
-        engine_old = not on_policy and cfg.algorithm.old_logprobs == "engine"
+        source = update.old_logprob_source(kept, cfg.optim, cfg.algorithm)
         with self.timer("score"):
-            self._score(trajs, kept, actor=not on_policy and not engine_old)
-            if engine_old:  # the sampler's logprobs are the old logprobs; score only where they are not exact
+            self._score(trajs, kept, actor=source == "trainer")
+            if source == "sampler":  # the sampler's logprobs are the old logprobs; score only where they are not exact
                 rest = update.take_engine_logprobs(trajs, kept)
                 if rest:
                     self._score(trajs, rest, actor=True, extras=False)
-        if not on_policy and not engine_old:  # else the actor update measures the gap on its first forward
+        if source == "trainer":  # else the actor update measures the gap on its first forward
             gap = update.logprob_gap(trajs, kept, cfg.rollout.train_on_observations, self.engine.weight_version)
             metrics.update(gap)
             self._check_gap(gap)
@@ -530,9 +497,7 @@ class Trainer:
             for j, i in enumerate(kept):
                 trajs[i].advantages, trajs[i].returns = adv[j], (ret[j] if ret is not None else None)
             metrics.update(adv_metrics)
-            if self.critic is not None:
-                metrics.update(self._update(trajs, kept, critic=True))
-            metrics.update(self._update(trajs, kept, critic=False))
+            metrics.update(self._update(trajs, kept, source))
         critic = self.critic is not None
         metrics.update(data_metrics(  # verl's batch statistics of the kept trajectories (identical on every rank)
             [trajs[i].reward for i in kept], [trajs[i].loss_mask for i in kept], [trajs[i].advantages for i in kept],

@@ -46,6 +46,19 @@ def is_on_policy(kept: list[int], mini_batch_size: int, ppo_epochs: int) -> bool
     return ppo_epochs == 1 and len(kept) <= mini_batch_size
 
 
+def old_logprob_source(kept: list[int], optim: Any, algorithm: AlgorithmConfig) -> str:
+    """Where PPO's old logprobs come from this iteration, decided here only:
+
+    - "update": one epoch over one mini-batch (:func:`is_on_policy`): the update's own first forward runs at the
+      sampling weights, so its detached logp is the old logp and no scoring pass runs;
+    - "sampler": ``algorithm.old_logprobs=engine``: the engine's sample logprobs (:func:`take_engine_logprobs`; the
+      trainer scores only the trajectories whose sample logprobs are not exact);
+    - "trainer": a no-grad scoring pass of the actor at the sampling weights before the update."""
+    if is_on_policy(kept, optim.mini_batch_size, optim.ppo_epochs):
+        return "update"
+    return "sampler" if algorithm.old_logprobs == "engine" else "trainer"
+
+
 def take_engine_logprobs(trajs: list[Trajectory], kept: list[int]) -> list[int]:
     """``algorithm.old_logprobs=engine``: each kept trajectory with exact sample logprobs takes them as its old
     logprobs (fp32 [T], 0 off the sampled tokens, as the trainer's scoring leaves them). Returns the kept indices

@@ -129,3 +129,17 @@ def test_set_grad_sync_defers_the_reduction_to_the_last_backward():
         torch.testing.assert_close(model[0].weight.grad.full_tensor(), expected, rtol=1e-6, atol=1e-6)
     finally:
         du.shutdown()
+
+
+def test_old_logprob_source_is_decided_in_one_place():
+    """One epoch over one mini-batch -> the update's own forward; else the sampler's logprobs with
+    old_logprobs=engine, else the trainer's scoring pass."""
+    from types import SimpleNamespace
+
+    one_step = SimpleNamespace(mini_batch_size=8, ppo_epochs=1)
+    assert update.old_logprob_source(list(range(8)), one_step, AlgorithmConfig()) == "update"
+    assert update.old_logprob_source(list(range(8)), one_step, AlgorithmConfig(old_logprobs="engine")) == "update"
+    assert update.old_logprob_source(list(range(9)), one_step, AlgorithmConfig(old_logprobs="engine")) == "sampler"
+    assert update.old_logprob_source(list(range(9)), one_step, AlgorithmConfig()) == "trainer"
+    two_epochs = SimpleNamespace(mini_batch_size=8, ppo_epochs=2)
+    assert update.old_logprob_source(list(range(4)), two_epochs, AlgorithmConfig()) == "trainer"

@@ -1,0 +1,119 @@
+"""The two losses the trainer's one training loop (``Trainer._fit``) takes as an argument: the critic's value loss
+and the actor's clipped policy loss, each for one micro-batch.
+
+    objective = ActorObjective(actor, trajs, cfg, device, norm_len=412.0, source="trainer", version=3, ...)
+    loss, metrics = objective(mb, mask, step)     # fp32 scalar, {name: value}; step = optimiser step of the update
+    objective.before_step(step)                   # after a step's micro-batches, before the weights move
+    objective.finish()                            # the update's own metrics (collective)
+
+An objective holds only what one update needs (the models, the trajectories, the settings); the loop owns the
+optimiser, the mini-batches, the loss scales and the non-finite accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import algorithms, update
+from . import distributed as du
+from .microbatch import MicroBatch, cat_tokens
+from .rollout import Trajectory
+
+#: Where PPO's old logprobs come from in one iteration (``update.old_logprob_source``).
+OLD_LOGPROB_SOURCES = ("update", "sampler", "trainer")
+
+
+class CriticObjective:
+    """The value loss (``algorithms.critic_loss``) of a micro-batch: V from the critic against the scored values and
+    the returns."""
+
+    name = "critic"
+
+    def __init__(self, critic: nn.Module, trajs: list[Trajectory], cfg: Any, device: torch.device, norm_len: float):
+        self.critic, self.trajs, self.cfg, self.device, self.norm_len = critic, trajs, cfg, device, norm_len
+
+    def __call__(self, mb: MicroBatch, mask: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+        t, dev = self.trajs, self.device
+        return algorithms.critic_loss(update.token_values(self.critic, mb, mask), cat_tokens(t, mb.indices, "values",
+                                                                                             dev),
+                                      cat_tokens(t, mb.indices, "returns", dev), mask, self.cfg.algorithm,
+                                      cu_seqlens=mb.cu_seqlens, norm_len=self.norm_len)
+
+    def before_step(self, step: int) -> None:
+        return None
+
+    def finish(self) -> dict[str, float]:
+        return {}
+
+
+class ActorObjective:
+    """The clipped policy loss (``algorithms.policy_loss``) of a micro-batch.
+
+    Args:
+        source: where the old logprobs come from (``update.old_logprob_source``). "update": the detached logp of
+            this forward (one optimiser step on the sampling weights); otherwise ``Trajectory.old_logp``.
+        version: the engine's weight version now (the parity guard compares only tokens sampled at it).
+        ref_logp: ``fn(mb, mask) -> fp32 [N]`` the reference logprobs, or None (no KL term).
+        check_gap: the parity guard, called with the measured gap before the first optimiser step when no scoring
+            pass measured it ("update" and "sampler").
+        inject_nan: the ``FASTPO_INJECT_NAN_AT`` test hook for this iteration.
+    """
+
+    name = "actor"
+
+    def __init__(self, actor: nn.Module, trajs: list[Trajectory], cfg: Any, device: torch.device, norm_len: float,
+                 source: str, version: int, ref_logp: Callable[[MicroBatch, Tensor], Tensor] | None,
+                 check_gap: Callable[[dict[str, float]], None], inject_nan: bool = False):
+        if source not in OLD_LOGPROB_SOURCES:
+            raise ValueError(f"source must be one of {OLD_LOGPROB_SOURCES}, got {source!r}")
+        self.actor, self.trajs, self.cfg, self.device, self.norm_len = actor, trajs, cfg, device, norm_len
+        self.source, self.version, self.ref_logp, self.check_gap = source, version, ref_logp, check_gap
+        self.inject = inject_nan
+        # the first optimiser step's forward runs at the sampling weights: measure the engine-trainer gap there when
+        # no scoring pass did
+        self.measure = source != "trainer" and not cfg.rollout.train_on_observations
+        self.correct = cfg.algorithm.offpolicy_correction != "none"
+        self.gap, self.measured = [0.0, 0, 0.0], {}
+        self.is_range = [-float("inf"), float("inf")]  # the update's largest / smallest ratio (true extremes)
+
+    def __call__(self, mb: MicroBatch, mask: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+        t, dev, a = self.trajs, self.device, self.cfg.algorithm
+        logp, ent = update.token_logp(self.actor, mb, mask, self.cfg.rollout.temperature, True)
+        if self.measure and step == 0 and mb.scale > 0:  # scale 0: a filler repeating another rank's data
+            g = update.micro_gap(t, mb, mask, logp.detach(), self.version)
+            self.gap = [self.gap[0] + g[0], self.gap[1] + g[1], max(self.gap[2], g[2])]
+        old = logp.detach() if self.source == "update" else cat_tokens(t, mb.indices, "old_logp", dev)
+        ref = self.ref_logp(mb, mask) if self.ref_logp is not None else None
+        is_weight, m_is = None, {}
+        if self.correct:
+            # old is the trainer at the sampling weights (the scoring pass, or this forward when on-policy);
+            # tokens without exact sample logprobs (a context-window cut) keep weight 1
+            exact = torch.cat([torch.full((len(t[i].input_ids),), t[i].logprobs_exact) for i in mb.indices]).to(dev)
+            is_weight, m_is = algorithms.offpolicy_weights(old, cat_tokens(t, mb.indices, "sample_logprobs", dev),
+                                                           mask & exact, a, cu_seqlens=mb.cu_seqlens)
+            hi, lo = float(m_is.pop("actor/is_ratio_max")), float(m_is.pop("actor/is_ratio_min"))
+            if bool((mask & exact).any()):  # an empty micro-batch reports the neutral 1
+                self.is_range = [max(self.is_range[0], hi), min(self.is_range[1], lo)]
+        loss, m = algorithms.policy_loss(logp, old, cat_tokens(t, mb.indices, "advantages", dev), mask, ent, ref, a,
+                                         cu_seqlens=mb.cu_seqlens, norm_len=self.norm_len, is_weight=is_weight)
+        m.update(m_is)  # the means; the extremes are reduced in finish
+        return (loss * float("nan") if self.inject else loss), m
+
+    def before_step(self, step: int) -> None:
+        """The parity guard before the first optimiser step moves the weights (collective)."""
+        if self.measure and step == 0:
+            self.measured = update.reduce_gap(*self.gap)  # identical on every rank
+            self.check_gap(self.measured)
+
+    def finish(self) -> dict[str, float]:
+        """The measured gap and, with a correction, the ratio extremes over every rank (collective)."""
+        out = dict(self.measured)
+        if self.correct:  # on every rank alike (the config is the same everywhere)
+            hi, lo = du.all_reduce_max(self.is_range[0]), -du.all_reduce_max(-self.is_range[1])
+            out["actor/is_ratio_max"] = hi if hi != -float("inf") else 1.0
+            out["actor/is_ratio_min"] = lo if lo != float("inf") else 1.0
+        return out
