@@ -342,14 +342,16 @@ class Trainer:
         return micro
 
     @torch.no_grad()
-    def _score(self, trajs: list[Trajectory], kept: list[int], actor: bool = True, extras: bool = True) -> None:
-        """Old logprobs (and reference logprobs / values) of the kept trajectories: each rank computes
-        kept[r::world], then all ranks exchange them. ``actor=False`` skips the old logprobs (on-policy: the
-        update's own forward provides them; ``algorithm.old_logprobs=engine``: the sampler's); ``extras=False``
-        skips the reference logprobs and values."""
+    def _score(self, trajs: list[Trajectory], kept: list[int], actor: bool = True,
+               extras: bool = True) -> dict[int, dict[str, np.ndarray]]:
+        """Old logprobs (and reference logprobs / values) of the trajectories ``kept`` (indices into ``trajs``):
+        each rank computes kept[r::world], then all ranks exchange them. Returns index -> {"old_logp", "ref_logp",
+        "values"} (fp32 [T] each, 0 off the trained tokens), on every rank; ``trajs`` are not changed.
+        ``actor=False`` skips the old logprobs (they come from the update's forward or the sampler:
+        ``update.old_logprob_source``); ``extras=False`` skips the reference logprobs and values."""
         use_ref, critic = self.use_ref and extras, self.critic is not None and extras
         if not actor and not use_ref and not critic:
-            return
+            return {}
         mine, results = kept[self.rank::self.world], []
         micro = pack(trajs, mine, self.cfg.optim.micro_batch_tokens, self.device, self._layout, self._token_cost)
         temperature = self.cfg.rollout.temperature
@@ -370,9 +372,7 @@ class Trainer:
             if k < len(micro):
                 per = {f: split_tokens(v, mb.cu_seqlens) for f, v in out.items()}
                 results += [(i, {f: per[f][j] for f in per}) for j, i in enumerate(mb.indices)]
-        for i, fields in du.all_gather_list(results):
-            for f, v in fields.items():
-                setattr(trajs[i], f, v)
+        return dict(du.all_gather_list(results))
 
     def _ref_logp(self, mb: MicroBatch, mask: Tensor) -> Tensor:
         """Reference-policy logp: the reference model, or under LoRA the actor with its adapter disabled."""
@@ -480,32 +480,38 @@ class Trainer:
         if not kept:
             du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
             return metrics
+        # from here on one value, the iteration's batch: the kept trajectories (positions 0..K-1), each phase
+        # returning new trajectories with its fields added; the rollout's own are never written
+        batch, rows = [trajs[i] for i in kept], list(range(len(kept)))
         self.engine.sleep()  # GPU vLLM: free its memory for the update; _sync_engine wakes it (else a no-op)
-        source = update.old_logprob_source(kept, cfg.optim, cfg.algorithm)
+        source = update.old_logprob_source(rows, cfg.optim, cfg.algorithm)
         with self.timer("score"):
-            self._score(trajs, kept, actor=source == "trainer")
+            scored = self._score(batch, rows, actor=source == "trainer")
             if source == "sampler":  # the sampler's logprobs are the old logprobs; score only where they are not exact
-                rest = update.take_engine_logprobs(trajs, kept)
-                if rest:
-                    self._score(trajs, rest, actor=True, extras=False)
+                old, rest = update.take_engine_logprobs(batch, rows)
+                for j, v in old.items():
+                    scored.setdefault(j, {})["old_logp"] = v
+                for j, f in (self._score(batch, rest, actor=True, extras=False) if rest else {}).items():
+                    scored.setdefault(j, {}).update(f)
+            batch = update.with_fields(batch, scored)
         if source == "trainer":  # else the actor update measures the gap on its first forward
-            gap = update.logprob_gap(trajs, kept, cfg.rollout.train_on_observations, self.engine.weight_version)
+            gap = update.logprob_gap(batch, rows, cfg.rollout.train_on_observations, self.engine.weight_version)
             metrics.update(gap)
             self._check_gap(gap)
         with self.timer("update"):
-            adv, ret, adv_metrics = update.advantages(trajs, kept, cfg.algorithm, self.critic is not None)
-            for j, i in enumerate(kept):
-                trajs[i].advantages, trajs[i].returns = adv[j], (ret[j] if ret is not None else None)
+            adv, ret, adv_metrics = update.advantages(batch, rows, cfg.algorithm, self.critic is not None)
+            batch = update.with_fields(batch, {j: {"advantages": adv[j], "returns": None if ret is None else ret[j]}
+                                               for j in rows})
             metrics.update(adv_metrics)
-            metrics.update(self._update(trajs, kept, source))
+            metrics.update(self._update(batch, rows, source))
         critic = self.critic is not None
         metrics.update(data_metrics(  # verl's batch statistics of the kept trajectories (identical on every rank)
-            [trajs[i].reward for i in kept], [trajs[i].loss_mask for i in kept], [trajs[i].advantages for i in kept],
-            [trajs[i].returns for i in kept] if critic else None, [trajs[i].values for i in kept] if critic else None,
-            [len(trajs[i].input_ids) for i in kept], cfg.rollout.max_model_len))
+            [t.reward for t in batch], [t.loss_mask for t in batch], [t.advantages for t in batch],
+            [t.returns for t in batch] if critic else None, [t.values for t in batch] if critic else None,
+            [len(t.input_ids) for t in batch], cfg.rollout.max_model_len))
         self._sync_engine()
         metrics["perf/rollout_tokens"] = float(sum(len(t.input_ids) for t in trajs))
-        metrics["perf/trained_seq_tokens"] = float(sum(len(trajs[i].input_ids) for i in kept))
+        metrics["perf/trained_seq_tokens"] = float(sum(len(t.input_ids) for t in batch))
         return metrics
 
     def train(self) -> None:

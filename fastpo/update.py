@@ -14,6 +14,7 @@ ranks), so the accumulated gradient equals one loss over the whole mini-batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -51,26 +52,32 @@ def old_logprob_source(kept: list[int], optim: Any, algorithm: AlgorithmConfig) 
 
     - "update": one epoch over one mini-batch (:func:`is_on_policy`): the update's own first forward runs at the
       sampling weights, so its detached logp is the old logp and no scoring pass runs;
-    - "sampler": ``algorithm.old_logprobs=engine``: the engine's sample logprobs (:func:`take_engine_logprobs`; the
-      trainer scores only the trajectories whose sample logprobs are not exact);
+    - "sampler": ``algorithm.old_logprobs=engine``: the engine's sample logprobs (:func:`take_engine_logprobs`;
+      the trainer scores only the trajectories whose sample logprobs are not exact);
     - "trainer": a no-grad scoring pass of the actor at the sampling weights before the update."""
     if is_on_policy(kept, optim.mini_batch_size, optim.ppo_epochs):
         return "update"
     return "sampler" if algorithm.old_logprobs == "engine" else "trainer"
 
 
-def take_engine_logprobs(trajs: list[Trajectory], kept: list[int]) -> list[int]:
-    """``algorithm.old_logprobs=engine``: each kept trajectory with exact sample logprobs takes them as its old
-    logprobs (fp32 [T], 0 off the sampled tokens, as the trainer's scoring leaves them). Returns the kept indices
-    whose sample logprobs are not exact, which the trainer must still score."""
-    rest = []
+def take_engine_logprobs(trajs: list[Trajectory], kept: list[int]) -> tuple[dict[int, np.ndarray], list[int]]:
+    """``algorithm.old_logprobs=engine``: the old logprobs of each kept trajectory with exact sample logprobs are
+    those (fp32 [T], a copy, 0 off the sampled tokens, as the trainer's scoring leaves them). Returns (index ->
+    old logprobs, the kept indices whose sample logprobs are not exact: the trainer must still score them)."""
+    old, rest = {}, []
     for i in kept:
         t = trajs[i]
         if t.logprobs_exact:
-            t.old_logp = np.where(t.loss_mask, t.sample_logprobs, 0.0).astype(np.float32)
+            old[i] = np.where(t.loss_mask, t.sample_logprobs, 0.0).astype(np.float32)
         else:
             rest.append(i)
-    return rest
+    return old, rest
+
+
+def with_fields(trajs: list[Trajectory], fields: dict[int, dict[str, Any]]) -> list[Trajectory]:
+    """New trajectories: ``trajs[j]`` with ``fields[j]`` set (index -> {field: value}); the others as they are.
+    Phases of an iteration hand the batch forward this way instead of writing into their input."""
+    return [dataclasses.replace(t, **fields[j]) if j in fields else t for j, t in enumerate(trajs)]
 
 
 def norm_len(trajs: list[Trajectory], kept: list[int]) -> float:

@@ -16,6 +16,7 @@ import torch
 from test_trainer import GAE, SMALL, _metrics, _ok, _weights
 
 from fastpo import distributed as du
+from fastpo import update
 from fastpo.config import ConfigError, parse_args, validate
 from fastpo.model import is_lora, load_policy, merged_state_dict
 from fastpo.tiny_agent import tiny_agent_path
@@ -153,7 +154,7 @@ def test_lora_trains_adapters_only_engine_parity_reference_and_export(tmp_path):
 
         # parity: fresh trajectories from the engine, scored by the trainer
         samples, _ = trainer._rollout(trainer.train_parts, 5000, 0, trainer.cfg.rollout.temperature, 3)
-        trainer._score(samples, list(range(len(samples))))
+        samples = update.with_fields(samples, trainer._score(samples, list(range(len(samples)))))
         gap = np.concatenate([np.abs(s.sample_logprobs - s.old_logp)[s.loss_mask] for s in samples])
         stale = np.concatenate([np.abs(s.sample_logprobs - s.ref_logp)[s.loss_mask] for s in samples])
         assert gap.size > 20 and gap.max() < PARITY_ATOL, gap.max()
@@ -271,11 +272,11 @@ def test_lora_vllm_engine_parity(tmp_path, monkeypatch):
         trainer.step = 1
         trainer.iteration()
         samples, _ = trainer._rollout(trainer.train_parts, 5000, 0, trainer.cfg.rollout.temperature, 2)
-        trainer._score(samples, list(range(len(samples))))
+        samples = update.with_fields(samples, trainer._score(samples, list(range(len(samples)))))
         gap = np.concatenate([np.abs(s.sample_logprobs - s.old_logp)[s.loss_mask] for s in samples])
         assert gap.size > 20 and gap.max() < PARITY_ATOL, gap.max()
         with trainer.actor.disable_adapter():  # negative control: the base weights the engine no longer has
-            trainer._score(samples, list(range(len(samples))))
+            samples = update.with_fields(samples, trainer._score(samples, list(range(len(samples)))))
         stale = np.concatenate([np.abs(s.sample_logprobs - s.old_logp)[s.loss_mask] for s in samples])
         assert stale.mean() > 10 * PARITY_ATOL, stale.mean()
     finally:

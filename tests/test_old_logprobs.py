@@ -28,18 +28,20 @@ def _traj(mask, logps, exact=True):
                       turn_end=np.zeros(n, bool), reward=0.0, logprobs_exact=exact)
 
 
-def test_take_engine_logprobs_copies_exact_ones_and_returns_the_rest():
+def test_take_engine_logprobs_returns_exact_ones_and_the_rest():
     trajs = [_traj([0, 1, 1], [0.0, -0.5, -1.5]), _traj([0, 1], [0.0, -2.0], exact=False),
              _traj([0, 0, 1, 0], [0.0, -9.0, -0.25, -3.0]), _traj([1], [-0.1])]
-    rest = update.take_engine_logprobs(trajs, [0, 1, 2])
-    assert rest == [1]
-    np.testing.assert_array_equal(trajs[0].old_logp, np.array([0.0, -0.5, -1.5], np.float32))
+    old, rest = update.take_engine_logprobs(trajs, [0, 1, 2])
+    assert rest == [1] and sorted(old) == [0, 2]
+    np.testing.assert_array_equal(old[0], np.array([0.0, -0.5, -1.5], np.float32))
     # a stray value off the loss mask is not carried into the old logprobs (the scoring pass leaves 0 there)
-    np.testing.assert_array_equal(trajs[2].old_logp, np.array([0.0, 0.0, -0.25, 0.0], np.float32))
-    assert trajs[2].old_logp.dtype == np.float32
-    assert trajs[1].old_logp is None and trajs[3].old_logp is None  # not exact / not kept: untouched
+    np.testing.assert_array_equal(old[2], np.array([0.0, 0.0, -0.25, 0.0], np.float32))
+    assert old[2].dtype == np.float32
+    assert all(t.old_logp is None for t in trajs)  # values returned; the input trajectories are not written
     trajs[0].sample_logprobs[1] = 5.0
-    assert trajs[0].old_logp[1] == np.float32(-0.5)  # a copy, not a view
+    assert old[0][1] == np.float32(-0.5)  # a copy, not a view
+    batch = update.with_fields(trajs, {j: {"old_logp": v} for j, v in old.items()})
+    assert batch[0].old_logp is old[0] and batch[1] is trajs[1] and trajs[0].old_logp is None
 
 
 def _first_update(tmp_path, monkeypatch, run: str, *extra: str):

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from test_trainer import SMALL, _metrics, _ok, _weights  # noqa: E402
 
-from fastpo import envs, testing  # noqa: E402
+from fastpo import envs, testing, update  # noqa: E402
 from fastpo.config import (  # noqa: E402
     RolloutConfig,  # noqa: E402
     parse_args,
@@ -97,7 +97,7 @@ def _trainer(model_dir, run_dir, *extra: str):
 def _gaps(trainer, samples) -> np.ndarray:
     """|engine logp - trainer logp| on every sampled (trained) token of `samples`."""
     kept = list(range(len(samples)))
-    trainer._score(samples, kept)
+    samples = update.with_fields(samples, trainer._score(samples, kept))
     assert all(s.logprobs_exact for s in samples)
     return np.concatenate([np.abs(s.sample_logprobs - s.old_logp)[s.loss_mask] for s in samples])
 
