@@ -22,6 +22,7 @@ non-finite steps in a row; both raise :class:`TrainingAborted` and leave the las
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import time
@@ -66,9 +67,21 @@ class TrainingAborted(RuntimeError):
     """A deliberate stop (weight-sync logprob gap, too many non-finite steps); the message says why."""
 
 
+class RequestKind(enum.IntEnum):
+    """Which rollout a sampling seed is for: part of the seed's key, so training and validation never share one.
+    The values are in every checkpointed run's seeds: never renumber them."""
+
+    TRAIN = 0
+    VALIDATION = 1
+
+
+#: A micro-batch token budget no trajectory reaches: ``pack`` then puts a filler trajectory in one micro-batch.
+WHOLE = 10**9
+
+
 def request_seed(seed: int, kind: int, step: int, index: int, round: int = 0) -> int:
     """Sampling seed of trajectory `index` (global) at `step`: a function of these numbers only (not of the world
-    size). kind 0 = training, 1 = validation; ``round`` > 0: a refill round of dynamic sampling."""
+    size). ``kind``: a :class:`RequestKind`; ``round`` > 0: a refill round of dynamic sampling."""
     key = [seed, kind, step, index] + ([round] if round else [])
     return int(np.random.SeedSequence(key).generate_state(1, np.uint32)[0])
 
@@ -251,8 +264,8 @@ class Trainer:
         target = int(a.rollout_filter_ratio * cfg.env.env_groups + 1e-9)  # the filter's count (RAGEN's rule)
         trajs, sums, rounds = [], [], 0
         while True:
-            local, part = self._rollout(self.train_parts, self.train_seed, 0, cfg.rollout.temperature, self.step,
-                                        round=rounds)
+            local, part = self._rollout(self.train_parts, self.train_seed, RequestKind.TRAIN,
+                                        cfg.rollout.temperature, self.step, round=rounds)
             trajs += du.all_gather_list(local)
             sums += part
             self.train_seed += cfg.env.env_groups
@@ -278,7 +291,8 @@ class Trainer:
         size = self.train_parts[k].entry.group_size
         return NewGroup(k, self.cfg.env.train_seed + c * self.cfg.env.env_groups + g,
                         c * self.cfg.env.env_groups + g,
-                        tuple(request_seed(self.cfg.trainer.seed, 0, c + 1, first + j) for j in range(size)))
+                        tuple(request_seed(self.cfg.trainer.seed, RequestKind.TRAIN, c + 1, first + j)
+                              for j in range(size)))
 
     def _partial_rollout(self) -> tuple[list[Trajectory], dict[str, float], None]:
         """``rollout.partial``: one call of the rank's pool (``fastpo.rollout_pool``), as many finished groups as
@@ -318,8 +332,8 @@ class Trainer:
         n = self.cfg.trainer.log_generations
         records: list | None = [] if n > 0 else None
         with self.timer("validate"):
-            _, sums = self._rollout(self.val_parts, self.cfg.env.val_seed, 1, self.cfg.rollout.val_temperature, 0,
-                                    "val-env", records)
+            _, sums = self._rollout(self.val_parts, self.cfg.env.val_seed, RequestKind.VALIDATION,
+                                    self.cfg.rollout.val_temperature, 0, "val-env", records)
             metrics = combine_metric_sums(sums)
             if records is not None:
                 self.logger.log_generations(self.step, pick_generations(du.all_gather_list(records), n))
@@ -336,7 +350,7 @@ class Trainer:
             mb.scale = scale
         count = int(du.all_reduce_max(len(micro)))  # once: every rank runs the same number of collectives
         while len(micro) < count:
-            filler = pack(trajs, (mine or mini_batch)[:1], 10**9, self.device, self._layout, self._token_cost)[0]
+            filler = pack(trajs, (mine or mini_batch)[:1], WHOLE, self.device, self._layout, self._token_cost)[0]
             filler.scale = 0.0
             micro.append(filler)
         return micro
@@ -356,7 +370,7 @@ class Trainer:
         micro = pack(trajs, mine, self.cfg.optim.micro_batch_tokens, self.device, self._layout, self._token_cost)
         temperature = self.cfg.rollout.temperature
         for k in range(int(du.all_reduce_max(len(micro)))):
-            mb = micro[k] if k < len(micro) else pack(trajs, kept[:1], 10**9, self.device, self._layout,
+            mb = micro[k] if k < len(micro) else pack(trajs, kept[:1], WHOLE, self.device, self._layout,
                                                       self._token_cost)[0]
             mask = cat_tokens(trajs, mb.indices, "loss_mask", self.device)
             out = {}

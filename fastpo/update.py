@@ -28,6 +28,10 @@ from .config import AlgorithmConfig
 from .microbatch import MicroBatch, cat_tokens, lm_head_inputs, split_tokens
 from .rollout import Trajectory
 
+#: The RNG stream of the mini-batch shuffle: part of its key next to the training seed, apart from the request kinds
+#: (0, 1) that key the sampling seeds. Changing it changes every run's mini-batches.
+SHUFFLE_STREAM = 2
+
 
 def mini_batches(kept: list[int], size: int, shuffle: bool, seed: int, step: int, epoch: int = 0) -> list[list[int]]:
     """The mini-batches of one epoch over the kept trajectories. Kept trajectories come group by group, so in order
@@ -36,7 +40,7 @@ def mini_batches(kept: list[int], size: int, shuffle: bool, seed: int, step: int
     independent of the world size, reproduced on resume."""
     order = list(kept)
     if shuffle and len(order) > size:
-        rng = np.random.default_rng([seed, 2, step, epoch])
+        rng = np.random.default_rng([seed, SHUFFLE_STREAM, step, epoch])
         order = [order[j] for j in rng.permutation(len(order))]
     return [order[i:i + size] for i in range(0, len(order), size)]
 
