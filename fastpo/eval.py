@@ -45,34 +45,6 @@ REPORTED = ("success", "action_is_valid", "action_is_effective", "num_actions")
 REQUEST_SEED_STRIDE = 1 << 32
 
 
-def resolve_model_dir(path: str) -> str:
-    """A fastpo run or checkpoint folder holding an HF export in ``hf/`` -> that folder; anything else unchanged (a
-    model dir or a hub id). A run folder has a ``config.json`` of its own (the run's config, not a model's), so
-    ``hf/`` wins whenever the folder's own config.json is not a transformers one. A run folder without ``hf/``
-    raises ValueError (the run has not finished its export). The loader reports any other bad path in one line."""
-    path = os.path.expanduser(str(path))
-    if not os.path.isdir(path):
-        return path
-    own = os.path.join(path, "config.json")
-    if os.path.exists(os.path.join(path, "hf", "config.json")) and not _is_model_config(own):
-        return os.path.join(path, "hf")  # the trainer's export: <run_dir>/hf
-    if os.path.exists(own) and not _is_model_config(own):
-        raise ValueError(f"{path!r} is a fastpo run folder without an hf/ export (the run has not finished, or "
-                         f"stopped before exporting); pass a finished run, or a model directory")
-    return path
-
-
-def _is_model_config(path: str) -> bool:
-    """True for a transformers config.json (it names its ``model_type``); false for a missing file or a fastpo
-    run config (sections such as ``trainer``)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "model_type" in data
-
-
 def _check_env(env_name: str) -> None:
     from fastpo import envs
 
@@ -391,14 +363,14 @@ def prepare(args: EvalArgs) -> tuple[list[Any], Any, Any, str]:
     from fastpo import envs
 
     from .env_mix import resolve_mix
-    from .model import load_policy, load_tokenizer, resolve_pretrained
+    from .model import load_policy, load_tokenizer, resolve_model_path, resolve_pretrained
 
     e, r = args.env, args.rollout
     envs.load_plugins(list(e.plugins))
     env_cfg = config.EnvConfig(**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
     entries = resolve_mix(env_cfg, "val")  # the trainer's validation set, entry by entry
     _make_engine(r.engine, None, None, 1, check_only=True)  # a bad name fails before any model loads
-    path = resolve_pretrained(resolve_model_dir(args.model.path), ("config.json",), "model")  # says what to pass
+    path = resolve_pretrained(resolve_model_path(args.model.path), ("config.json",), "model")  # says what to pass
     tokenizer = load_tokenizer(path)
     for entry in entries:  # before the model loads
         check_prompt_room(tokenizer, entry.name, e.val_seed + min(entry.groups), r.response_length, r.max_model_len,

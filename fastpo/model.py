@@ -21,6 +21,7 @@ transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as `
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import sys
 from pathlib import Path
@@ -141,18 +142,48 @@ FLASH_ATTN_DTYPES = (torch.bfloat16, torch.float16)
 TINY_MODEL = "tiny"
 
 
-def resolve_model_path(path: str) -> str:
-    """``"tiny"`` -> the tiny CPU agent's folder (``fastpo.tiny_agent.tiny_agent_path``: the one shipped in the
-    package, else built once into the user cache by rank 0 while the other ranks wait; collective under a process
-    group); any other path is returned as is."""
-    if path != TINY_MODEL:
-        return path
-    from . import distributed as du
-    from .tiny_agent import tiny_agent_path
+def resolve_model_path(path: str | os.PathLike) -> str:
+    """The one resolver of ``model.path`` for every entry point (train, eval, sft):
 
-    resolved = str(tiny_agent_path()) if du.is_main() else ""
-    du.barrier()
-    return str(tiny_agent_path(build_if_missing=False)) if not du.is_main() else resolved
+    - ``"tiny"``: the tiny CPU agent's folder (``fastpo.tiny_agent.tiny_agent_path``: the one shipped in the package,
+      else built once into the user cache by rank 0 while the other ranks wait; collective under a process group);
+    - a fastpo run folder (its own config.json is the run's config, not a model's): its export, ``<run>/hf``;
+    - anything else (a model folder, a hub id) as is: ``resolve_pretrained`` checks it when it loads.
+
+    Raises ValueError for a run folder without an ``hf/`` export, and for a checkpoint folder
+    (``<run>/checkpoints/step-N``: sharded training state, not a model), each with what to pass instead."""
+    if str(path) == TINY_MODEL:
+        from . import distributed as du
+        from .tiny_agent import tiny_agent_path
+
+        resolved = str(tiny_agent_path()) if du.is_main() else ""
+        du.barrier()
+        return str(tiny_agent_path(build_if_missing=False)) if not du.is_main() else resolved
+    name = os.path.expanduser(str(path))
+    if not os.path.isdir(name):
+        return str(path)
+    own = os.path.join(name, "config.json")
+    if os.path.exists(os.path.join(name, "hf", "config.json")) and not _is_model_config(own):
+        return os.path.join(name, "hf")  # the trainer's export: <run_dir>/hf
+    if os.path.exists(own) and not _is_model_config(own):
+        raise ValueError(f"{name!r} is a fastpo run folder without an hf/ export (the run has not finished, or "
+                         f"stopped before exporting); pass a finished run, or a model directory")
+    if os.path.exists(os.path.join(name, "COMPLETE")) and os.path.exists(os.path.join(name, ".metadata")):
+        run = os.path.dirname(os.path.dirname(os.path.abspath(name)))
+        raise ValueError(f"{name!r} is a training checkpoint (sharded optimiser and model state), not a model; pass "
+                         f"the run folder {run!r} (its hf/ export), or resume the run with --trainer.resume {name}")
+    return str(path)
+
+
+def _is_model_config(path: str) -> bool:
+    """True for a transformers config.json (it names its ``model_type``); false for a missing file or a fastpo
+    run config (sections such as ``trainer``)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" in data
 
 
 def resolve_attn_implementation(requested: str, device: torch.device | str | None = None,

@@ -506,7 +506,7 @@ def _save(model: Any, tokenizer: Any, out: str) -> None:
 
 def _run(args: SFTArgs) -> int:
     from fastpo import envs
-    from fastpo.model import load_policy, load_tokenizer
+    from fastpo.model import load_policy, load_tokenizer, resolve_model_path
 
     s, e = args.sft, args.env
     if dist_utils.is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -516,7 +516,8 @@ def _run(args: SFTArgs) -> int:
         if name.lower() not in envs.available():
             raise ValueError(f"env.names: unknown env {name!r}; accepted: {envs.available()}")
     torch.manual_seed(s.seed)
-    tokenizer = load_tokenizer(args.model.path, padding_side="right")
+    path = resolve_model_path(args.model.path)  # "tiny", a run folder (its hf/), a model folder or a hub id
+    tokenizer = load_tokenizer(path, padding_side="right")
     think = args.rollout.enable_think
     t0 = time.perf_counter()
     episodes = []
@@ -537,7 +538,7 @@ def _run(args: SFTArgs) -> int:
         f" ({n_random / max(1, n_actions):.3f}), tokens/seq mean {np.mean(lengths):.0f} max {max(lengths)}"
     )
     device = torch.device(s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_policy(args.model.path, dtype=args.model.dtype).to(device)
+    model = load_policy(path, dtype=args.model.dtype).to(device)
     os.makedirs(s.out, exist_ok=True)
     log_path = os.path.join(s.out, "sft_log.jsonl")
     with open(log_path, "w") as log_file:

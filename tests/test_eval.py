@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fastpo import envs, testing
-from fastpo.eval import REQUEST_SEED_STRIDE, evaluate, format_table, resolve_model_dir
+from fastpo.eval import REQUEST_SEED_STRIDE, evaluate, format_table
+from fastpo.model import resolve_model_path as resolve_model_dir
 from fastpo.model import load_policy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,6 +128,16 @@ def test_bad_inputs(tiny, tmp_path):
     (tmp_path / "run" / "config.json").write_text("{}")  # the trainer's config.json beside hf/ (a real run folder)
     assert resolve_model_dir(str(tmp_path / "run")) == str(tmp_path / "run" / "hf")
     assert resolve_model_dir(str(path)) == str(path)
+    # one resolver for every entry point: "tiny" is the shipped agent (never a hub id), a checkpoint is refused
+    from fastpo.tiny_agent import tiny_agent_path
+
+    assert resolve_model_dir("tiny") == str(tiny_agent_path())
+    step = tmp_path / "run" / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    (step / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a training checkpoint .* pass the run folder"):
+        resolve_model_dir(str(step))
 
 
 def _cli(*args):
