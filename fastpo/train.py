@@ -94,13 +94,16 @@ def prepare_run_dir(cfg: Config) -> RunDirLock | None:
     return lock
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run training; returns the exit status (see the module docstring)."""
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+def prepare_run(cfg: Config, world_size: int) -> RunDirLock | None:
+    """The one start-up both paths take (``main`` and a library user's ``Trainer(cfg)``): ``config.validate``, then
+    :func:`prepare_run_dir`. Collective; raises ConfigError (nothing written or deleted). Returns the run
+    directory's lock (rank 0; None elsewhere)."""
+    validate(cfg, world_size)
+    return prepare_run_dir(cfg)
+
+
+def _init(cfg: Config) -> tuple[du.DistInfo, float]:
+    """The process group, with trainer.collective_timeout_s clamped to what it takes (said once on rank 0)."""
     timeout = process_group_timeout(cfg.trainer.collective_timeout_s)
     info = du.init(timeout_s=timeout)  # validate reports a bad value
     requested = cfg.trainer.collective_timeout_s
@@ -108,52 +111,60 @@ def main(argv: list[str] | None = None) -> int:
             and du.is_distributed():
         print(f"trainer.collective_timeout_s={requested:g} is above the longest timeout the "
               f"process group takes: using {timeout:g} s ({timeout / 86400:.1f} days)", file=sys.stderr, flush=True)
-    timeout = timeout if timeout is not None else du.DEFAULT_TIMEOUT_S
-    lock: RunDirLock | None = None
-    try:
-        try:
-            validate(cfg, info.world_size)
-            lock = prepare_run_dir(cfg)
-        except ConfigError as err:
-            if info.is_main:
-                print(f"config error: {err}", file=sys.stderr)
-            return 2
-        from .envs.text import TextEnvError
-        from .trainer import Trainer, TrainingAborted
+    return info, timeout if timeout is not None else du.DEFAULT_TIMEOUT_S
 
-        try:
-            try:
-                trainer = Trainer(cfg, info)
-            except ConfigError as err:  # prepare_run_dir checked the prompt already; kept for other late checks
-                if info.is_main:
-                    print(f"config error: {err}", file=sys.stderr)
-                return 2
-            try:
-                trainer.train()
-            except TrainingAborted as err:
-                if info.is_main:
-                    print(f"training stopped: {err}", file=sys.stderr, flush=True)
-                trainer.close(export=False)
-                return 1
-            trainer.close()  # the final checkpoint and the export, once (a full disk there is exit 1 below)
-        except (DiskFullError, RuntimeError) as err:
-            message = str(err) if isinstance(err, DiskFullError) else du.collective_failure(err, timeout)
-            if message is None:
-                raise
-            print(f"training stopped (rank {info.rank}): {message}", file=sys.stderr, flush=True)
-            return 1
-        except TextEnvError as err:  # a plug-in env broke its protocol: one line naming env, method and seed
-            print(f"env error: {err}", file=sys.stderr, flush=True)
-            return 1
+
+def main(argv: list[str] | None = None) -> int:
+    """Run training; returns the exit status (see the module docstring): build, train, close in one ``try``, and
+    one place (:func:`_exit_status`) that maps what stopped it to a status."""
+    from .trainer import Trainer
+
+    info, lock, trainer, timeout = None, None, None, du.DEFAULT_TIMEOUT_S
+    try:
+        cfg = parse_args(argv)
+        info, timeout = _init(cfg)
+        lock = prepare_run(cfg, info.world_size)
+        trainer = Trainer(cfg, info, prepared=True)
+        trainer.train()
+        trainer.close()  # the final checkpoint and the export, once (a full disk there is exit 1)
         if info.is_main:
             from .report import write_report
 
             print(write_report(cfg.trainer.run_dir), flush=True)
         return 0
+    except Exception as err:
+        return _exit_status(err, info, trainer, timeout)
     finally:
         if lock is not None:
             lock.release()
-        du.shutdown()
+        if info is not None:
+            du.shutdown()
+
+
+def _exit_status(err: Exception, info: du.DistInfo | None, trainer: object, timeout: float) -> int:
+    """The status for what stopped ``main`` (its one line printed), or the exception raised again (a bug)."""
+    from .envs.text import TextEnvError
+    from .trainer import TrainingAborted
+
+    main_rank = info is None or info.is_main
+    if isinstance(err, ConfigError):  # bad input: before any model loads (the Trainer's late checks too)
+        if main_rank:
+            print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if isinstance(err, TrainingAborted):
+        if main_rank:
+            print(f"training stopped: {err}", file=sys.stderr, flush=True)
+        trainer.close(export=False)
+        return 1
+    if isinstance(err, TextEnvError):  # a plug-in env broke its protocol: one line naming env, method and seed
+        print(f"env error: {err}", file=sys.stderr, flush=True)
+        return 1
+    if isinstance(err, (DiskFullError, RuntimeError)) and info is not None:
+        message = str(err) if isinstance(err, DiskFullError) else du.collective_failure(err, timeout)
+        if message is not None:
+            print(f"training stopped (rank {info.rank}): {message}", file=sys.stderr, flush=True)
+            return 1
+    raise err
 
 
 def cli() -> None:

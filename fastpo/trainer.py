@@ -34,10 +34,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import algorithms, checkpoint, env_mix, envs, kernels, provenance, storage, update
+from . import algorithms, checkpoint, env_mix, envs, kernels, provenance, update
 from . import distributed as du
 from .config import Config, config_hash, to_dict, to_json
-from .config import validate as validate_config
 from .engine.base import Engine, SamplingParams
 from .engine.hf import HFEngine
 from .fsdp import build_trained_models, full_state_dict
@@ -99,13 +98,26 @@ class Trainer:
     """StarPO / StarPO-S trainer. Its checkpointed state: models, optimisers, schedulers and :meth:`state_dict`
     (step, env seed counter, non-finite counters, echo-trap history) plus per-rank RNG states."""
 
-    def __init__(self, cfg: Config, info: du.DistInfo | None = None):
+    def __init__(self, cfg: Config, info: du.DistInfo | None = None, prepared: bool = False):
+        """``prepared``: the caller ran ``fastpo.train.prepare_run`` (train.py's ``main``); otherwise this runs it
+        (a library user's Trainer: the same checks, and the run directory's lock, released by :meth:`close`)."""
         self.cfg, self.info = cfg, info or du.init()
-        validate_config(cfg, self.info.world_size)  # library users may build a Trainer without train.py
+        self._lock = None
+        if not prepared:
+            from .train import prepare_run
+
+            self._lock = prepare_run(cfg, self.info.world_size)
+        try:
+            self._setup(cfg)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def _setup(self, cfg: Config) -> None:
+        """Everything ``__init__`` builds once the run is prepared: models, engine, envs, logger, resume."""
         self.rank, self.world, self.device = self.info.rank, self.info.world_size, self.info.device
         self.run_dir, self.config_hash = Path(cfg.trainer.run_dir), config_hash(cfg)
-        # refuses mismatched ranks and resume=never over a previous run (unless overwrite), before anything is written
-        storage.claim_run_dir(self.run_dir, cfg.trainer.resume, cfg.trainer.overwrite, self.config_hash)
         if du.is_main():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(to_json(cfg) + "\n")
@@ -576,3 +588,5 @@ class Trainer:
             self.pool.close()
         self.logger.close()
         self.engine.close()
+        if self._lock is not None:
+            self._lock.release()
