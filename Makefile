@@ -4,7 +4,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: setup setup-flash-attn build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean
 

@@ -126,3 +126,28 @@ def test_bad_groups_are_refused(agent):
                     lambda n: dataclasses.replace(group(n), part=0, group=0), width=12).run(2)
     with pytest.raises(ValueError, match="target"):
         RolloutPool(pool_parts(6), HFEngine(model, tok), tok, PARAMS, cfg, group, width=6).run(0)
+
+
+def test_env_failure_fails_the_call_and_close_leaves_nothing(agent):
+    """An env that raises in the middle of a call: the error comes out as the env raised it, no request stays in
+    flight, and closing the pool closes every session (the trainer then stops the run; checkpoints stay valid)."""
+    tok, model = agent
+    engine = HFEngine(model, tok)
+    cfg = RolloutConfig(mode="async", partial=True)
+    pool = RolloutPool(pool_parts(4 * 2 * SIZE), engine, tok, PARAMS, cfg, group, width=4 * SIZE)
+    pool.run(target=2)  # a first call carries episodes over
+    env = pool.runs[1].env
+    real_step, calls = env.step, []
+
+    def step(actions, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("Sokoban.step failed for seed 53")
+        return real_step(actions, *args, **kwargs)
+
+    env.step = step
+    with pytest.raises(RuntimeError, match="Sokoban.step failed for seed 53"):
+        pool.run(target=2)
+    assert engine.num_unfinished() == 0
+    pool.close()
+    assert not engine._sessions
