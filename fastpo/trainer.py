@@ -53,10 +53,10 @@ from .metrics import (
 from .microbatch import MicroBatch, cat_tokens, pack, split_tokens, token_cost
 from .model import is_lora, load_policy, load_tokenizer, merged_state_dict, resolve_model_path
 from .objectives import ActorObjective, CriticObjective
-from .preflight import check_prompt_fits
 from .rollout import RolloutPart, Trajectory, run_rollouts
 from .rollout_metrics import combine_metric_sums, metric_sums
 from .rollout_pool import NewGroup, RolloutPool
+from .startup import prepare_run
 
 #: Env var of the NaN-injection test hook: comma-separated 1-based iteration numbers.
 INJECT_NAN_ENV = "FASTPO_INJECT_NAN_AT"
@@ -99,13 +99,11 @@ class Trainer:
     (step, env seed counter, non-finite counters, echo-trap history) plus per-rank RNG states."""
 
     def __init__(self, cfg: Config, info: du.DistInfo | None = None, prepared: bool = False):
-        """``prepared``: the caller ran ``fastpo.train.prepare_run`` (train.py's ``main``); otherwise this runs it
+        """``prepared``: the caller ran ``fastpo.startup.prepare_run`` (train.py's ``main``); otherwise this runs it
         (a library user's Trainer: the same checks, and the run directory's lock, released by :meth:`close`)."""
         self.cfg, self.info = cfg, info or du.init()
         self._lock = None
         if not prepared:
-            from .train import prepare_run
-
             self._lock = prepare_run(cfg, self.info.world_size)
         try:
             self._setup(cfg)
@@ -127,7 +125,6 @@ class Trainer:
             du.set_deterministic(True)
         self.model_path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(self.model_path)
-        check_prompt_fits(cfg, self.tokenizer)  # ConfigError before any model loads when no turn could fit
         self.models = build_trained_models(cfg, self.model_path, self.device)
         self.actor, self.critic, self.ref = self.models.actor, self.models.critic, self.models.ref
         self.use_ref = algorithms.needs_reference(cfg.algorithm)

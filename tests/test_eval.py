@@ -10,8 +10,8 @@ import pytest
 
 from fastpo import envs, testing
 from fastpo.eval import REQUEST_SEED_STRIDE, evaluate, format_table
-from fastpo.model import resolve_model_path as resolve_model_dir
 from fastpo.model import load_policy
+from fastpo.model import resolve_model_path as resolve_model_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TURN_STRIDE = 1_000_003  # run_rollout's request seed of turn t: request_seed * TURN_STRIDE + t

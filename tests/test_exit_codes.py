@@ -154,11 +154,11 @@ def test_help_documents_the_exit_codes(capsys):
 def test_an_iteration_without_a_trained_token_stops_with_exit_1(probe_dir, monkeypatch, capsys):
     """The run-time backstop of the prompt check: with that check bypassed, a context cap below the prompt gives
     0-turn episodes, and the first iteration stops the run (exit 1, no export) instead of training on nothing."""
-    import fastpo.trainer
+    import fastpo.startup
     from fastpo.train import main
 
     monkeypatch.chdir(probe_dir)
-    monkeypatch.setattr(fastpo.trainer, "check_prompt_fits", lambda cfg, tok: None)
+    monkeypatch.setattr(fastpo.startup, "check_prompt_fits", lambda cfg, tok: None)
     run = probe_dir / "run"
     rc = main([*TINY, "--env.env_groups", "2", "--env.group_size", "2", "--optim.mini_batch_size", "2",
                "--env.val_groups", "2", "--rollout.max_model_len", "60", "--rollout.response_length", "20",

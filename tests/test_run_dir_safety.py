@@ -162,7 +162,7 @@ def test_resume_auto_still_continues_or_starts_where_nothing_is_lost(work):
 
 # ---------------------------------------------------------------- 4. stale temporary folders at start-up
 def test_start_up_removes_stale_temporary_folders(work, capsys):
-    from fastpo.train import prepare_run_dir
+    from fastpo.startup import prepare_run_dir
 
     run = work / "run"
     _finished_run(run, checkpoints=True)
