@@ -37,6 +37,15 @@ T = TypeVar("T")
 _TRUE, _FALSE = frozenset({"true", "1", "yes", "on"}), frozenset({"false", "0", "no", "off"})
 
 
+try:
+    from tyro.conf import Positional
+except ModuleNotFoundError:  # no tyro (a bare GPU image): the marker is a no-op and the plain parser reads flags
+
+    class Positional:  # noqa: D101 - stands in for tyro.conf.Positional[T]
+        def __class_getitem__(cls, tp: Any) -> Any:
+            return tp
+
+
 def _error(message: str) -> Exception:
     from .config import ConfigError
 
@@ -446,9 +455,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
           known: Callable[[str], bool] | None = None) -> T:
     """Parse ``argv`` (``sys.argv[1:]`` when None) into ``cls``: ``default`` (or ``cls()``) < ``--preset NAME``
     (when ``presets`` is given) < ``--config FILE`` < flags. ``--help`` prints the help and exits 0; any bad input
-    raises ConfigError with the message."""
-    import tyro
-
+    raises ConfigError with the message. Without tyro installed (a bare GPU image), :func:`_parse_plain` reads the
+    same flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     base = default if default is not None else cls()
     if presets is not None:
@@ -461,6 +469,10 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
     path, argv = _take(argv, "--config")
     if path is not None:
         base = merge(base, load_file(path), source=path, known=known)
+    try:
+        import tyro
+    except ModuleNotFoundError:
+        return _parse_plain(cls, argv, base, prog, description)
     options = {"args": argv, "default": _to_mirror(base), "prog": prog, "description": description,
                "registry": _registry(), "config": (tyro.conf.FlagConversionOff,), "use_underscores": True}
     if "-h" in argv or "--help" in argv:  # to the terminal, wrapped to its width; exits 0
@@ -472,6 +484,43 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
     except SystemExit:
         raise _error(_plain(out.getvalue()) or f"bad arguments: {argv}") from None
     return _from_mirror(parsed, cls)
+
+
+def _parse_plain(cls: type[T], argv: list[str], base: T, prog: str, description: str) -> T:
+    """The command line without tyro: ``--section.field VALUE`` or ``--section.field=VALUE`` (one value per flag;
+    a list as ``a,b`` or ``[a, b]``; a bool flag alone means true), applied with :func:`merge`, so values are
+    coerced and refused exactly as in a ``--config`` file. ``--help`` lists every field with its type and doc."""
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: {prog} [--preset NAME] [--config FILE] [--section.field VALUE ...]\n\n{description}\n")
+        for section in _names(base):
+            obj, docs = getattr(base, section), field_docs(type(getattr(base, section)))
+            hints = typing.get_type_hints(type(obj), include_extras=True)
+            for name in _names(obj):
+                print(f"  --{section}.{name} {type_name(hints[name])} (default {getattr(obj, name)!r}): "
+                      f"{clean_doc(docs.get(name, ''))}")
+        raise SystemExit(0)
+    data: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise _error(f"unexpected argument {arg!r}; flags are --section.field VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            else:
+                value = "true"  # a bool flag given alone
+        *sections, name = key.replace("-", "_").split(".")
+        if not sections:
+            raise _error(f"--{key}: flags are --section.field VALUE; sections: {_names(base)}"
+                         f"{did_you_mean(key, _names(base))}")
+        node = data
+        for part in sections:
+            node = node.setdefault(part, {})
+        node[name] = value
+        i += 1
+    return merge(base, data, source="command line")
 
 
 def describe(*paragraphs: str, items: dict[str, str] | None = None, items_title: str = "") -> str:

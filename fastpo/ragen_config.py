@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tyro.conf import Positional
-
 from . import prompts
+from .cli import Positional
 
 
 class PortError(ValueError):

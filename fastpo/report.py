@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tyro.conf import Positional
+from .cli import Positional
 
 #: (title, metric keys tried in order) of the PNG panels after the success panel.
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (

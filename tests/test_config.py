@@ -256,3 +256,38 @@ def test_features_not_wired_into_the_trainer_are_refused_by_validate(argv, field
     cfg = parse_args(["--preset", "tiny", *argv])
     with pytest.raises(ConfigError, match=field):
         validate(cfg, 1)
+
+
+def test_command_line_without_tyro(tmp_path):
+    """A machine without tyro (the GPU image): the entry points still import, and the same flags parse through the
+    plain parser with the same coercion and one-line errors; --help lists the fields."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["tyro"] = sys.modules["tyro.conf"] = None  # import tyro -> ModuleNotFoundError
+        import fastpo.report, fastpo.ragen_config, fastpo.train  # noqa: F401  (import without tyro)
+        from fastpo.config import ConfigError, parse_args
+        cfg = parse_args(["--preset", "tiny", "--rollout.mode", "async", "--algorithm.eps_high=0.3",
+                          "--rollout.stop", "</answer>,</think>", "--optim.defer_grad_sync", "--env.train_seed", "-5"])
+        assert (cfg.rollout.mode, cfg.algorithm.eps_high, cfg.rollout.stop) == ("async", 0.3, ("</answer>", "</think>"))
+        assert cfg.optim.defer_grad_sync is True and cfg.env.train_seed == -5 and cfg.model.path == "tiny"
+        for bad, words in ((["--rollout.mode", "sideways"], "rollout.mode: expected one of"),
+                           (["--optim.actor_lrr", "1"], "unknown field 'optim.actor_lrr'; did you mean optim.actor_lr"),
+                           (["tiny"], "unexpected argument 'tiny'")):
+            try:
+                parse_args(bad)
+            except ConfigError as err:
+                assert words in str(err), (bad, str(err))
+            else:
+                raise AssertionError(bad)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    helped = subprocess.run([sys.executable, "-c", "import sys; sys.modules['tyro'] = sys.modules['tyro.conf'] = "
+                             "None; from fastpo.config import parse_args; parse_args(['--help'])"],
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--rollout.max_staleness int (default 1)" in helped.stdout, helped.stderr[-2000:]
