@@ -295,8 +295,8 @@ def run_fastpo(s: Settings, work: Path, engine: str = "hf") -> dict[str, Any]:
     log: dict[str, list] = {"t_end": [], "step_sizes": [], "rewards": [], "gen_tokens": [], "metrics": []}
 
     class ObservedTrainer(Trainer):
-        def _rollout(self, parts, seed_base, kind, temperature, step, prefix="env", records=None):
-            trajs, metrics = super()._rollout(parts, seed_base, kind, temperature, step, prefix, records)
+        def _rollout(self, parts, seed_base, kind, temperature, step, prefix="env", records=None, round=0):
+            trajs, metrics = super()._rollout(parts, seed_base, kind, temperature, step, prefix, records, round)
             if kind == 0:
                 log["rewards"].append([t.reward for t in trajs])
                 log["gen_tokens"].append(int(sum(int(t.loss_mask.sum()) for t in trajs)))

@@ -207,6 +207,30 @@ class AlgorithmConfig:
     all."""
     rollout_filter_type: str = "std"
     """Rollout filter: std (highest in-group reward std), std_rev (lowest), nonzero (drop zero-std groups)."""
+    rollout_filter_strategy: str = "legacy"
+    """legacy: the filter above (rollout_filter_type / rollout_filter_ratio). top_p, top_k, top_k_abs, min_p: RAGEN-2's
+    filter family (``fastpo.rollout_filter``): a per-group score (rollout_filter_metric) and a rule that turns the
+    scores into the kept groups; docs/SEMANTICS.md section 6."""
+    rollout_filter_value: float = 1.0
+    """RAGEN-2 filter: top_p: the score mass kept, in (0, 1] (1 = every candidate); top_k: the share of groups, in
+    (0, 1]; top_k_abs: the number of groups (a whole number >= 1); min_p: the share of the best score, in (0, 1]."""
+    rollout_filter_metric: str = "reward_variance"
+    """RAGEN-2 filter: the group score: reward_variance (in-group std of the returns, RAGEN's name), reward (mean),
+    reward_sum, length (mean trained tokens). entropy / entropy_variance are refused: the trainer does not compute
+    entropies before the filter yet."""
+    rollout_filter_direction: Literal["largest", "smallest"] = "largest"
+    """RAGEN-2 filter: keep the largest or the smallest scores (RAGEN's rollout_filter_type)."""
+    rollout_filter_include_zero: bool = True
+    """RAGEN-2 filter: false drops the groups whose score is 0 before the rule runs."""
+    rollout_filter_top_p_prob_mode: Literal["linear", "softmax"] = "linear"
+    """RAGEN-2 filter, top_p: linear (mass of the scores) or softmax (mass of their softmax)."""
+    rollout_filter_selection_eps: float = 0.01
+    """RAGEN-2 filter, linear top_p: slack subtracted from the mass threshold, finite >= 0."""
+    rollout_filter_empty_stop_steps: int = 0
+    """Stop the run after this many iterations in a row whose filter kept no group (>= 0; 0 = never; RAGEN-2's
+    default is 5)."""
+    filter_loss_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Multiply the advantages (so the policy-gradient term) by 1, the kept share of groups, or its square root."""
     refill_rounds: int = 0
     """Dynamic sampling (DAPO's filter_groups), in [0, 16]: while fewer than int(rollout_filter_ratio *
     env.env_groups) groups have a non-zero reward std, sample up to this many extra rounds of env.env_groups new
@@ -466,6 +490,11 @@ HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
     ("algorithm", "offpolicy_correction"): "none", ("algorithm", "is_cap"): 2.0, ("algorithm", "is_mask_low"): 0.5,
     ("algorithm", "is_mask_high"): 2.0, ("rollout", "mode"): "lockstep", ("rollout", "max_num_seqs"): 0,
     ("rollout", "partial"): False, ("rollout", "max_staleness"): 1, ("algorithm", "refill_rounds"): 0,
+    ("algorithm", "rollout_filter_strategy"): "legacy", ("algorithm", "rollout_filter_value"): 1.0,
+    ("algorithm", "rollout_filter_metric"): "reward_variance", ("algorithm", "rollout_filter_direction"): "largest",
+    ("algorithm", "rollout_filter_include_zero"): True, ("algorithm", "rollout_filter_top_p_prob_mode"): "linear",
+    ("algorithm", "rollout_filter_selection_eps"): 0.01, ("algorithm", "rollout_filter_empty_stop_steps"): 0,
+    ("algorithm", "filter_loss_scaling"): "none",
 }
 
 
@@ -628,10 +657,30 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
           f"algorithm.rollout_filter_ratio must lie in (0, 1], got {a.rollout_filter_ratio}")
     check(0 <= a.refill_rounds <= MAX_REFILL_ROUNDS,
           f"algorithm.refill_rounds must lie in [0, {MAX_REFILL_ROUNDS}], got {a.refill_rounds}")
+    check(a.rollout_filter_empty_stop_steps >= 0,
+          f"algorithm.rollout_filter_empty_stop_steps must be >= 0 (0 = never), got "
+          f"{a.rollout_filter_empty_stop_steps}")
+    if a.rollout_filter_strategy != "legacy":
+        from . import rollout_filter
+
+        try:
+            metric = rollout_filter.check_filter_args(
+                a.rollout_filter_strategy, a.rollout_filter_value, a.rollout_filter_metric,
+                a.rollout_filter_direction, a.rollout_filter_top_p_prob_mode, a.rollout_filter_selection_eps,
+                a.rollout_filter_include_zero)
+        except ValueError as err:
+            errors.append(f"algorithm.{err}" if str(err).startswith("rollout_filter") else str(err))
+        else:
+            check(rollout_filter.FILTER_METRICS[metric][1] != "entropies",
+                  f"algorithm.rollout_filter_metric={a.rollout_filter_metric!r}: the trainer does not compute "
+                  f"entropies before the filter yet; choose reward_variance, reward, reward_sum or length")
+        check(a.refill_rounds == 0, f"algorithm.refill_rounds={a.refill_rounds} works with the legacy filter only "
+                                    f"(algorithm.rollout_filter_strategy={a.rollout_filter_strategy!r})")
     group_size = min([x.get("group_size") or e.group_size for x in e.train
                       if isinstance(x, dict) and isinstance(x.get("group_size") or e.group_size, int)]
                      or [e.group_size])  # env.train entries may set their own (the smallest counts)
-    kept = algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
+    kept = (algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
+            if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
     if kept is not None and 0 < a.rollout_filter_ratio <= 1:
         check(kept >= 1, f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
                          f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")

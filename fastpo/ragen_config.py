@@ -125,6 +125,14 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": ("rollout.gpu_memory_utilization", float),
     "actor_rollout_ref.rollout.rollout_filter_ratio": ("algorithm.rollout_filter_ratio", float),
     "actor_rollout_ref.rollout.rollout_filter_type": ("algorithm.rollout_filter_type", str),
+    "actor_rollout_ref.rollout.rollout_filter_strategy": ("algorithm.rollout_filter_strategy", str),
+    "actor_rollout_ref.rollout.rollout_filter_value": ("algorithm.rollout_filter_value", float),
+    "actor_rollout_ref.rollout.rollout_filter_metric": ("algorithm.rollout_filter_metric", str),
+    "actor_rollout_ref.rollout.rollout_filter_include_zero": ("algorithm.rollout_filter_include_zero", bool),
+    "actor_rollout_ref.rollout.rollout_filter_top_p_prob_mode": ("algorithm.rollout_filter_top_p_prob_mode", str),
+    "actor_rollout_ref.rollout.rollout_filter_selection_eps": ("algorithm.rollout_filter_selection_eps", float),
+    "actor_rollout_ref.rollout.rollout_filter_empty_stop_steps": ("algorithm.rollout_filter_empty_stop_steps", int),
+    "actor_rollout_ref.actor.filter_loss_scaling": ("algorithm.filter_loss_scaling", str),
     "actor_rollout_ref.rollout.val_kwargs.temperature": ("rollout.val_temperature", float),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": (None, _must_equal(1, "fastpo's vLLM runs TP 1")),
     "enable_response_mask": ("rollout.train_on_observations", lambda v: not bool(v)),
@@ -447,12 +455,33 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
             entries = _port_env_list(split, manager[split], custom, ignore, errors, notes)
             if entries is not None:
                 _set(out, field, entries)
+    _port_filter(out.get("algorithm", {}), notes)
     if out.get("algorithm", {}).get("adv_estimator") == "grpo":
         notes.append("algorithm.adv_estimator=grpo: fastpo standardises each trajectory's return within its group of "
                      "group_size; RAGEN's code gives every trajectory its own group (docs/RAGEN.md)")
     if errors:
         raise PortError("cannot port these RAGEN keys:\n  " + "\n  ".join(errors))
     return out, notes
+
+
+def _port_filter(alg: dict[str, Any], notes: list[str]) -> None:
+    """RAGEN's rollout_filter_type largest / smallest is a direction (RAGEN-2's family, and its pre-2 filter: the
+    int(ratio x G) groups by the metric, i.e. top_k with value = ratio); std / std_rev / nonzero are fastpo's legacy
+    filter names. RAGEN-2 reads rollout_filter_value and falls back to rollout_filter_ratio when it is missing."""
+    kind = alg.get("rollout_filter_type")
+    if kind in ("largest", "smallest"):
+        alg["rollout_filter_direction"] = alg.pop("rollout_filter_type")
+        if alg.get("rollout_filter_strategy", "legacy") == "legacy":
+            alg["rollout_filter_strategy"] = "top_k"
+            alg.setdefault("rollout_filter_value", alg.get("rollout_filter_ratio", 0.25))
+    if alg.get("rollout_filter_strategy", "legacy") != "legacy":
+        if "rollout_filter_ratio" in alg:
+            ratio = alg.pop("rollout_filter_ratio")
+            if "rollout_filter_value" in alg:
+                notes.append(f"rollout_filter_ratio={ratio!r}: not used by RAGEN-2's filter (rollout_filter_value "
+                             f"decides)")
+            else:
+                alg["rollout_filter_value"] = ratio
 
 
 def to_yaml(config: dict[str, dict[str, Any]], notes: Sequence[str], source: str = "") -> str:

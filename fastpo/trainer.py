@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import algorithms, checkpoint, env_mix, envs, kernels, provenance, update
+from . import algorithms, checkpoint, env_mix, envs, kernels, provenance, rollout_filter, update
 from . import distributed as du
 from .config import Config, config_hash, to_dict, to_json
 from .engine.base import Engine, SamplingParams
@@ -143,6 +143,7 @@ class Trainer:
         self.partial_next = [0] * self.world  # per rank: the next group its pool starts (see _pool_group)
         self.nonfinite_in_a_row = self.nonfinite_total = self.critic_nonfinite_total = 0
         self.nan_steps = injected_nan_steps()
+        self.empty_stop = rollout_filter.EmptyStop(cfg.algorithm.rollout_filter_empty_stop_steps)
         t = cfg.trainer
         self.trap = EchoTrapMonitor(EchoTrapThresholds(
             std_floor=t.min_in_group_std, entropy_rel_change=1.0 - t.entropy_drop_factor,
@@ -186,6 +187,7 @@ class Trainer:
             "step": self.step, "train_seed": self.train_seed, "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "nonfinite_total": self.nonfinite_total, "critic_nonfinite_total": self.critic_nonfinite_total,
             "weight_version": self.engine.weight_version, "partial_next": list(self.partial_next),
+            "empty_filter_steps": self.empty_stop.count,
             "echo_trap": {"history": {k: list(v) for k, v in self.trap.history.items()},
                           "counts": dict(self.trap.counts), "iteration": self.trap.iteration},
         }
@@ -195,6 +197,7 @@ class Trainer:
         self.nonfinite_in_a_row, self.nonfinite_total = int(state["nonfinite_in_a_row"]), int(state["nonfinite_total"])
         self.critic_nonfinite_total = int(state["critic_nonfinite_total"])
         self.partial_next = [int(x) for x in state.get("partial_next", [0] * self.world)]
+        self.empty_stop.count = int(state.get("empty_filter_steps", 0))
         trap = state["echo_trap"]
         self.trap.history = {k: deque(v, maxlen=self.trap.t.window) for k, v in trap["history"].items()}
         self.trap.counts, self.trap.iteration = Counter(trap["counts"]), int(trap["iteration"])
@@ -230,6 +233,22 @@ class Trainer:
                 self.engine.sync_weights(merged_state_dict(self.actor, state) if is_lora(self.actor) else state)
 
     # ---- rollout --------------------------------------------------------------------------------------------
+    def _filter(self, trajs: list[Trajectory], target: int | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """keep bool [B] over the iteration's trajectories and the filter's metrics: the legacy StarPO-S filter
+        (``algorithms.filter_groups``; ``target`` from dynamic sampling) or RAGEN-2's family
+        (``rollout_filter.select_groups``), per ``algorithm.rollout_filter_strategy``."""
+        a = self.cfg.algorithm
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        groups = torch.tensor([t.group for t in trajs], dtype=torch.int64)
+        if a.rollout_filter_strategy == "legacy":
+            return algorithms.filter_groups(rewards, groups, a.rollout_filter_ratio, a.rollout_filter_type, target)
+        return rollout_filter.select_groups(
+            rewards, groups, strategy=a.rollout_filter_strategy, value=a.rollout_filter_value,
+            metric=a.rollout_filter_metric, filter_type=a.rollout_filter_direction,
+            include_zero=a.rollout_filter_include_zero, prob_mode=a.rollout_filter_top_p_prob_mode,
+            selection_eps=a.rollout_filter_selection_eps,
+            lengths=torch.tensor([float(t.loss_mask.sum()) for t in trajs], dtype=torch.float32))
+
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.response_length,
@@ -491,15 +510,16 @@ class Trainer:
                 f"iteration {self.step}: no trajectory has a trained token (mean turns per episode "
                 f"{metrics.get('rollout/num_turns', 0.0):g}): the prompts leave no room for rollout.response_length "
                 f"({cfg.rollout.response_length}) within rollout.max_model_len ({cfg.rollout.max_model_len})")
-        keep, filter_metrics = algorithms.filter_groups(
-            torch.tensor([t.reward for t in trajs], dtype=torch.float32),
-            torch.tensor([t.group for t in trajs], dtype=torch.int64), cfg.algorithm.rollout_filter_ratio,
-            cfg.algorithm.rollout_filter_type, target)
+        keep, filter_metrics = self._filter(trajs, target)
         metrics.update(filter_metrics)
         kept = keep.nonzero().squeeze(-1).tolist()
         metrics["rollout/kept_trajectories"] = float(len(kept))
         if cfg.rollout.partial:
             metrics.update(update.staleness(trajs, kept, self.engine.weight_version))
+        if self.empty_stop.update(bool(kept)):
+            raise TrainingAborted(f"iteration {self.step}: the rollout filter kept no group in "
+                                  f"{self.empty_stop.count} iterations in a row (algorithm."
+                                  f"rollout_filter_empty_stop_steps={self.empty_stop.steps})")
         if not kept:
             du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
             return metrics
@@ -523,6 +543,9 @@ class Trainer:
             self._check_gap(gap)
         with self.timer("update"):
             adv, ret, adv_metrics = update.advantages(batch, rows, cfg.algorithm, self.critic is not None)
+            scale = rollout_filter.filter_loss_scale(metrics["rollout/kept_group_fraction"],
+                                                     cfg.algorithm.filter_loss_scaling)
+            adv = adv if scale == 1.0 else [a * np.float32(scale) for a in adv]  # the critic's returns stay
             batch = update.with_fields(batch, {j: {"advantages": adv[j], "returns": None if ret is None else ret[j]}
                                                for j in rows})
             metrics.update(adv_metrics)

@@ -173,3 +173,29 @@ def test_docs_map_every_key():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "RAGEN.md").read_text()
     missing = [k for k in [*KEY_MAP, *INERT] if f"| `{k}` |" not in doc]
     assert not missing, missing
+
+
+def test_ragen2_filter_keys_port():
+    """RAGEN-2's filter keys (its base.yaml at 20daedc: top_p, value 1, reward_variance, include_zero, linear, eps
+    0.01, empty stop 5, no loss scaling) port onto the filter family; a pre-2 largest / smallest filter becomes
+    top_k with value = its ratio; an explicit value wins over the ratio (noted)."""
+    from fastpo.config import Config, merge, validate
+    from fastpo.ragen_config import port
+
+    rollout = {"rollout_filter_strategy": "top_p", "rollout_filter_value": 1.0, "rollout_filter_ratio": 0.25,
+               "rollout_filter_type": "largest", "rollout_filter_metric": "reward_variance",
+               "rollout_filter_include_zero": True, "rollout_filter_top_p_prob_mode": "linear",
+               "rollout_filter_selection_eps": 0.01, "rollout_filter_empty_stop_steps": 5}
+    out, notes = port({"actor_rollout_ref": {"rollout": rollout, "actor": {"filter_loss_scaling": "sqrt"}}})
+    assert out["algorithm"] == {"rollout_filter_strategy": "top_p", "rollout_filter_value": 1.0,
+                                "rollout_filter_direction": "largest", "rollout_filter_metric": "reward_variance",
+                                "rollout_filter_include_zero": True, "rollout_filter_top_p_prob_mode": "linear",
+                                "rollout_filter_selection_eps": 0.01, "rollout_filter_empty_stop_steps": 5,
+                                "filter_loss_scaling": "sqrt"}
+    assert any("rollout_filter_ratio=0.25: not used" in n for n in notes)
+    validate(merge(Config(), out))
+    old, _ = port({"actor_rollout_ref": {"rollout": {"rollout_filter_ratio": 0.5, "rollout_filter_type": "smallest"}}})
+    assert old["algorithm"] == {"rollout_filter_direction": "smallest", "rollout_filter_strategy": "top_k",
+                                "rollout_filter_value": 0.5}
+    paper, _ = port({"actor_rollout_ref": {"rollout": {"rollout_filter_ratio": 0.25, "rollout_filter_type": "std"}}})
+    assert paper["algorithm"] == {"rollout_filter_ratio": 0.25, "rollout_filter_type": "std"}
