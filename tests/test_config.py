@@ -176,7 +176,12 @@ def test_config_hash_covers_math_only():
     del data["algorithm"]["old_logprobs"]
     for section, key in [("algorithm", "offpolicy_correction"), ("algorithm", "is_cap"), ("algorithm", "is_mask_low"),
                          ("algorithm", "is_mask_high"), ("rollout", "mode"), ("rollout", "max_num_seqs"),
-                         ("rollout", "partial"), ("rollout", "max_staleness"), ("algorithm", "refill_rounds")]:
+                         ("rollout", "partial"), ("rollout", "max_staleness"), ("algorithm", "refill_rounds"),
+                         *[("algorithm", k) for k in ("rollout_filter_strategy", "rollout_filter_value",
+                                                      "rollout_filter_metric", "rollout_filter_direction",
+                                                      "rollout_filter_include_zero", "rollout_filter_top_p_prob_mode",
+                                                      "rollout_filter_selection_eps", "rollout_filter_empty_stop_steps",
+                                                      "filter_loss_scaling")]]:
         del data[section][key]  # added after the first checkpoints, like the two above
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in C.TrainerConfig._unhashed}
     assert h == hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
