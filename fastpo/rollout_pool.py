@@ -1,23 +1,26 @@
 """Partial rollouts across iterations (``rollout.partial``): episodes that outlive the iteration that started them.
 
     pool = RolloutPool(parts, engine, tokenizer, sampling, cfg, source=next_group, width=64)
-    batches, stats = pool.run(target=8)      # one iteration's rollout: at least 8 finished groups
+    batches, stats = pool.run(target=8)      # one iteration's rollout: 8 finished groups
     ...                                      # train on batches, push the weights (the engine's version moves on)
     pool.close()
 
-The pool keeps ``width`` episodes in flight. It starts groups in the order ``source(0), source(1), ...`` gives them,
-a whole group at a time, whenever the group fits; so while the slowest episodes of one iteration still run, the
-next iteration's groups have started. Each episode advances as in the asynchronous driver (``rollout.mode
-async``). :meth:`RolloutPool.run` stops once ``target`` groups have finished and so has every group at the
-staleness bound; the turns being generated then finish (no token is thrown away) and no new turn starts. The
-episodes' next turns are sampled by the next call, under the weights pushed in between. Every turn records the
-engine's ``weight_version`` (``Trajectory.versions``). A group started at version v0 must finish in the call where
-the engine's version reaches v0 + max_staleness, so no trained token lags the trained weights by more than that.
-``drain`` (a checkpoint step): every started group finishes and at most ``target`` new ones start, so nothing
-stays in flight.
+The pool keeps up to ``width`` episodes in flight. It starts groups in the order ``source(0), source(1), ...`` gives
+them, a whole group at a time, whenever the group fits, and at most one iteration ahead: ``target`` new groups per
+call, plus ``target`` more before the first. So while the slowest episodes of one iteration still run, the next
+iteration's groups have started. Each episode advances as in the asynchronous driver (``rollout.mode async``).
 
-A call returns every group that finished in it, one ``RolloutBatch`` per part, groups in start order, members in
-instance order.
+:meth:`RolloutPool.run` stops once ``target`` groups have finished and so has every group at the staleness bound;
+the turns being generated then finish (no token is thrown away) and no new turn starts. The episodes' next turns
+are sampled by the next call, under the weights pushed in between. A call returns ``target`` finished groups:
+every group at the bound, then the oldest others (more only when more are at the bound); finished groups beyond
+that wait for the next call. Every turn records the engine's ``weight_version`` (``Trajectory.versions``). A
+group started at version v0 is returned at the latest by the call where the engine's version reaches
+v0 + max_staleness, so no trained token lags the trained weights by more than that. ``drain`` (a checkpoint step):
+every started group finishes and is returned, at most ``target`` new ones start, and the pool is left as a fresh
+one (nothing in flight).
+
+Batches: one ``RolloutBatch`` per part, groups in start order, members in instance order.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class PoolStats:
         carried: episodes still running after it (continued by the next call).
         tail_turns: turns that finished after the stop rule held: the call waits for the turns in flight (their
             tokens are never thrown away) and starts no new one.
+        held: finished groups kept for the next call (more finished than the batch takes).
         forced: groups that had to finish in this call (the staleness bound, or ``drain``).
         decoded_tokens, row_steps, slot_steps: the engine's counters over the call (occupancy).
     """
@@ -64,6 +68,7 @@ class PoolStats:
     finished: int = 0
     carried: int = 0
     tail_turns: int = 0
+    held: int = 0
     forced: int = 0
     decoded_tokens: int = 0
     row_steps: int = 0
@@ -71,7 +76,7 @@ class PoolStats:
 
     def metrics(self) -> dict[str, float]:
         """``rollout/partial_*`` metrics and the occupancy of this call."""
-        out = {f"rollout/partial_{k}": float(getattr(self, k)) for k in ("carried", "tail_turns", "forced")}
+        out = {f"rollout/partial_{k}": float(getattr(self, k)) for k in ("carried", "tail_turns", "forced", "held")}
         if self.row_steps:
             out["rollout/decode_occupancy"] = self.decoded_tokens / self.row_steps
         if self.slot_steps:
@@ -113,6 +118,8 @@ class RolloutPool:
         self.source, self.width, self.next_group = source, width, next_group
         self.groups: dict[tuple[int, int], _Group] = {}
         self.resubmit: list[tuple[int, int]] = []  # episodes between turns at the end of the last call, in order
+        self.held: list[tuple[int, int]] = []  # groups finished in an earlier call and not returned yet
+        self._budget: int | None = None  # groups the source may still start (set by the first call)
         self.runs: list[_PartRun] = []
         try:
             for part in parts:
@@ -133,8 +140,9 @@ class RolloutPool:
         return sum(len(g.running) for g in self.groups.values())
 
     def run(self, target: int, drain: bool = False) -> tuple[list[RolloutBatch], PoolStats]:
-        """One iteration's rollout (see the module docstring): at least ``target`` finished groups (fewer only when
-        no group is left to finish and none can start). ``drain``: a checkpoint step, nothing stays in flight."""
+        """One iteration's rollout (see the module docstring): ``target`` finished groups, more when more are at the
+        staleness bound, every one with ``drain`` (a checkpoint step: nothing stays in flight); fewer only when no
+        group is left to finish and none may start."""
         if target < 1:
             raise ValueError(f"target must be >= 1 group, got {target}")
         engine, runs = self.engine, self.runs
@@ -146,15 +154,26 @@ class RolloutPool:
         before = dataclasses.replace(engine.stats) if hasattr(engine, "stats") else None
         forced = {key for key, g in self.groups.items() if drain or version - g.version >= self.cfg.max_staleness}
         stats.forced = len(forced)
-        finished: list[tuple[int, int]] = []
+        finished: list[tuple[int, int]] = list(self.held)  # finished in an earlier call, not returned yet
         first = self.next_group
+        # the source may run one iteration ahead of what the calls take: target new groups per call, plus target
+        # more before the first call (the lookahead that carries over); a drain resets it, as a fresh pool has it
+        self._budget = (2 * target if self._budget is None else self._budget + target)
         try:
             stats.tail_turns = self._drive(version, forced, target, finished, drain)
         except BaseException:
             engine.abort()
             raise
-        batches = self._collect(finished)
-        stats.started, stats.finished, stats.carried = self.next_group - first, len(finished), self.in_flight()
+        # the batch: every forced group, then the oldest others up to target; the rest wait for the next call (a
+        # group that would then be at the bound is forced there). drain: everything.
+        order = sorted(finished, key=lambda key: (key not in forced, self.groups[key].order))
+        count = len(order) if drain else max(target, sum(1 for key in order if key in forced))
+        taken, self.held = order[:count], order[count:]
+        if drain:
+            self._budget = None
+        batches = self._collect(taken)
+        stats.started, stats.finished, stats.carried = self.next_group - first, len(taken), self.in_flight()
+        stats.held = len(self.held)
         if before is not None:
             after = engine.stats
             stats.decoded_tokens = (after.tokens - before.tokens) - (after.first_tokens - before.first_tokens)
@@ -229,9 +248,10 @@ class RolloutPool:
 
         def start_more() -> None:
             while not stop():
-                if not waiting and (not drain or started[0] < target):
+                if not waiting and self._budget > 0 and (not drain or started[0] < target):
                     new = self._start_next(version)
                     started[0] += bool(new)
+                    self._budget -= bool(new)
                     waiting.extend(new)
                 if not waiting:
                     return

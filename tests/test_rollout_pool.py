@@ -103,6 +103,8 @@ def test_no_trained_token_is_staler_than_the_bound(agent, staleness):
     for call in range(5):
         version = engine.weight_version
         batches, st = pool.run(target=3, drain=call == 4)
+        if call < 4:  # one iteration's worth, more only for groups at the bound
+            assert st.finished == max(3, st.forced) == sum(len(b.trajectories) for b in batches) // SIZE
         for t in (t for b in batches for t in b.trajectories):
             v = t.versions[t.versions >= 0]
             assert v.size and v.max() <= version and version - v.min() <= staleness
