@@ -393,7 +393,7 @@ def run_rollouts(
             runs.append(_PartRun(part, cfg, engine, tokenizer, sampling))
         if cfg.mode == "async":
             engine = as_async(engine)
-            _drive_async(runs, engine, sampling, cfg.max_num_seqs)
+            _drive_async(runs, engine, cfg.max_num_seqs)
         else:
             _drive_lockstep(runs, engine, sampling)
         batches = [r.finish() for r in runs]
@@ -447,7 +447,7 @@ def _drive_lockstep(runs: list[_PartRun], engine: Engine, sampling: SamplingPara
                 r.release(todo[k])
 
 
-def _drive_async(runs: list[_PartRun], engine: Engine, sampling: SamplingParams, max_in_flight: int) -> None:
+def _drive_async(runs: list[_PartRun], engine: Engine, max_in_flight: int) -> None:
     """The barrier-free driver (see ``run_rollouts``). An episode in flight holds one engine session: its KV session
     in KV mode, else a one-request session re-opened with the full prompt every turn. Engine time is shared among
     the parts in proportion to their requests in flight at each step."""
@@ -460,15 +460,8 @@ def _drive_async(runs: list[_PartRun], engine: Engine, sampling: SamplingParams,
     temp: dict[tuple[int, int], int] = {}  # non-KV requests: (part, instance) -> the session opened for it
 
     def submit(k: int, todo: list[int]) -> None:
-        r = runs[k]
-        for j, i in enumerate(todo):
-            if r.kv:
-                sid = r.sessions[i]
-            else:
-                sid = temp[(k, i)] = engine.open_sessions(1)[0]
-            engine.extend([sid], [r.pending[j]])
-            engine.submit(sid, sampling, None if r.rseeds is None else r.rseeds[j], tag=(k, i))
-            in_flight[k] += 1
+        runs[k].submit(engine, k, todo, temp)
+        in_flight[k] += len(todo)
 
     def start_more() -> None:
         while waiting and (max_in_flight <= 0 or sum(in_flight) < max_in_flight):
@@ -686,6 +679,20 @@ class _PartRun:
         if done:
             self.engine.close_sessions(done)
             self.closed.update(done)
+
+    def submit(self, engine: Any, k: int, todo: Sequence[int], temp: dict[tuple[int, int], int]) -> None:
+        """Queue the turns `todo` (just prepared: ``pending`` and ``rseeds`` are theirs) as requests to the driver's
+        asynchronous `engine` (``as_async`` of this part's), tagged ``(k, i)``, k being this part's index in the
+        driver. KV mode: on the episode's own session. Otherwise each request gets a one-request session, recorded
+        in `temp` for the driver to close when it completes."""
+        for j, i in enumerate(todo):
+            if self.kv:
+                sid = self.sessions[i]
+            else:
+                sid = temp[(k, i)] = engine.open_sessions(1)[0]
+            if self.pending[j]:  # empty: a carried episode whose context the engine already holds
+                engine.extend([sid], [self.pending[j]])
+            engine.submit(sid, self.sampling, None if self.rseeds is None else self.rseeds[j], tag=(k, i))
 
     def close(self) -> None:
         if self.sessions:

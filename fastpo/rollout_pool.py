@@ -218,16 +218,8 @@ class RolloutPool:
         started = [0]  # groups started in this call
 
         def submit(k: int, todo: list[int]) -> None:
-            r = runs[k]
-            for j, i in enumerate(todo):
-                if r.kv:
-                    sid = r.sessions[i]
-                else:
-                    sid = temp[(k, i)] = engine.open_sessions(1)[0]
-                if r.pending[j]:
-                    engine.extend([sid], [r.pending[j]])
-                engine.submit(sid, self.sampling, None if r.rseeds is None else r.rseeds[j], tag=(k, i))
-                running.add((k, i))
+            runs[k].submit(engine, k, todo, temp)
+            running.update((k, i) for i in todo)
 
         def settle(k: int, indices: list[int]) -> None:
             """Episodes among `indices` that ended: free their sessions; a group whose members all ended is done."""
