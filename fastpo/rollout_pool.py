@@ -234,8 +234,9 @@ class RolloutPool:
 
         def stop() -> bool:
             done = set(finished)
-            if drain:
-                return all(key in done for key in self.groups)
+            if drain:  # nothing stays in flight, and (as any call) one iteration's worth unless none may start
+                return all(key in done for key in self.groups) and (
+                    len(done) >= target or started[0] >= target or self._budget <= 0)
             return len(done) >= target and forced <= done
 
         def start_more() -> None:

@@ -115,6 +115,25 @@ def test_no_trained_token_is_staler_than_the_bound(agent, staleness):
     pool.close()
 
 
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_drain_returns_at_least_one_iterations_worth(agent, calls):
+    """A drain (a checkpoint step or the last step) on a fresh pool (a 1-iteration run) or right after a drain
+    starts and finishes one iteration's worth of groups; it used to return nothing, as nothing was in flight."""
+    tok, model = agent
+    engine = HFEngine(model, tok)
+    cfg = RolloutConfig(mode="async", partial=True, max_staleness=1)
+    pool = RolloutPool(pool_parts(4 * 2 * SIZE), engine, tok, PARAMS, cfg, group, width=4 * SIZE)
+    seen = []
+    for _ in range(calls):
+        batches, st = pool.run(target=3, drain=True)
+        assert st.finished >= 3 and sum(len(b.trajectories) for b in batches) == SIZE * st.finished
+        assert pool.in_flight() == 0 and not pool.held
+        seen += [t.group for b in batches for t in b.trajectories]
+        engine.sync_weights(model)
+    assert sorted(set(seen)) == list(range(pool.next_group))
+    pool.close()
+
+
 def test_bad_groups_are_refused(agent):
     tok, model = agent
     cfg = RolloutConfig(mode="async", partial=True)
