@@ -1,6 +1,6 @@
-"""Plug-in envs end to end: --env.plugins / --plugins on the train, eval and SFT command lines, the fastpo.envs
-entry-point group, the prompt a registered env supplies, and one clear error for a plug-in that breaks the
-protocol."""
+"""Plug-in envs end to end: --env.plugins on the train, eval and SFT command lines (and none imported because a
+config file names it), the fastpo.envs entry-point group, the prompt a registered env supplies, and one clear error
+for a plug-in that breaks the protocol."""
 
 from __future__ import annotations
 
@@ -180,9 +180,10 @@ def test_guess_number_trains_evaluates_and_sfts_from_the_command_line(plugin_dir
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert 0.0 <= rows[-1]["env/Guess/success"] <= 1.0 and "val-env/Guess/success" in rows[-1]
-    # the run folder: its hf/ export, evaluated with the run's own settings (plug-in, env, kwargs, budgets)
-    ev = _run("fastpo.eval", ["--model.path", str(run), "--env.val_groups", "4", "--rollout.response_length", "8"],
-              plugin_dir, tmp_path)
+    # the run folder: its hf/ export, evaluated with the run's own settings (env, kwargs, budgets); the plug-in its
+    # config.json names is imported because the command line names it too
+    ev = _run("fastpo.eval", ["--model.path", str(run), "--env.plugins", "guess_envs", "--env.val_groups", "4",
+                              "--rollout.response_length", "8"], plugin_dir, tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert ev.stdout.splitlines()[0].startswith(f"eval: defaults from {run / 'config.json'}")
     assert ev.stdout.splitlines()[3].startswith("Guess | 4 ")
@@ -254,3 +255,77 @@ def test_held_out_env_trains_from_the_command_line_with_its_label(tmp_path):
     for key in ("env/Reverse/success", "env/FrozenLake/success", "val-env/Reverse/success"):
         assert key in rows[-1], sorted(rows[-1])
     assert rows[-1]["env/Reverse/num_actions"] <= 1.0  # one turn of at most one action
+
+
+# ------------------------------------------------------------------ trust: plug-ins named by a config file
+EVIL = "import fastpo.envs  # a config file must not get this module imported\nIMPORTED = True\n"
+
+
+@pytest.fixture()
+def evil_dir(tmp_path, monkeypatch):
+    """A folder on sys.path holding ``evil_envs.py`` (importable, so a refusal is the only thing keeping it out)."""
+    (tmp_path / "evil_envs.py").write_text(EVIL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("evil_envs", None)
+    yield tmp_path
+    sys.modules.pop("evil_envs", None)
+
+
+def _run_folder(tmp_path: Path) -> Path:
+    """A run folder whose config.json (the trainer's full config) names the plug-in ``evil_envs``."""
+    from fastpo.config import get_preset, to_json
+
+    cfg = get_preset("tiny")
+    cfg.env.plugins = ("evil_envs",)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(to_json(cfg))
+    return run
+
+
+def _assert_refusal(message: str, config_path: Path) -> None:
+    assert "\n" not in message.strip(), message
+    for words in ("'evil_envs'", str(config_path), "env.plugins", "--env.plugins evil_envs", "--trust_plugins"):
+        assert words in message, (words, message)
+    assert "evil_envs" not in sys.modules
+
+
+def test_a_config_file_cannot_import_a_plugin(evil_dir):
+    """--config FILE naming env.plugins: refused in one line naming the module, the file and the two ways to allow
+    it, and nothing imported; --trust_plugins or naming the module with --env.plugins allows it."""
+    from fastpo.config import ConfigError, parse_args, validate
+
+    path = _run_folder(evil_dir) / "config.json"
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(path)])
+    _assert_refusal(str(err.value), path)
+    for allow in (["--trust_plugins"], ["--trust_plugins", "true"], ["--env.plugins", "evil_envs"]):
+        assert parse_args(["--config", str(path), *allow]).env.plugins == ("evil_envs",), allow
+    with pytest.raises(ConfigError):  # an explicit false is no trust
+        parse_args(["--config", str(path), "--trust_plugins", "false"])
+    assert parse_args(["--config", str(path), "--env.plugins", ""]).env.plugins == ()  # the command line wins
+    assert "evil_envs" not in sys.modules
+    validate(parse_args(["--config", str(path), "--trust_plugins", "--trainer.run_dir", str(evil_dir / "r")]))
+    assert sys.modules["evil_envs"].IMPORTED  # trusted: imported by validate, as --env.plugins would be
+
+
+def test_train_eval_and_sft_refuse_a_run_folders_plugin(evil_dir, capsys):
+    """The three command lines: `fastpo.eval --model.path RUN` (the run's config.json read implicitly), `fastpo.train
+    --config RUN/config.json` (what the config-hash refusal recommends) and `fastpo.sft --config ...`: exit 2 with one
+    line, before anything is imported or loaded."""
+    import fastpo.eval
+    import fastpo.sft
+    import fastpo.train
+
+    run = _run_folder(evil_dir)
+    path = run / "config.json"
+    calls = [(fastpo.eval.main, ["--model.path", str(run)], "error: "),
+             (fastpo.train.main, ["--config", str(path), "--trainer.run_dir", str(evil_dir / "r2")], "config error: "),
+             (fastpo.sft.main, ["--config", str(path), "--model.path", "tiny", "--sft.out", str(evil_dir / "s")],
+              "error: ")]
+    for main, argv, prefix in calls:
+        assert main(argv) == 2, main
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and err[0].startswith(prefix), err
+        _assert_refusal(err[0], path)
+    assert not (evil_dir / "r2").exists() and not (evil_dir / "s").exists()
