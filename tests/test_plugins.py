@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -170,6 +171,18 @@ def test_bad_plugin_module_is_one_config_error(tmp_path):
         validate(parse_args(["--env.plugins", "no_such_envs", "--env.names", "guess"]))
 
 
+def test_a_plugin_module_calling_sys_exit_is_one_config_error(tmp_path, monkeypatch):
+    """sys.exit(0) while the module is imported used to end `fastpo.train` with status 0 before anything ran."""
+    from fastpo.config import ConfigError, parse_args, validate
+
+    (tmp_path / "quits_envs.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"env.plugins: env plug-in module 'quits_envs' could not be imported: "
+                                          r"SystemExit: the module called sys.exit\(0\)"):
+        validate(parse_args(["--env.plugins", "quits_envs", "--env.names", "guess"]))
+    sys.modules.pop("quits_envs", None)
+
+
 @pytest.mark.slow
 def test_guess_number_trains_evaluates_and_sfts_from_the_command_line(plugin_dir, tmp_path):
     run = tmp_path / "run"
@@ -329,3 +342,94 @@ def test_train_eval_and_sft_refuse_a_run_folders_plugin(evil_dir, capsys):
         assert len(err) == 1 and err[0].startswith(prefix), err
         _assert_refusal(err[0], path)
     assert not (evil_dir / "r2").exists() and not (evil_dir / "s").exists()
+
+
+# ------------------------------------------------------------------ a plug-in that fails in the middle of a run
+MIDRUN = '''
+import sys
+from collections.abc import Mapping
+
+import fastpo.envs
+from fastpo.envs.text import TextEnv
+
+
+class Info(Mapping):  # an info whose reading fails, as a remote scorer that timed out
+    def __getitem__(self, key):
+        raise RuntimeError("scorer timed out")
+
+    def __iter__(self):
+        raise RuntimeError("scorer timed out")
+
+    def __len__(self):
+        return 1
+
+
+class Flaky(TextEnv):
+    instruction = "Say anything."
+    max_response_words = 5
+
+    def reset(self, seed):
+        return "go"
+
+    def step(self, action_text):
+        STEP
+
+
+fastpo.envs.register("NAME", Flaky, max_steps=2)
+'''
+# (case, the body of step, what the one env error line says after "failed in step: ")
+MIDRUN_CASES = [
+    ("timed_out", 'return "ok", 0.0, True, Info()', "its result could not be read: RuntimeError: scorer timed out"),
+    ("exits", "sys.exit(0)", "SystemExit: the env called sys.exit(0)"),
+    ("says_no", 'return "ok", 0.0, True, {"success": "no"}',
+     "info['success'] must be a bool or the number 0 / 1, got 'no'"),
+]
+
+
+def _midrun_plugin(tmp_path: Path, monkeypatch, case: str, step: str) -> tuple[str, str]:
+    module, name = f"midrun_{case}_envs", f"midrun_{case}"
+    (tmp_path / f"{module}.py").write_text(MIDRUN.replace("STEP", step).replace("NAME", name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return module, name
+
+
+def _error_lines(err: str) -> list[str]:
+    return [x for x in err.splitlines() if "error" in x.lower() or "Traceback" in x or "stopped" in x]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,step,says", MIDRUN_CASES, ids=[c[0] for c in MIDRUN_CASES])
+def test_a_plugin_failing_mid_run_is_one_env_error_line(case, step, says, tmp_path, monkeypatch, capsys):
+    """Past the preflight (which only builds and resets), the first step fails: one `env error:` line naming the env,
+    the method and the seed, exit 1, nothing exported. Before: a 'timed out' in the message was reported as a
+    stalled rank (one process), sys.exit(0) ended the run with status 0, and "no" counted as a success."""
+    from fastpo.train import main
+
+    module, name = _midrun_plugin(tmp_path, monkeypatch, case, step)
+    run = tmp_path / "run"
+    rc = main(["--preset", "tiny", "--env.env_groups", "4", "--env.group_size", "4", "--env.val_groups", "8",
+               "--trainer.val_every", "0", "--trainer.val_before_train", "false", "--optim.mini_batch_size", "8",
+               "--trainer.iterations", "1", "--rollout.response_length", "8", "--env.plugins", module, "--env.names",
+               name, "--env.kwargs", "{}", "--env.max_actions_per_traj", "2", "--trainer.run_dir", str(run)])
+    err = capsys.readouterr().err
+    assert rc == 1 and _error_lines(err) == [
+        f"env error: text env {name!r} instance 0 (seed 10000) failed in step: {says}"], err[-3000:]
+    assert not (run / "hf").exists()
+
+
+def test_a_plugin_calling_sys_exit_mid_evaluation_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """sys.exit(0) in a step used to end `fastpo.eval` with status 0 and no table; now one `error:` line, exit 2."""
+    import fastpo.eval
+    from fastpo.tiny_agent import tiny_agent_path
+
+    module, name = _midrun_plugin(tmp_path, monkeypatch, "eval_exits", "sys.exit(0)")
+    out = tmp_path / "results.json"
+    rc = fastpo.eval.main(["--model.path", str(tiny_agent_path()), "--env.plugins", module, "--env.names", name,
+                           "--env.val_groups", "2", "--rollout.response_length", "4", "--rollout.enable_think",
+                           "false", "--env.max_turns", "2", "--env.max_actions_per_traj", "2", "--eval.out", str(out)])
+    lines = _error_lines(capsys.readouterr().err)
+    assert rc == 2 and len(lines) == 1, lines
+    assert re.fullmatch(rf"error: text env '{name}' instance \d+ \(seed 12\d\) failed in step: SystemExit: the env "
+                        r"called sys.exit\(0\)", lines[0]), lines
+    assert not out.exists()
+
