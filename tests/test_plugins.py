@@ -433,3 +433,144 @@ def test_a_plugin_calling_sys_exit_mid_evaluation_is_one_error_line(tmp_path, mo
                         r"called sys.exit\(0\)", lines[0]), lines
     assert not out.exists()
 
+
+# ------------------------------------------------------------------ a plug-in that blocks in the preflight
+BLOCKING = '''
+import threading
+
+import fastpo.envs
+from fastpo.envs.text import TextEnv
+
+RELEASE = threading.Event()  # the test sets it, which ends the call left running in the background
+
+
+class Stuck(TextEnv):
+    instruction = "Say anything."
+
+    def __init__(self):
+        if WHERE == "create":
+            RELEASE.wait()
+
+    def reset(self, seed):
+        if WHERE == "reset":
+            RELEASE.wait()
+        return "go"
+
+    def step(self, action_text):
+        return "ok", 0.0, True, {}
+
+
+fastpo.envs.register("NAME", Stuck, max_steps=2)
+'''
+
+
+def _blocking_plugin(tmp_path: Path, monkeypatch, where: str, tag: str = "") -> tuple[str, str]:
+    module, name = f"stuck_{where}{tag}_envs", f"stuck_{where}{tag}"  # a module of its own per test (RELEASE)
+    (tmp_path / f"{module}.py").write_text(BLOCKING.replace("WHERE", repr(where)).replace("NAME", name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return module, name
+
+
+@pytest.mark.parametrize("where,method,mix", [("create", "create", False), ("reset", "reset (seed 10000)", False),
+                                             ("create", "create", True)])
+def test_a_blocking_plugin_is_stopped_by_the_preflight_time_limit(where, method, mix, tmp_path, monkeypatch):
+    """A plug-in whose constructor or reset never returns used to hang the preflight with no limit: now the check
+    gives up after env.preflight_timeout_s with one line naming the env and the method (exit 2). An env.train
+    entry is built by the mix's own checks first: limited the same way."""
+    import time
+
+    from fastpo.config import ConfigError, parse_args, validate
+
+    module, name = _blocking_plugin(tmp_path, monkeypatch, where, "_mix" if mix else "")
+    envs_args = (["--env.train", json.dumps([{"name": name, "max_actions_per_traj": 2}])] if mix else
+                 ["--env.names", name, "--env.kwargs", "{}", "--env.max_actions_per_traj", "2"])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ConfigError) as err:
+            validate(parse_args(["--preset", "tiny", "--env.plugins", module, *envs_args, "--env.preflight_timeout_s",
+                                 "0.5", "--trainer.run_dir", str(tmp_path / "run")]))
+    finally:
+        sys.modules[module].RELEASE.set()
+    lines = str(err.value).splitlines()[1:]
+    assert lines == [f"  {'env.train[0]: ' if mix else ''}env {name!r}: {method} did not return within "
+                     f"env.preflight_timeout_s (0.5 s); fix the env, or raise env.preflight_timeout_s if it needs "
+                     f"longer (inf = no limit)"], str(err.value)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_blocking_plugin_stops_the_evaluations_prompt_check(tmp_path, monkeypatch, capsys):
+    """fastpo.eval builds and resets each env to measure its first prompt before the model loads: limited too."""
+    import fastpo.eval
+    from fastpo.tiny_agent import tiny_agent_path
+
+    module, name = _blocking_plugin(tmp_path, monkeypatch, "reset", "_eval")
+    try:
+        rc = fastpo.eval.main(["--model.path", str(tiny_agent_path()), "--env.plugins", module, "--env.names", name,
+                               "--env.val_groups", "2", "--env.preflight_timeout_s", "0.5"])
+    finally:
+        sys.modules[module].RELEASE.set()
+    lines = _error_lines(capsys.readouterr().err)
+    assert rc == 2 and lines == [f"error: env {name!r}: reset (seed 123) did not return within "
+                                 f"env.preflight_timeout_s (0.5 s); fix the env, or raise env.preflight_timeout_s if "
+                                 f"it needs longer (inf = no limit)"], lines
+
+
+@pytest.mark.parametrize("value,says", [("0", "must be > 0 seconds (inf = no limit), got 0.0"),
+                                        ("-1", "must be > 0 seconds (inf = no limit), got -1.0"),
+                                        ("nan", "must be a finite number or inf, got nan")])
+def test_preflight_timeout_is_checked(value, says, tmp_path):
+    import fastpo.eval
+    from fastpo.config import ConfigError, parse_args, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(["--preset", "tiny", "--env.preflight_timeout_s", value]))
+    assert str(err.value).splitlines()[1:] == [f"  env.preflight_timeout_s {says}"]
+    if value != "nan":  # eval: the same range, its own one-line check
+        with pytest.raises(ConfigError, match=rf"^env.preflight_timeout_s {re.escape(says)}$"):
+            fastpo.eval.parse_args(["--model.path", str(tmp_path), "--env.preflight_timeout_s", value])
+
+
+CLOSING = '''
+import fastpo.envs
+from fastpo.envs.text import TextEnv
+
+
+class Closing(TextEnv):
+    def reset(self, seed):
+        if RESET_FAILS:
+            raise KeyError("no level")
+        return "go"
+
+    def step(self, action_text):
+        return "ok", 0.0, True, {}
+
+    def close(self):
+        raise RuntimeError("server timed out")
+
+
+fastpo.envs.register("NAME", Closing, max_steps=2)
+'''
+
+
+@pytest.mark.parametrize("reset_fails", [False, True])
+def test_a_plugin_failing_in_close_during_the_checks_is_one_config_line(reset_fails, tmp_path, monkeypatch):
+    """close() failing after the checks' reset used to escape them (a traceback, or 'a collective timed out' for its
+    words); after a failed reset it replaced that first error. Now: one config error line naming the first failure."""
+    from fastpo.config import ConfigError, parse_args, validate
+    from fastpo.envs.text import TextEnvError
+    from fastpo.preflight import first_prompt_len
+
+    module, name = f"closing_{reset_fails}_envs".lower(), f"closing_{reset_fails}".lower()
+    (tmp_path / f"{module}.py").write_text(CLOSING.replace("RESET_FAILS", str(reset_fails)).replace("NAME", name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(["--preset", "tiny", "--env.plugins", module, "--env.names", name, "--env.kwargs", "{}",
+                             "--env.max_actions_per_traj", "2", "--trainer.run_dir", str(tmp_path / "run")]))
+    # close() comes after the last reset: the validation seed 123
+    failure = ("(seed 10000) failed in reset: KeyError: 'no level'" if reset_fails else
+               "(seed 123) failed in close: RuntimeError: server timed out")
+    assert str(err.value).splitlines()[1:] == [
+        f"  env.kwargs {{}}: env {name!r} (env.backend default) refuses them: text env {name!r} instance 0 {failure}"]
+    with pytest.raises(TextEnvError) as err:  # the prompt check (train's start-up, eval) reports the first failure
+        first_prompt_len(None, name, 7)
+    assert err.value.phase == ("reset" if reset_fails else "close")
