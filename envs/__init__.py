@@ -72,8 +72,10 @@ def load_plugins(modules: Any) -> list[str]:
     for module in names:
         try:
             importlib.import_module(module)
-        except Exception as e:  # a plug-in's own import error is reported as the plug-in's failure
-            raise ValueError(f"env plug-in module {module!r} could not be imported: {type(e).__name__}: {e} "
+        except (Exception, SystemExit) as e:  # the plug-in's own failure; sys.exit() there must not end the program
+            what = (f"SystemExit: the module called sys.exit({e.code!r})" if isinstance(e, SystemExit)
+                    else f"{type(e).__name__}: {e}")
+            raise ValueError(f"env plug-in module {module!r} could not be imported: {what} "
                              "(is its folder on PYTHONPATH?)") from e
     return names
 
@@ -89,9 +91,11 @@ def _load_entry_points() -> None:
             obj = ep.load()
             if callable(obj) and not inspect.ismodule(obj):
                 obj()
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit() in a plug-in must not end the program
+            what = (f"SystemExit: it called sys.exit({e.code!r})" if isinstance(e, SystemExit)
+                    else f"{type(e).__name__}: {e}")
             raise ValueError(f"env plug-in entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}) "
-                             f"failed: {type(e).__name__}: {e}") from e
+                             f"failed: {what}") from e
 
 
 def available() -> list[str]:

@@ -86,10 +86,10 @@ class TextEnv(ABC):
 class TextEnvError(RuntimeError):
     """A user's text env failed (raised an exception or broke the protocol) in one instance.
 
-    Attributes: ``index`` (instance index in the batch), ``phase`` (the method: "create", "reset", "step" or
-    "expert_actions"),
-    ``seed`` (the episode's seed, None before the first reset). The original exception, if any, is
-    ``__cause__``. After this error the batch is partly stepped: reset it before going on.
+    Attributes: ``index`` (instance index in the batch), ``phase`` (the method: "create", "reset", "step",
+    "expert_actions" or "close"), ``seed`` (the episode's seed, None before the first reset). The original exception,
+    if any, is ``__cause__`` (a ``SystemExit`` too: ``sys.exit()`` inside an env is a failure of the env, not the end
+    of the program). After this error the batch is partly stepped: reset it before going on.
     """
 
     def __init__(self, env_name: str, index: int, phase: str, seed: int | None, message: str):
@@ -99,6 +99,27 @@ class TextEnvError(RuntimeError):
 
 
 _FLAG_DEFAULTS = {"success": False, "action_is_valid": True, "action_is_effective": True}
+
+#: What a call into the user's code may raise that becomes a TextEnvError. SystemExit is no Exception, but an env
+#: calling sys.exit() must not end a training run or an evaluation as if it had finished (status 0, nothing
+#: exported); KeyboardInterrupt (Ctrl-C) still stops the program.
+_USER_FAILURES = (Exception, SystemExit)
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"SystemExit: the env called sys.exit({err.code!r})"
+    return f"{type(err).__name__}: {err}"
+
+
+def _flag(value: Any) -> bool | None:
+    """An info flag as a bool: a bool or the number 0 / 1 (numpy's too); None for anything else (a str such as "no"
+    is truthy, so reading it with bool() would count it as True)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Real) and value in (0, 1):
+        return bool(value)
+    return None
 
 
 class TextBatchEnv(BatchEnv):
@@ -131,16 +152,12 @@ class TextBatchEnv(BatchEnv):
         self.max_steps = None if max_steps is None else int(max_steps)
         self.action_names = []
         self.envs = [self._create(factory, i) for i in range(self.num_envs)]
-        first = self.envs[0]
-        self._instruction = getattr(first, "instruction", "")
-        if not isinstance(self._instruction, str):
-            raise self._error(0, "create", f"instruction must be a str, got {type(self._instruction).__name__}")
-        per_turn = getattr(first, "max_actions_per_turn", 1)
-        if isinstance(per_turn, bool) or not isinstance(per_turn, numbers.Integral) or per_turn < 1:
-            raise self._error(0, "create", f"max_actions_per_turn must be an int >= 1, got {per_turn!r}")
-        self.max_actions_per_turn = int(per_turn)
-        self.action_vocabulary = self._check_vocabulary(getattr(first, "action_vocabulary", None))
-        self._prompt = self._check_prompt_attributes(first)
+        try:  # the attributes may be properties: the user's code too
+            self._read_attributes(self.envs[0])
+        except TextEnvError:
+            raise
+        except _USER_FAILURES as e:
+            raise self._error(0, "create", _describe(e)) from e
         self._vocab_lookup = {a.strip().lower(): a for a in self.action_vocabulary or []}
 
         n = self.num_envs
@@ -154,6 +171,18 @@ class TextBatchEnv(BatchEnv):
         #: raw ``info`` dict of each instance's last ``step`` (``{}`` for a no-op).
         self.last_infos: list[dict[str, Any]] = [{} for _ in range(n)]
 
+    def _read_attributes(self, first: Any) -> None:
+        """The prompt attributes of the first instance (see ``TextEnv``), checked."""
+        self._instruction = getattr(first, "instruction", "")
+        if not isinstance(self._instruction, str):
+            raise self._error(0, "create", f"instruction must be a str, got {type(self._instruction).__name__}")
+        per_turn = getattr(first, "max_actions_per_turn", 1)
+        if isinstance(per_turn, bool) or not isinstance(per_turn, numbers.Integral) or per_turn < 1:
+            raise self._error(0, "create", f"max_actions_per_turn must be an int >= 1, got {per_turn!r}")
+        self.max_actions_per_turn = int(per_turn)
+        self.action_vocabulary = self._check_vocabulary(getattr(first, "action_vocabulary", None))
+        self._prompt = self._check_prompt_attributes(first)
+
     # -- batch API -------------------------------------------------------------------------------
 
     def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
@@ -164,8 +193,8 @@ class TextBatchEnv(BatchEnv):
             self._seeds[i] = seed
             try:
                 obs = self.envs[i].reset(seed)
-            except Exception as e:
-                raise self._error(i, "reset", f"{type(e).__name__}: {e}") from e
+            except _USER_FAILURES as e:
+                raise self._error(i, "reset", _describe(e)) from e
             if not isinstance(obs, str):
                 raise self._error(i, "reset", f"reset must return a str observation, got {type(obs).__name__}")
             self._obs[i] = obs
@@ -203,16 +232,21 @@ class TextBatchEnv(BatchEnv):
                 text = canonical
             try:
                 result = self.envs[i].step(text)
-            except Exception as e:
-                raise self._error(i, "step", f"{type(e).__name__}: {e}") from e
-            obs, r, done, env_info = self._check_step_result(i, result)
+            except _USER_FAILURES as e:
+                raise self._error(i, "step", _describe(e)) from e
+            try:  # reading the result may run the user's code too (a Mapping's methods, a number's __float__)
+                obs, r, done, env_info, flags = self._check_step_result(i, result)
+            except TextEnvError:
+                raise
+            except _USER_FAILURES as e:
+                raise self._error(i, "step", f"its result could not be read: {_describe(e)}") from e
             self._obs[i] = obs
             self._steps[i] += 1
             reward[i] = r
-            for key, default in _FLAG_DEFAULTS.items():
-                info[key][i] = bool(env_info.get(key, default))
+            for key, value in flags.items():
+                info[key][i] = value
             self._success[i] = info["success"][i]
-            self.last_infos[i] = dict(env_info)
+            self.last_infos[i] = env_info
             if done:
                 self._terminated[i] = True
             elif self.max_steps is not None and self._steps[i] >= self.max_steps:
@@ -243,18 +277,28 @@ class TextBatchEnv(BatchEnv):
                                   "SFT data needs (see docs/ENVS.md)")
             try:
                 plan = method()
-            except Exception as e:
-                raise self._error(i, "expert_actions", f"{type(e).__name__}: {e}") from e
+            except _USER_FAILURES as e:
+                raise self._error(i, "expert_actions", _describe(e)) from e
             if not isinstance(plan, (list, tuple)) or not all(isinstance(a, str) for a in plan):
                 raise self._error(i, "expert_actions", f"expert_actions must return a list of str, got {plan!r:.200}")
             plans.append(list(plan) or None)
         return plans
 
     def close(self) -> None:
-        for env in self.envs:
-            close = getattr(env, "close", None)
-            if callable(close):
-                close()
+        """Call every instance's ``close()``; the first failure is raised (TextEnvError, phase "close") once all
+        were called."""
+        failure = None
+        for i, env in enumerate(self.envs):
+            try:
+                close = getattr(env, "close", None)
+                if callable(close):
+                    close()
+            except _USER_FAILURES as e:
+                if failure is None:
+                    failure = self._error(i, "close", _describe(e))
+                    failure.__cause__ = e
+        if failure is not None:
+            raise failure
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -265,11 +309,11 @@ class TextBatchEnv(BatchEnv):
     def _create(self, factory: Callable[[], Any], index: int) -> Any:
         try:
             env = factory()
-        except Exception as e:
-            raise self._error(index, "create", f"{type(e).__name__}: {e}") from e
-        for method in ("reset", "step"):
-            if not callable(getattr(env, method, None)):
-                raise self._error(index, "create", f"{type(env).__name__} has no {method}() method")
+            missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+        except _USER_FAILURES as e:
+            raise self._error(index, "create", _describe(e)) from e
+        if missing:
+            raise self._error(index, "create", f"{type(env).__name__} has no {missing[0]}() method")
         return env
 
     def _check_prompt_attributes(self, first: Any) -> dict[str, Any]:
@@ -303,7 +347,8 @@ class TextBatchEnv(BatchEnv):
             seen[key] = a
         return list(vocab)
 
-    def _check_step_result(self, i: int, result: Any) -> tuple[str, float, bool, Mapping[str, Any]]:
+    def _check_step_result(self, i: int, result: Any) -> tuple[str, float, bool, dict[str, Any], dict[str, bool]]:
+        """(obs, reward, done, a plain copy of info, the three flags) of a step's result, each checked."""
         if not isinstance(result, tuple) or len(result) != 4:
             raise self._error(i, "step", f"step must return (obs, reward, done, info), got {result!r:.200}")
         obs, r, done, env_info = result
@@ -315,7 +360,15 @@ class TextBatchEnv(BatchEnv):
             raise self._error(i, "step", f"done must be a bool, got {type(done).__name__} {done!r}")
         if not isinstance(env_info, Mapping):
             raise self._error(i, "step", f"info must be a dict, got {type(env_info).__name__}")
-        return obs, float(r), bool(done), env_info
+        env_info = dict(env_info)  # a plain copy: a Mapping's own get() is not called again
+        flags = {}
+        for key, default in _FLAG_DEFAULTS.items():
+            value = env_info.get(key, default)
+            flags[key] = _flag(value)
+            if flags[key] is None:
+                raise self._error(i, "step", f"info[{key!r}] must be a bool or the number 0 / 1, got "
+                                             f"{value!r:.200}")
+        return obs, float(r), bool(done), env_info, flags
 
 
 def load_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:

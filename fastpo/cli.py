@@ -11,7 +11,8 @@ sections and fields it does not use are ignored) < ``--section.field VALUE`` fla
 bools as ``true`` / ``false`` (or the bare flag for true), lists as ``a,b`` or ``a b`` or ``[a, b]``, mappings
 and lists of mappings as YAML / JSON. A bad flag or value raises :class:`fastpo.config.ConfigError` with tyro's
 message (unknown flags come with "Perhaps you meant" suggestions); ``--help`` prints every field with its
-documentation and default.
+documentation and default. A ``--config`` file's ``env.plugins`` (modules to import, i.e. code to run) are refused
+unless ``--env.plugins`` names them on the command line or ``--trust_plugins`` is given (:data:`TRUST_PLUGINS`).
 
 Why tyro: it reads the attribute docstrings the config classes already have (one place documents a field), builds
 nested ``--section.field`` flags, shows defaults and wraps the help to the terminal; the rules below only teach it
@@ -392,6 +393,66 @@ def load_file(path: str) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- parsing
+#: The top-level flag (beside --preset and --config) that lets a --config file's ``env.plugins`` be imported. A config
+#: file is data that may come from someone else (a run folder's config.json is written by whoever ran it), and importing
+#: a module runs its code; so modules it names are imported only when the user says so on the command line: with this
+#: flag, or by naming them with ``--env.plugins``. It is not a config field: a file could otherwise set it itself.
+TRUST_PLUGINS = "--trust_plugins"
+TRUST_HELP = ("Env plug-ins (env.plugins) that a --config file names are imported only with --trust_plugins, or when "
+              "--env.plugins names them on the command line: importing runs their code.")
+
+
+def _takes_plugins(cls: type) -> bool:
+    """Whether ``cls`` has an ``env`` section with a ``plugins`` field (the entry points that import plug-ins)."""
+    env = next((f for f in dataclasses.fields(cls) if f.name == "env"), None) if dataclasses.is_dataclass(cls) else None
+    if env is None:
+        return False
+    tp = typing.get_type_hints(cls).get("env")
+    return dataclasses.is_dataclass(tp) and any(f.name == "plugins" for f in dataclasses.fields(tp))
+
+
+def _take_switch(argv: list[str], flag: str) -> tuple[bool, list[str]]:
+    """Remove a bool switch (``--flag``, ``--flag true|false``, ``--flag=VALUE``; the last one wins) from argv."""
+    value, rest, i = False, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == flag or arg.startswith(flag + "="):
+            word = arg[len(flag) + 1:] if "=" in arg else None
+            if word is None and i + 1 < len(argv) and argv[i + 1].lower() in _TRUE | _FALSE:
+                word, i = argv[i + 1], i + 1
+            if word is not None and word.lower() not in _TRUE | _FALSE:
+                raise _error(f"{flag}: expected a bool (true/false) or nothing, got {word!r}")
+            value = word is None or word.lower() in _TRUE
+        else:
+            rest.append(arg)
+        i += 1
+    return value, rest
+
+
+def _config_plugins(data: Any) -> list[str]:
+    """The plug-in modules a loaded config file names in ``env.plugins`` (a list or a comma-separated str)."""
+    env = data.get("env") if isinstance(data, dict) else None
+    value = env.get("plugins") if isinstance(env, dict) else None
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)):
+        return []
+    return [str(m).strip() for m in value if str(m).strip()]
+
+
+def _refuse_config_plugins(path: str, data: Any, argv: list[str]) -> None:
+    """ConfigError (one line) when the file at ``path`` names plug-ins and neither --trust_plugins nor a command-line
+    --env.plugins (which replaces the file's list) was given."""
+    modules = _config_plugins(data)
+    if not modules or any(a == "--env.plugins" or a.startswith("--env.plugins=") for a in argv):
+        return
+    names, them = ", ".join(repr(m) for m in modules), "them" if len(modules) > 1 else "it"
+    raise _error(f"config file {path!r} names the env plug-in module{'s' if len(modules) > 1 else ''} {names} "
+                 f"(env.plugins): not imported, since importing runs its code and a config file may come from anyone; "
+                 f"name {them} on the command line (--env.plugins {','.join(modules)}) or pass {TRUST_PLUGINS} to "
+                 f"import {them}")
+
+
 def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     """Remove ``--flag VALUE`` / ``--flag=VALUE`` (the last one wins) from argv; (value or None, the rest)."""
     value, rest, i = None, [], 0
@@ -466,9 +527,17 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
                 raise _error(f"--preset: unknown preset {name!r}; choose from {sorted(presets)}"
                              f"{did_you_mean(name, presets)}")
             base = presets[name]()
+    guarded = _takes_plugins(cls)
+    trusted = False
+    if guarded:  # other entry points leave the flag to the parser, which calls it unknown
+        trusted, argv = _take_switch(argv, TRUST_PLUGINS)
+        description = f"{description}\n\n{TRUST_HELP}" if description else TRUST_HELP
     path, argv = _take(argv, "--config")
     if path is not None:
-        base = merge(base, load_file(path), source=path, known=known)
+        data = load_file(path)
+        if guarded and not trusted:
+            _refuse_config_plugins(path, data, argv)
+        base = merge(base, data, source=path, known=known)
     try:
         import tyro
     except ModuleNotFoundError:

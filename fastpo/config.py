@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     """A bad config value, unknown field or failed cross-field check; the message names the field(s)."""
 
 
+#: Default of env.preflight_timeout_s: generous for an env that connects to a server or loads data, short enough
+#: that a hung one is noticed.
+PREFLIGHT_TIMEOUT_S = 60.0
+
+
 # ------------------------------------------------------------------------------------------------ sections
 @dataclass
 class ModelConfig:
@@ -109,6 +114,12 @@ class EnvConfig:
     val: list[dict[str, Any]] = field(default_factory=list)
     """Per-env validation mix, entries as in env.train (groups add up to val_groups); [] = val_names, or the
     env.train entries with val_groups split equally among them."""
+    preflight_timeout_s: float = PREFLIGHT_TIMEOUT_S
+    """Seconds each env construction and reset of the checks before any model loads may take (> 0; inf = no limit):
+    a plug-in env that blocks there fails with a message naming the env and the method instead of hanging. The
+    stuck call cannot be stopped; it is left running in a background thread and the command exits."""
+
+    _unhashed: ClassVar[frozenset[str]] = frozenset({"preflight_timeout_s"})  # not math: left out of config_hash
 
 
 @dataclass
@@ -503,7 +514,8 @@ def config_hash(cfg: Config) -> str:
     count, validation / checkpoint cadence and echo-trap alarms excluded). Stored in checkpoints; resume refuses
     a different hash."""
     data = to_dict(cfg)
-    data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in TrainerConfig._unhashed}
+    for section, cls in (("trainer", TrainerConfig), ("env", EnvConfig)):
+        data[section] = {k: v for k, v in data[section].items() if k not in cls._unhashed}
     for (section, key), default in HASHED_WHEN_SET.items():  # old checkpoints resume while these are at default
         if data[section][key] == default:
             del data[section][key]
@@ -530,7 +542,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastpo.trai
 INT64_MAX = 2**63 - 1
 #: Float fields whose docstring says "inf disables"; NaN is refused everywhere.
 _INF_OK = frozenset({"algorithm.clip_c", "trainer.entropy_jump_factor", "trainer.grad_norm_spike_factor",
-                     "trainer.logprob_gap_max", "algorithm.is_cap", "algorithm.is_mask_high"})
+                     "trainer.logprob_gap_max", "algorithm.is_cap", "algorithm.is_mask_high",
+                     "env.preflight_timeout_s"})
 
 
 def validate(cfg: Config, world_size: int = 1) -> Config:
@@ -604,6 +617,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(not val_names or e.val_groups % len(val_names) == 0,
           f"env.val_groups ({e.val_groups}) must be divisible by the number of validation envs ({len(val_names)})")
     check(bool(e.action_sep), "env.action_sep must be non-empty")
+    check(e.preflight_timeout_s > 0, f"env.preflight_timeout_s must be > 0 seconds (inf = no limit), got "
+                                     f"{e.preflight_timeout_s}")
     from .env_mix import check_mix
 
     errors += check_mix(e, world_size, e.backend)

@@ -109,9 +109,31 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+#: torch.distributed's own folder: gloo's collective errors are plain RuntimeErrors raised from its functions there.
+_TORCH_DISTRIBUTED_DIR = os.path.dirname(os.path.abspath(dist.__file__))
+
+
+def raised_by_torch_distributed(err: BaseException) -> bool:
+    """Whether `err` came from torch.distributed: a ``DistError`` (nccl's watchdog, the stores), or an exception whose
+    innermost traceback frame is torch.distributed's code (a gloo collective raises a plain RuntimeError there).
+    Decided by type and origin, never by message: a plug-in's or a library's RuntimeError saying "timed out" is not a
+    stalled rank."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DISTRIBUTED_DIR + os.sep)
+
+
 def collective_failure(err: BaseException, timeout_s: float) -> str | None:
     """A one-line explanation when `err` is a collective that timed out or lost its peer (a stalled, killed or
-    unreachable rank), else None."""
+    unreachable rank), else None. Only errors :func:`raised_by_torch_distributed` qualify; the message then says
+    which of the two it was."""
+    if not raised_by_torch_distributed(err):
+        return None
     text = str(err)
     if "Timed out" in text or "timed out" in text or "Watchdog caught collective operation timeout" in text:
         return (f"a collective timed out after {timeout_s:g} s (trainer.collective_timeout_s): another rank is "

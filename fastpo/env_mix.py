@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastpo import envs
@@ -58,14 +59,15 @@ class EnvEntry:
     max_actions_per_traj: int | None = None
 
 
-def own_budget(name: str, kwargs: dict[str, Any] | None = None) -> int:
+def own_budget(name: str, kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None) -> int:
     """The env's own per-episode action budget (the number its prompt shows by default); a plug-in's is read from
-    one instance built with ``kwargs``."""
+    one instance built with ``kwargs``, in at most ``time_limit_s`` (``preflight.call_with_time_limit``)."""
+    from .preflight import call_with_time_limit
     from .prompts import env_prompt_spec
 
     if envs.is_builtin(name):
         return env_prompt_spec(name).max_actions_per_traj
-    probe = envs.make(name, 1, **(kwargs or {}))
+    probe = call_with_time_limit(partial(envs.make, name, 1, **(kwargs or {})), time_limit_s, f"env {name!r}: create")
     try:
         return env_prompt_spec(name, probe).max_actions_per_traj
     finally:
@@ -151,7 +153,7 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
             continue
         groups = entry["groups"] if all(given) else total // len(raw)
         try:
-            budget = entry.get("max_actions_per_traj") or own_budget(name, kwargs)
+            budget = entry.get("max_actions_per_traj") or own_budget(name, kwargs, _time_limit(env_cfg))
             kwargs = envs.step_limit_config(name, budget, kwargs)
         except Exception as e:  # a plug-in's own failure (probe construction) is reported with the entry
             errors.append(f"{at}: {e}")
@@ -185,7 +187,9 @@ def check_mix(env_cfg: Any, world_size: int = 1, backend: str = "default") -> li
     """Config-time checks of both splits (before any model loads): the entries themselves, each env built once
     with its kwargs (bad kwargs for that env are reported with the entry), and per-entry group sizes. Returns the
     error lines (empty when fine)."""
-    errors = []
+    from .preflight import PreflightTimeout, call_with_time_limit
+
+    errors, built = [], set()
     if env_cfg.train and env_cfg.val_names:
         errors.append("env.val_names cannot be combined with env.train; list the validation envs in env.val")
     for split in ("train", "val"):
@@ -196,11 +200,25 @@ def check_mix(env_cfg: Any, world_size: int = 1, backend: str = "default") -> li
         if errs or not (env_cfg.train if split == "train" else (env_cfg.val or env_cfg.train)):
             continue
         for i, entry in enumerate(entries):
+            key = (entry.name.lower(), repr(sorted(entry.kwargs.items())))
+            if key in built:  # the same env and kwargs (e.g. a validation entry mirrored from env.train): built once
+                continue
+            built.add(key)
             try:
-                envs.make(entry.name, 1, backend=backend, **entry.kwargs).close()
+                call_with_time_limit(partial(envs.make, entry.name, 1, backend=backend, **entry.kwargs),
+                                     _time_limit(env_cfg), f"env {entry.name!r}: create").close()
+            except PreflightTimeout as e:
+                errors.append(f"env.{split}[{i}]: {e}")
             except Exception as e:
                 errors.append(f"env.{split}[{i}].kwargs: env {entry.name!r} rejects {entry.kwargs}: {e}")
     return errors
+
+
+def _time_limit(env_cfg: Any) -> float | None:
+    """``env.preflight_timeout_s`` of an env section (the default for sections without it)."""
+    from .config import PREFLIGHT_TIMEOUT_S
+
+    return getattr(env_cfg, "preflight_timeout_s", PREFLIGHT_TIMEOUT_S)
 
 
 def trajectory_offsets(entries: list[EnvEntry]) -> dict[int, int]:

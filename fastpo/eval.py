@@ -84,16 +84,18 @@ def _make_engine(engine: Engine | str, model: Any, tokenizer: Any, batch_size: i
 
 def check_prompt_room(tokenizer: Any, env_name: str, seed: int, max_new_tokens: int, max_model_len: int,
                       enable_think: bool = True, env_kwargs: dict[str, Any] | None = None,
-                      backend: str = "default") -> None:
+                      backend: str = "default", time_limit_s: float | None = config.PREFLIGHT_TIMEOUT_S) -> None:
     """ValueError when the first prompt (env seed `seed`) plus `max_new_tokens` exceeds `max_model_len`: every
-    episode would end with 0 turns and the evaluation would report 0.0 as if it were a result."""
+    episode would end with 0 turns and the evaluation would report 0.0 as if it were a result. The env's
+    construction and reset there get `time_limit_s` each (``preflight.call_with_time_limit``; ValueError naming the
+    env and the method when one hangs)."""
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_model_len", max_model_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     from .preflight import first_prompt_len, prompt_fit_error
 
     first = first_prompt_len(tokenizer, env_name, seed, enable_think=enable_think, backend=backend,
-                             env_kwargs=env_kwargs)
+                             env_kwargs=env_kwargs, time_limit_s=time_limit_s)
     message = prompt_fit_error(first, env_name, seed, max_new_tokens, max_model_len, "rollout.max_model_len",
                                "rollout.response_length")
     if message:
@@ -128,6 +130,7 @@ def evaluate(
     top_k: int = -1,
     format_penalty: float = -0.1,
     max_context_window: int = -1,
+    preflight_timeout_s: float | None = config.PREFLIGHT_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Run the validation protocol and return its figures.
 
@@ -151,6 +154,7 @@ def evaluate(
         label: the env's metric label (``val-env/<label>/...``); None: ``rollout.env_label(env_name)``.
         progress: a bar over the episodes on stderr, advancing per batch (``fastpo.progress``: when stderr is a
             terminal or FASTPO_PROGRESS=1; the CLI asks for it).
+        preflight_timeout_s: seconds the prompt check's env construction and reset may take each (None: no limit).
 
     Returns:
         ``{"env", "n", "seed", "temperature", "success", "action_is_valid", "action_is_effective", "num_actions",
@@ -178,7 +182,7 @@ def evaluate(
             " Qwen/Qwen2.5-0.5B-Instruct) or a directory with chat_template.jinja"
         )
     check_prompt_room(tokenizer, env_name, int(all_seeds[0]), max_new_tokens, max_model_len, enable_think,
-                      env_kwargs, backend)
+                      env_kwargs, backend, preflight_timeout_s)
     eng = _make_engine(engine, model, tokenizer, batch_size, max_model_len)
     own_engine = isinstance(engine, str)  # built here: closed here (vLLM holds memory and worker threads)
     sampling = SamplingParams(temperature=float(temperature), top_p=top_p, top_k=top_k,
@@ -257,7 +261,7 @@ EvalModel = subset(config.ModelConfig, "path", "dtype", defaults={"dtype": "floa
                                  "defaults of every other flag: the run's own validation), or a hub id."})
 EvalEnv = subset(config.EnvConfig, "names", "val_names", "val", "train", "kwargs", "plugins", "backend", "val_groups",
                  "val_group_size", "val_seed", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
-                 "action_sep", name="EvalEnv",
+                 "action_sep", "preflight_timeout_s", name="EvalEnv",
                  doc="The validation set: as the trainer validates, env.val, else env.val_names, else env.names.")
 EvalRollout = subset(config.RolloutConfig, "enable_think", "response_length", "max_model_len", "val_temperature",
                      "top_p", "top_k", "stop", "format_penalty", "max_context_window", "engine", "kv_cache_mb",
@@ -293,10 +297,13 @@ def parse_args(argv: Sequence[str] | None = None) -> EvalArgs:
                            "Settings: --config FILE < --section.field VALUE flags; given a run folder as "
                            "--model.path, its config.json comes first.")
     args = parse(EvalArgs, argv, prog="python -m fastpo.eval", description=description, known=is_field)
-    if args.eval.batch_size < 1:
-        from .config import ConfigError
+    from .config import ConfigError
 
+    if args.eval.batch_size < 1:
         raise ConfigError(f"eval.batch_size must be >= 1, got {args.eval.batch_size}")
+    if not args.env.preflight_timeout_s > 0:  # NaN too
+        raise ConfigError(f"env.preflight_timeout_s must be > 0 seconds (inf = no limit), got "
+                          f"{args.env.preflight_timeout_s}")
     return args
 
 
@@ -351,6 +358,7 @@ def evaluate_entry(args: EvalArgs, model: Any, tokenizer: Any, entry: Any, seeds
         env_kwargs=entry.kwargs, backend=e.backend, sampling_seed=args.eval.sampling_seed, stop=r.stop,
         label=entry.label, action_sep=e.action_sep, top_p=r.top_p, top_k=r.top_k,
         format_penalty=r.format_penalty, max_context_window=r.max_context_window, progress=progress,
+        preflight_timeout_s=e.preflight_timeout_s,
     )  # fmt: skip
 
 
@@ -374,7 +382,7 @@ def prepare(args: EvalArgs) -> tuple[list[Any], Any, Any, str]:
     tokenizer = load_tokenizer(path)
     for entry in entries:  # before the model loads
         check_prompt_room(tokenizer, entry.name, e.val_seed + min(entry.groups), r.response_length, r.max_model_len,
-                          r.enable_think, entry.kwargs, e.backend)
+                          r.enable_think, entry.kwargs, e.backend, e.preflight_timeout_s)
     device = args.eval.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if r.engine == "vllm":
         model: Any = path

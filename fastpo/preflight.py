@@ -4,6 +4,7 @@ loads so that bad input ends in one ``ConfigError`` line and exit status 2, neve
     errors = check_inputs(cfg)             # list of one-line problems (config.validate calls it)
     check_prompt_fits(cfg, tokenizer)      # ConfigError when no episode could take a single turn
     first_prompt_len(tokenizer, "sokoban", seed=123, max_model_len=...)   # token count of turn 1's prompt
+    call_with_time_limit(fn, 60.0, "env 'guess': reset (seed 5)")       # fn(), or PreflightTimeout after 60 s
 
 ``config.validate`` covers what the config alone decides (ranges, types, cross-field rules); this module covers
 what needs the file system or building an env of one instance (cheap: no model, no tokenizer). The prompt check
@@ -12,8 +13,12 @@ needs the tokenizer, so the trainer runs it right after loading the tokenizer an
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,40 @@ from .config import Config, ConfigError, config_hash
 _ENV_ERRORS = (ValueError, TypeError, RuntimeError, OSError, KeyError)
 #: The tiny agent placeholder of ``model.path`` (resolved by the trainer, never a path).
 _TINY = "tiny"
+
+
+class PreflightTimeout(ConfigError):
+    """A call into an env during the checks did not return within ``env.preflight_timeout_s``."""
+
+
+def call_with_time_limit(fn: Callable[[], Any], limit_s: float | None, what: str) -> Any:
+    """``fn()``, given at most ``limit_s`` seconds (None or inf: no limit); ``what`` names the call in the error, e.g.
+    ``"env 'guess': reset (seed 5)"``. Exceptions of ``fn`` (SystemExit included) are raised here.
+
+    Python cannot stop a function from outside, so ``fn`` runs in a daemon thread that the caller stops waiting for:
+    :class:`PreflightTimeout` says which call hung and the command then exits (status 2). Limitations: the stuck call
+    goes on in the background until the process ends (do not reuse the object it works on); a call that never
+    releases the GIL (a C extension's busy loop) cannot be waited out; and ``fn`` runs outside the main thread, so
+    an env that installs signal handlers there fails."""
+    if limit_s is None or not math.isfinite(limit_s):
+        return fn()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as err:  # handed over to the caller's thread, which raises it
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name=f"fastpo-preflight {what}", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise PreflightTimeout(f"{what} did not return within env.preflight_timeout_s ({limit_s:g} s); fix the env, "
+                               f"or raise env.preflight_timeout_s if it needs longer (inf = no limit)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def check_inputs(cfg: Config) -> list[str]:
@@ -107,22 +146,32 @@ def _env_kwargs(cfg: Config) -> list[str]:
     for where, entry, seed in _mix_entries(cfg):
         key = (where, entry.name.lower(), repr(sorted(entry.kwargs.items())))
         configs.setdefault(key, (where, entry, []))[2].append(seed)
-    errors = []
+    errors, limit = [], cfg.env.preflight_timeout_s
     for where, entry, seeds in configs.values():
         env = None
         try:
-            env = envs.make(entry.name, 1, backend=cfg.env.backend, **entry.kwargs)
+            env = call_with_time_limit(partial(envs.make, entry.name, 1, backend=cfg.env.backend, **entry.kwargs),
+                                       limit, f"env {entry.name!r}: create")
             for seed in dict.fromkeys(seeds):
-                env.reset(np.array([seed], dtype=np.int64))
+                call_with_time_limit(partial(env.reset, np.array([seed], dtype=np.int64)), limit,
+                                     f"env {entry.name!r}: reset (seed {seed})")
+            env.close()
+        except PreflightTimeout as err:  # the env is still inside the call that hangs: left alone
+            errors.append(str(err))
         except _ENV_ERRORS as err:
             text = " ".join(str(err).split()) or type(err).__name__
             given = cfg.env.kwargs if where == "env.kwargs" else entry.kwargs
             errors.append(f"{where} {given!r}: env {entry.name!r} (env.backend {cfg.env.backend}) refuses them: "
                           f"{text}")
-        finally:
-            if env is not None:
-                env.close()
+            _close_after_failure(env)
     return errors
+
+
+def _close_after_failure(env: Any) -> None:
+    """Close an env whose check failed; its own close() failing too is not reported (the first failure is)."""
+    if env is not None:
+        with contextlib.suppress(Exception):
+            env.close()
 
 
 def _resume_hash(cfg: Config) -> list[str]:
@@ -151,10 +200,11 @@ def _resume_hash(cfg: Config) -> list[str]:
 
 def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: bool = True, action_sep: str = "||",
                      max_actions_per_traj: int | None = None, max_context_window: int = -1, backend: str = "default",
-                     env_kwargs: dict[str, Any] | None = None) -> int:
+                     env_kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None) -> int:
     """Token count of the first turn's prompt of env `env_name` at env seed `seed`, rendered as the rollout
     renders it (``prompts.build_messages`` + ``render_chat``, no special tokens added). A plug-in env's prompt
-    comes from the env itself (``prompts.env_prompt_spec``)."""
+    comes from the env itself (``prompts.env_prompt_spec``). ``time_limit_s`` bounds the env's construction and
+    reset (:func:`call_with_time_limit`)."""
     from fastpo import envs
 
     from .prompts import Turn, build_messages, env_prompt_spec, render_chat
@@ -162,12 +212,18 @@ def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: 
     overrides: dict[str, Any] = {"enable_think": enable_think, "action_sep": action_sep}
     if max_actions_per_traj is not None:
         overrides["max_actions_per_traj"] = max_actions_per_traj
-    env = envs.make(env_name, 1, backend=backend, **(env_kwargs or {}))
+    env = call_with_time_limit(partial(envs.make, env_name, 1, backend=backend, **(env_kwargs or {})), time_limit_s,
+                               f"env {env_name!r}: create")
     try:
         spec = env_prompt_spec(env_name, env, **overrides)
-        obs = env.reset(np.array([seed], dtype=np.int64))[0]
-    finally:
-        env.close()
+        obs = call_with_time_limit(partial(env.reset, np.array([seed], dtype=np.int64)), time_limit_s,
+                                   f"env {env_name!r}: reset (seed {seed})")[0]
+    except PreflightTimeout:  # the env is still inside the call that hangs: left alone
+        raise
+    except BaseException:
+        _close_after_failure(env)
+        raise
+    env.close()
     turns = [Turn(obs, actions_left=spec.max_actions_per_traj)]
     window = max_context_window if max_context_window > 0 else -1
     text = render_chat(tokenizer, build_messages(spec, turns, window), enable_think)
@@ -194,7 +250,7 @@ def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
         n = first_prompt_len(tokenizer, entry.name, seed, enable_think=r.enable_think, action_sep=cfg.env.action_sep,
                              max_actions_per_traj=entry.max_actions_per_traj,
                              max_context_window=r.max_context_window, backend=cfg.env.backend,
-                             env_kwargs=entry.kwargs)
+                             env_kwargs=entry.kwargs, time_limit_s=cfg.env.preflight_timeout_s)
         msg = prompt_fit_error(n, entry.name, seed, r.response_length, r.max_model_len)
         if msg and entry.label not in failed:  # one line per env
             failed.add(entry.label)

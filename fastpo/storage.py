@@ -429,10 +429,16 @@ def inject_disk_full(stage: str, path: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path / "injected.partial"))
 
 
+class RankFailedError(RuntimeError):
+    """Raised by :func:`agree` on the ranks where the step succeeded: another rank's failure, named with its rank,
+    type and message (that rank reports its own)."""
+
+
 def agree(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank and fail on every rank if it failed on any (collective), so a
     rank-local write error cannot strand the other ranks at the next barrier. The failing rank re-raises its own
-    exception; the others raise the same type when it is a DiskFullError, else RuntimeError naming the rank."""
+    exception; the others raise the same type when it is a DiskFullError, else :class:`RankFailedError` naming the
+    rank."""
     try:
         result, failure = fn(*args, **kwargs), None
     except Exception as err:  # re-raised below, after the other ranks learnt about it
@@ -444,5 +450,5 @@ def agree(fn: Any, *args: Any, **kwargs: Any) -> Any:
         rank, (name, msg, full) = failures[0]
         if full:
             raise DiskFullError(errno.ENOSPC, f"rank {rank}: {msg}")
-        raise RuntimeError(f"rank {rank} failed: {name}: {msg}")
+        raise RankFailedError(f"rank {rank} failed: {name}: {msg}")
     return result

@@ -13,9 +13,10 @@ per-env validation success before vs after training, also printed; ``fastpo.repo
 Exit status (also in ``--help``; docs/OPERATIONS.md):
     0  trained: every iteration ran, the model is exported.
     1  the run stopped itself (a logprob gap after a weight sync, too many non-finite steps in a row, an
-       iteration without a single trained token, a full disk, a collective that timed out or lost a rank);
-       the ``training stopped:`` line says why; nothing is exported; or a plug-in env broke its protocol (one
-       ``env error:`` line naming the env, the method and the seed).
+       iteration without a single trained token, a full disk, a collective that timed out or lost a rank, told
+       by the error's type and origin, never its words; another rank's failure); the ``training stopped:``
+       line says why; nothing is exported; or a plug-in env failed mid-run (raised, broke its protocol or
+       called ``sys.exit()``: one ``env error:`` line naming the env, the method and the seed).
     2  bad input, refused before any model loads: one ``config error:`` line per problem naming the field, the
        value and what is accepted (``config.validate``, ``fastpo.preflight``), or a run directory that may not
        be used (it holds a run that would be lost, or another trainer holds its lock); nothing is deleted.
@@ -34,7 +35,7 @@ import sys
 from . import distributed as du
 from .config import Config, ConfigError, parse_args
 from .startup import prepare_run
-from .storage import DiskFullError
+from .storage import DiskFullError, RankFailedError
 
 #: The longest collective timeout handed to the process group: 2**31 - 1 ms (24.9 days), the largest that fits the
 #: signed 32-bit millisecond counts some timeout paths use. Far longer values overflow inside torch and gloo
@@ -113,8 +114,9 @@ def _exit_status(err: Exception, info: du.DistInfo | None, trainer: object, time
     if isinstance(err, TextEnvError):  # a plug-in env broke its protocol: one line naming env, method and seed
         print(f"env error: {err}", file=sys.stderr, flush=True)
         return 1
-    if isinstance(err, (DiskFullError, RuntimeError)) and info is not None:
-        message = str(err) if isinstance(err, DiskFullError) else du.collective_failure(err, timeout)
+    if isinstance(err, (DiskFullError, RankFailedError, RuntimeError)) and info is not None:
+        # a collective failure is told by the error's type and origin (du.collective_failure), not its words
+        message = str(err) if isinstance(err, (DiskFullError, RankFailedError)) else du.collective_failure(err, timeout)
         if message is not None:
             print(f"training stopped (rank {info.rank}): {message}", file=sys.stderr, flush=True)
             return 1

@@ -184,7 +184,9 @@ def test_config_hash_covers_math_only():
                                                       "filter_loss_scaling")]]:
         del data[section][key]  # added after the first checkpoints, like the two above
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in C.TrainerConfig._unhashed}
+    del data["env"]["preflight_timeout_s"]  # a limit on the checks, not math: never hashed
     assert h == hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    assert C.config_hash(parse_args(["--env.preflight_timeout_s", "600"])) == h
     assert C.config_hash(parse_args(["--optim.defer_grad_sync", "true"])) != h
     assert C.config_hash(parse_args(["--algorithm.old_logprobs", "engine"])) != h
     assert C.config_hash(parse_args(["--algorithm.refill_rounds", "2"])) != h

@@ -147,12 +147,78 @@ def test_bad_collective_timeout_is_a_config_error(tmp_path):
     assert rc == 2 and "trainer.collective_timeout_s must be > 0 and finite, got 0" in err
 
 
+def _raised_in(path: str, err: BaseException) -> BaseException:
+    """``err`` raised by code whose file is ``path`` (its traceback's innermost frame), as torch's collectives raise
+    gloo's errors (plain RuntimeErrors) from torch/distributed/distributed_c10d.py."""
+    try:
+        exec(compile("raise ERR", path, "exec"), {"ERR": err})  # a one-line raise, attributed to `path`
+    except BaseException as raised:
+        return raised
+    raise AssertionError("not raised")
+
+
 def test_collective_failure_messages():
+    import torch.distributed
+
     from fastpo.distributed import collective_failure
 
-    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to "
-                        "complete")
+    c10d = os.path.join(os.path.dirname(torch.distributed.__file__), "distributed_c10d.py")
+    gloo = _raised_in(c10d, RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv "
+                                         "operation to complete"))
     assert collective_failure(gloo, 5).startswith("a collective timed out after 5 s (trainer.collective_timeout_s)")
-    peer = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    peer = _raised_in(c10d, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"))
     assert collective_failure(peer, 5).startswith("another rank died or closed its connection")
-    assert collective_failure(RuntimeError("CUDA out of memory"), 5) is None
+    assert collective_failure(_raised_in(c10d, RuntimeError("CUDA out of memory")), 5) is None
+    nccl = torch.distributed.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7)")
+    assert collective_failure(nccl, 5).startswith("a collective timed out")  # by its type, raised anywhere
+
+
+@pytest.mark.parametrize("text", ["backend timed out", "Connection reset by peer", "Timed out waiting 5000ms"])
+def test_a_message_alone_does_not_make_a_collective_failure(text, tmp_path):
+    """Only an error raised by torch.distributed (its collectives' frames, or a DistError) is a stalled or lost rank:
+    a plug-in's, a library's or fastpo's own RuntimeError saying "timed out" was reported as one, even in one
+    process."""
+    from fastpo.distributed import collective_failure
+
+    for err in (RuntimeError(text), _raised_in(str(tmp_path / "my_envs.py"), RuntimeError(text))):
+        assert collective_failure(err, 5) is None, err
+
+
+def test_exit_status_reraises_a_timed_out_error_that_is_no_collective(capsys):
+    """One process: a RuntimeError saying "timed out" from outside torch.distributed is a bug (its traceback), not
+    "training stopped (rank 0): a collective timed out"; a TextEnvError saying it stays one env error line."""
+    import torch
+
+    from fastpo.distributed import DistInfo
+    from fastpo.envs.text import TextEnvError
+    from fastpo.train import _exit_status
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    err = RuntimeError("backend timed out")
+    with pytest.raises(RuntimeError, match="backend timed out"):
+        _exit_status(err, info, None, 300)
+    env = TextEnvError("boom", 0, "step", 10000, "RuntimeError: backend timed out")
+    assert _exit_status(env, info, None, 300) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "env error: text env 'boom' instance 0 (seed 10000) failed in step: RuntimeError: backend timed out"]
+
+
+def test_another_ranks_failure_is_one_line_on_this_rank(monkeypatch, capsys):
+    """A step every rank takes together (``storage.agree``: the prompt check, checkpoint writes) failed on rank 0,
+    e.g. a plug-in's reset: rank 1 stops with one line naming rank 0's error; its words ("timed out") used to make it
+    a stalled collective, and any other words a traceback."""
+    import torch
+
+    from fastpo import storage
+    from fastpo.distributed import DistInfo
+    from fastpo.train import _exit_status
+
+    theirs = ("TextEnvError", "text env 'boom' instance 0 (seed 5) failed in reset: RuntimeError: backend timed out",
+              False)
+    monkeypatch.setattr(storage, "all_gather_object", lambda mine: [theirs, mine])
+    with pytest.raises(storage.RankFailedError) as err:
+        storage.agree(lambda: None)
+    info = DistInfo(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    assert _exit_status(err.value, info, None, 300) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"training stopped (rank 1): rank 0 failed: {theirs[0]}: {theirs[1]}"]

@@ -2,6 +2,7 @@
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -304,3 +305,117 @@ def test_inactive_instances_are_left_untouched():
     assert not info["action_is_valid"][0] and info["action_is_valid"][1]
     with pytest.raises(ValueError, match="mask"):
         env.step(["a", "b", "c"], active=np.array([1, 0, 1]))
+
+
+# --------------------------------------------------- every call into the user's code fails as a TextEnvError
+class Exits(Counter):
+    """Calls sys.exit(0) in the method named ``where`` (the plug-in that ended a run with status 0)."""
+
+    where = ""
+
+    def __init__(self):
+        super().__init__()
+        if self.where == "create":
+            raise SystemExit(0)
+
+    def reset(self, seed):
+        if self.where == "reset":
+            raise SystemExit(0)
+        return super().reset(seed)
+
+    def step(self, action_text):
+        if self.where == "step":
+            raise SystemExit(0)
+        return super().step(action_text)
+
+    def expert_actions(self):
+        if self.where == "expert_actions":
+            raise SystemExit("bye")
+        return ["+"]
+
+    def close(self):
+        if self.where == "close":
+            raise SystemExit(0)
+
+
+@pytest.mark.parametrize("where", ["create", "reset", "step", "expert_actions", "close"])
+def test_sys_exit_in_user_code_is_an_env_error(where):
+    """SystemExit is no Exception: it used to pass TextBatchEnv and end a training run with status 0."""
+    cls = type("ExitsIn", (Exits,), {"where": where})
+    with pytest.raises(TextEnvError, match=rf"'exits' instance 0 (\(seed 3\) )?failed in {where}: SystemExit") as err:
+        env = TextBatchEnv(1, cls, name="exits")
+        env.reset(np.array([3]))
+        env.step(["+"])
+        env.expert_actions()
+        env.close()
+    assert err.value.phase == where and isinstance(err.value.__cause__, SystemExit)
+    assert "sys.exit" in str(err.value)
+
+
+class Raises:
+    """An info value whose truth value raises (bool() of it used to run the user's code unguarded)."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def __bool__(self):
+        raise RuntimeError(self.message)
+
+
+class WeirdInfo(Mapping):
+    """An info Mapping (not a dict) whose reading fails."""
+
+    def __getitem__(self, key):
+        raise RuntimeError("scorer timed out")
+
+    def __iter__(self):
+        raise RuntimeError("scorer timed out")
+
+    def __len__(self):
+        return 1
+
+
+@pytest.mark.parametrize("where", ["close", "attribute", "info_mapping", "info_value"])
+def test_user_code_outside_reset_and_step_is_an_env_error(where):
+    """close(), a prompt attribute (a property), a dict subclass as info or a flag's own __bool__ run the user's code
+    too: each used to escape as a raw exception (a traceback, or a 'collective timed out' for 'timed out')."""
+    attrs: dict = {}
+    if where == "close":
+        attrs["close"] = lambda self: (_ for _ in ()).throw(RuntimeError("server timed out"))
+    elif where == "attribute":
+        attrs["instruction"] = property(lambda self: (_ for _ in ()).throw(RuntimeError("no prompt")))
+    elif where == "info_mapping":
+        attrs["step"] = lambda self, a: ("obs", 0.0, True, WeirdInfo())
+    else:
+        attrs["step"] = lambda self, a: ("obs", 0.0, True, {"success": Raises("scorer timed out")})
+    phase = {"attribute": "create", "info_mapping": "step", "info_value": "step"}.get(where, where)
+    with pytest.raises(TextEnvError, match=f"failed in {phase}") as err:
+        env = TextBatchEnv(1, type("Odd", (Counter,), attrs), name="odd")
+        env.reset(np.array([7]))
+        env.step(["+"])
+        env.close()
+    assert err.value.phase == phase
+
+
+@pytest.mark.parametrize("value", ["no", "yes", "", None, 2, -1, 0.5, math.nan, [True], np.array([1, 0]),
+                                   np.str_("True")])
+@pytest.mark.parametrize("key", ["success", "action_is_valid", "action_is_effective"])
+def test_info_flags_must_be_bool_or_0_1(key, value):
+    """info["success"] = "no" was truthy, so it counted as a success: a flag must be a bool or the number 0 / 1."""
+    env = TextBatchEnv(2, lambda: Broken(("obs", 1.0, True, {key: value})), name="flags")
+    env.reset(np.array([4, 5]))
+    with pytest.raises(TextEnvError) as err:
+        env.step(["+", "+"])
+    message = str(err.value)
+    assert err.value.phase == "step" and err.value.seed == 4 and "'flags'" in message
+    assert f"info[{key!r}]" in message and "bool" in message and "0 / 1" in message
+    assert repr(value)[:20] in message
+
+
+@pytest.mark.parametrize("value,expected", [(True, True), (False, False), (np.bool_(True), True), (1, True), (0, False),
+                                            (1.0, True), (0.0, False), (np.int64(1), True), (np.float32(0), False)])
+def test_info_flags_accept_bools_and_0_1(value, expected):
+    env = TextBatchEnv(1, lambda: Broken(("obs", 1.0, True, {"success": value, "action_is_valid": value})))
+    env.reset(np.array([0]))
+    info = env.step(["+"])[4]
+    assert info["success"][0] == expected and info["action_is_valid"][0] == expected
