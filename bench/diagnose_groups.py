@@ -1,6 +1,6 @@
 """What one RL iteration sees: roll out a config's training groups, then show the group rewards, which groups the
 rollout filter keeps, each kept trajectory's actions and rewards, and the advantage each estimator would give it,
-with the sums that decide the direction of the update (docs/RESULTS.md, "Why RL lost on Sokoban").
+with the sums that decide the direction of the update (docs/results/log.md, "Why RL lost on Sokoban").
 
     python bench/diagnose_groups.py --preset tiny --model.path runs/sok-sft/step-200 --env.names sokoban \\
         --env.kwargs '{}' --iterations 2                     # the flags are the trainer's (fastpo.cli)

@@ -1,5 +1,5 @@
 """Which FrozenLake levels a model fails: the validation states split by whether the solver's shortest safe path
-needs a detour, each part run through the real validation (docs/RESULTS.md, "Past the SFT plateau on
+needs a detour, each part run through the real validation (docs/results/log.md, "past the SFT plateau on
 non-slippery FrozenLake").
 
     python bench/fl_failures.py --config runs/FLP_s1/config.json FL_SFT/step-500 runs/FLP_s1/hf ...

@@ -1,6 +1,6 @@
 """How much a FrozenLake agent can gain over shortest-path imitation: the success of the best turn policy and of
 the solver's shortest path on a run's validation states, exact (dynamic programming over the slip distribution)
-and as played in the env's own episodes (docs/RESULTS.md, "Past the SFT plateau on slippery FrozenLake").
+and as played in the env's own episodes (docs/results/log.md, "past the SFT plateau on slippery FrozenLake").
 
     python bench/fl_headroom.py --config runs/SFLP_s1/config.json
     python bench/fl_headroom.py --env.names frozenlake --env.kwargs '{}' --env.max_actions_per_turn 2  # eval's flags

@@ -12,7 +12,7 @@ in a hole, or when its action budget is spent. Two policies are valued exactly o
   (``fastpo.sft --sft.turn_length max``) imitates.
 
 The gap between the two on a set of levels is the headroom that RL can find and shortest-path SFT cannot
-(docs/RESULTS.md, slippery FrozenLake). The env itself draws its slips from a stream seeded by the level's seed,
+(docs/results/log.md, slippery FrozenLake). The env itself draws its slips from a stream seeded by the level's seed,
 so one episode is deterministic; these values are the expectation over that stream, which the agent cannot see.
 """
 

@@ -144,7 +144,8 @@ class RolloutConfig:
     ("</answer>",): the turn ends at the answer's closing tag. The completing token is kept and trained, so the
     sampled ids and logprobs stay exact. Without it the model writes on to EOS or response_length, and whatever
     follows the first answer is trained with the trajectory's advantage although parsing ignores it (RAGEN drops
-    it by rewriting the message canonically): a direction RL can drift along (see docs/RESULTS.md)."""
+    it by rewriting the message canonically): a direction RL can drift along (docs/results/log.md, "What made
+    RL work")."""
     format_penalty: float = -0.1
     """Reward added once per turn whose answer did not parse, was empty, or named an invalid action (<= 0)."""
     max_context_window: int = -1

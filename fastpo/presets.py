@@ -72,7 +72,7 @@ def tiny() -> Config:
     temperature 0.5 before training and every 30 iterations. ~3.7 s per iteration on 2 CPU cores (2 ranks; ~10
     min for the run, docs/RESULTS.md has the measured wall time and gain), up to ~2x that on a slow hour of the
     project's VM. Why these
-    settings (each measured, docs/RESULTS.md):
+    settings (each measured, docs/results/log.md):
     without the stop string the answers grew text after ``</answer>`` that parsing ignores but training reinforces;
     at temperature 1 the 0.6M-parameter model's long tail of invalid tokens kept entropy and format errors climbing;
     in-order mini-batches held 2 groups each; over 3 training seeds GiGPO gained +14.9 points on average, GRPO
