@@ -359,8 +359,9 @@ def _alone(model, tok, prompt, turns, params):
     return out
 
 
-@pytest.mark.parametrize("max_batch_size", [None, 2], ids=["grow", "two_slots"])
-def test_continuous_batching_tokens_depend_on_seed_and_context_only(tiny, max_batch_size):
+@pytest.mark.parametrize("max_batch_size,admit_wait", [(None, 0), (2, 0), (None, 3)],
+                         ids=["grow", "two_slots", "admit_wait"])
+def test_continuous_batching_tokens_depend_on_seed_and_context_only(tiny, max_batch_size, admit_wait):
     """Sessions join while others decode (a session's next turn is submitted the step its turn completes, a new
     session joins half way); every request's tokens equal the same request generated alone, logprobs within 1e-5,
     whatever else shared the batch, with slots freed and reused."""
@@ -369,7 +370,7 @@ def test_continuous_batching_tokens_depend_on_seed_and_context_only(tiny, max_ba
     prompts = _prompts(5, len(tok), seed=21, lengths=(9, 3, 14, 6, 11))
     obs = _prompts(10, len(tok), seed=22, lengths=(2, 5, 1, 7, 3))
     plan = {i: [(None, 100 + i)] + [(obs[2 * i + t], 200 + 10 * i + t) for t in range(2)] for i in range(5)}
-    engine = HFEngine(model, tok, max_batch_size=max_batch_size)
+    engine = HFEngine(model, tok, max_batch_size=max_batch_size, admit_wait=admit_wait)
     sids = engine.open_sessions(5)
     engine.extend(sids, prompts)
     got: dict[int, list] = {i: [] for i in range(5)}
@@ -404,6 +405,41 @@ def test_continuous_batching_tokens_depend_on_seed_and_context_only(tiny, max_ba
     if max_batch_size:
         assert engine._pool.slots == 2
     engine.close_sessions(sids)
+
+
+def test_admit_wait_holds_a_lone_arrival_and_admits_a_large_queue_at_once(tiny):
+    """admit_wait=2: one request submitted while four decode waits two steps before its prefill; three submitted
+    together while five decode (at least half as many) join at once. admit_wait=0: every arrival is prefilled the
+    step after it came. The tokens are the same either way."""
+    _, tok, model = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)  # nothing finishes in 6 steps
+    prompts = _prompts(8, len(tok), seed=31, lengths=(5, 6, 7, 8, 4, 3, 6, 5))
+
+    def run(admit_wait: int) -> tuple[list[int], dict]:
+        engine = HFEngine(model, tok, admit_wait=admit_wait)
+        sids = engine.open_sessions(8)
+        engine.extend(sids, prompts)
+        arrivals = {1: [0, 1, 2, 3], 2: [4], 5: [5, 6, 7]}
+        prefilled, tokens = [], {}
+        for step in range(1, 7):
+            for i in arrivals.get(step, []):
+                engine.submit(sids[i], params, 40 + i, tag=i)
+            before = engine.stats.prefill_tokens
+            engine.step()
+            prefilled.append(engine.stats.prefill_tokens - before)
+        while engine.num_unfinished():
+            tokens.update((c.tag, c.result.token_ids) for c in engine.step())
+        engine.close_sessions(sids)
+        return prefilled, tokens
+
+    n = [len(p) for p in prompts]
+    eager, tokens0 = run(0)
+    assert eager == [sum(n[:4]), n[4], 0, 0, sum(n[5:]), 0]
+    held, tokens2 = run(2)
+    assert held == [sum(n[:4]), 0, 0, n[4], sum(n[5:]), 0]
+    assert tokens2 == tokens0 and len(tokens0) == 8
+    with pytest.raises(ValueError, match="admit_wait must be an int >= 0"):
+        HFEngine(model, tok, admit_wait=-1)
 
 
 def test_continuous_batching_beats_lock_step_occupancy(tiny):

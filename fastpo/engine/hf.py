@@ -175,6 +175,7 @@ class _Request:
     raw: list[float] = field(default_factory=list)
     stop_string: str = ""
     finished: bool = False
+    queued_at: int = 0  # the engine's step counter when it was submitted
 
 
 @contextlib.contextmanager
@@ -203,6 +204,9 @@ class HFEngine(SessionEngine):
             None: as many as are submitted.
         max_prefill_tokens: prefill in column chunks of ``max(1, max_prefill_tokens // R)`` to bound activations.
         growth: capacity factor when the pool must grow (slots or columns).
+        admit_wait: while other requests decode, a newly submitted request may wait up to this many steps so that
+            its prefill shares one forward with later arrivals (it joins at once when the queue holds at least half
+            as many requests as are running). 0: admit at every step. Never changes a request's tokens.
     """
 
     def __init__(
@@ -216,6 +220,7 @@ class HFEngine(SessionEngine):
         max_batch_size: int | None = None,
         max_prefill_tokens: int = 65536,
         growth: float = 1.5,
+        admit_wait: int = 0,
     ):
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             from ..model import load_policy
@@ -246,6 +251,9 @@ class HFEngine(SessionEngine):
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.growth = growth
+        if isinstance(admit_wait, bool) or not isinstance(admit_wait, int) or admit_wait < 0:
+            raise ValueError(f"admit_wait must be an int >= 0, got {admit_wait!r}")
+        self.admit_wait = admit_wait
         self._pool = _SlotPool((config.num_hidden_layers, kv_heads, head_dim), self.dtype, self.device)
         self._waiting: list[_Request] = []
         self._running: dict[int, _Request] = {}  # slot -> request
@@ -312,7 +320,8 @@ class HFEngine(SessionEngine):
         seed = self._request_seeds(None if seed is None else [seed], 1)[0]
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         request = _Request(session_id, session, params, request_uniforms([seed], params.max_new_tokens)[0], tag,
-                           stops, stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size))
+                           stops, stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size),
+                           queued_at=self._clock)
         self._waiting.append(request)
         self._inflight[session_id] = request
 
@@ -421,6 +430,9 @@ class HFEngine(SessionEngine):
 
     def _admit(self) -> None:
         """Give waiting requests slots (FIFO, as long as slots are free) and prefill their uncached tokens."""
+        if (self._waiting and self._running and self.admit_wait and 2 * len(self._waiting) < len(self._running)
+                and self._clock - min(r.queued_at for r in self._waiting) <= self.admit_wait):
+            return  # a few arrivals while many decode: let their prefill share a forward with the next ones
         admitted: list[tuple[int, _Request]] = []
         # requests whose session holds a slot need no new one: they go first (a queued request must never wait
         # for a slot that its own session holds), then the others in arrival order
