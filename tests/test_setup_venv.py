@@ -1,9 +1,11 @@
 """`make setup`'s install logic (requirements/setup_venv.py): the commands it builds, the torch source it picks, the
-one-line messages it stops with and what it leaves behind, with pip replaced by a fake (no network)."""
+one-line messages it stops with and what it leaves behind, with pip replaced by a fake (no network). The slow test
+runs requirements/check_stock.py: the same logic with real pip against PyPI, pip's configuration switched off."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "requirements"))
+import check_stock  # noqa: E402
 import setup_venv as sv  # noqa: E402
 
 PIN = sv.lock_pin("torch")
@@ -317,3 +320,33 @@ def test_makefile_runs_the_script(gpu, tmp_path):
                          timeout=60, check=True).stdout
     assert out.strip() == (f'python3.12 requirements/setup_venv.py --venv {tmp_path}/v --torch-index-url '
                            f'"https://x.example/cpu" --gpu {gpu}' + (" --lock requirements/ci-cpu.txt" * (gpu == "0")))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A stock machine, for real (PyPI, no pip configuration)
+
+
+def test_stock_env_has_no_pip_configuration(monkeypatch):
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    monkeypatch.setenv("PIP_CONSTRAINT", "/etc/c.txt")
+    monkeypatch.setenv("PIP_CERT", "/etc/ssl/cert.pem")
+    monkeypatch.setenv("TORCH_INDEX_URL", "https://x.example")
+    env = check_stock.stock_env(PIP_FIND_LINKS="/w")
+    assert env["PIP_CONFIG_FILE"] == os.devnull and env["TORCH_INDEX_URL"] == "" and env["PIP_FIND_LINKS"] == "/w"
+    assert "PIP_CONSTRAINT" not in env and env["PIP_CERT"] == "/etc/ssl/cert.pem"
+
+
+@pytest.mark.slow
+def test_stock_machine_install_logic(tmp_path):
+    """check_stock.py: unreachable index -> the one line; an index with only the CUDA build -> the one line;
+    PyTorch's CPU index -> torch <pin>+cpu, or the one line where it is unreachable (as here); the machine's own CPU
+    wheel -> the fast path, and the whole CPU install resolves from PyPI to the lock's versions."""
+    if not check_stock.reachable("https://pypi.org/simple/pip/"):
+        pytest.skip("PyPI is unreachable")
+    proc = subprocess.run([sys.executable, str(ROOT / "requirements" / "check_stock.py"), "--work", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    for scenario in check_stock.SCENARIOS:
+        assert f"ok   {scenario}:" in proc.stdout
