@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds
+from .base import build_config, check_seeds
+from .grid import CppGridEnv
 from .layouts import (
     FROZENLAKE_ACTIONS,
     FROZENLAKE_GRID_VOCAB,
@@ -25,16 +26,20 @@ from .layouts import (
 )
 
 
-class FrozenLakeEnv(BatchEnv):
+class FrozenLakeEnv(CppGridEnv):
     """``num_envs`` FrozenLake instances (actions 1 Left, 2 Down, 3 Right, 4 Up; others are "no valid action").
 
     Config: see ``FrozenLakeConfig`` (size, p, is_slippery, max_steps, num_threads). Reward 1.0 on reaching
-    the goal; terminated on a hole or the goal; truncated after ``max_steps`` valid actions.
+    the goal; terminated on a hole or the goal; truncated after ``max_steps`` valid actions. ``reset``,
+    ``step``, ``render`` as ``CppGridEnv``. State key: FNV-1a 64 of the map then the player cell (int32
+    little-endian; not the step counter or the slip stream). ``get_state``: desc ``uint8[N, S, S]`` (ASCII),
+    position/num_steps ``int32[N]``, slip_draws ``int64[N]``, terminated/truncated ``bool[N]``.
     """
 
     name = "frozenlake"
     action_names = FROZENLAKE_ACTIONS
     grid_vocab = FROZENLAKE_GRID_VOCAB
+    instruction_text = FROZENLAKE_INSTRUCTION
 
     def __init__(self, num_envs: int, **config: Any):
         super().__init__(num_envs)
@@ -46,13 +51,6 @@ class FrozenLakeEnv(BatchEnv):
             self.num_envs, cfg.size, float(cfg.p), cfg.is_slippery, cfg.max_steps, cfg.num_threads
         )
 
-    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
-        """Generate maps. ``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]`` (only True
-        instances are reset). Returns all ``num_envs`` observations."""
-        seeds = check_seeds(seeds, self.num_envs)
-        mask = check_mask(mask, self.num_envs)
-        return self._batch.reset(seeds, mask)
-
     def reset_from_layouts(
         self, layouts: Sequence[str | Sequence[str]], seeds: Sequence[int] | np.ndarray | None = None
     ) -> list[str]:
@@ -63,32 +61,6 @@ class FrozenLakeEnv(BatchEnv):
         desc, start = parse_frozenlake_layouts(layouts, self.num_envs, self.config.size)
         seeds = check_seeds(np.zeros(self.num_envs, dtype=np.int64) if seeds is None else seeds, self.num_envs)
         return self._batch.set_layouts(desc, start, seeds)
-
-    def step(self, actions: Any, render: bool = True) -> StepResult:
-        """``actions``: ``int32[num_envs]`` -> ``(obs, reward float32[N], terminated bool[N], truncated
-        bool[N], info)`` with info ``success``, ``action_is_valid``, ``action_is_effective`` (``bool[N]``)."""
-        actions = check_discrete_actions(actions, self.num_envs)
-        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions, render)
-        info = {"success": success, "action_is_valid": valid, "action_is_effective": effective}
-        return obs, reward, terminated, truncated, info
-
-    def render(self) -> list[str]:
-        return self._batch.render()
-
-    def state_keys(self) -> np.ndarray:
-        """``uint64[num_envs]``: exact key of each instance's current state:
-        FNV-1a 64 of the map then the player cell (int32 little-endian;
-        not the step counter or the slip stream), equal to ``PyFrozenLakeEnv``'s."""
-        return self._batch.state_keys()
-
-    def instruction(self) -> str:
-        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
-        return f"{FROZENLAKE_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"
-
-    def get_state(self) -> dict[str, np.ndarray]:
-        """Exact state: desc ``uint8[N, S, S]`` (ASCII), position/num_steps ``int32[N]``, slip_draws
-        ``int64[N]``, terminated/truncated ``bool[N]`` (same keys as ``PyFrozenLakeEnv.get_state``)."""
-        return self._batch.get_state()
 
     def solve(self) -> list[list[int] | None]:
         """Shortest path per instance from its current cell (see ``solvers.solve_frozenlake``)."""

@@ -13,16 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
-    BatchEnv,
-    StepResult,
-    build_config,
-    check_discrete_actions,
-    check_mask,
-    check_seeds,
-    empty_info,
-    fnv1a64,
-)
+from .base import build_config, check_mask, check_seeds, fnv1a64
+from .grid import PyGridEnv
 from .layouts import (
     FROZENLAKE_ACTIONS,
     FROZENLAKE_GRID_VOCAB,
@@ -121,7 +113,7 @@ class FrozenLakeGame:
         return "\n".join(rows)
 
 
-class PyFrozenLakeEnv(BatchEnv):
+class PyFrozenLakeEnv(PyGridEnv):
     """Batch of pure-Python FrozenLake instances; same API, config and results as ``FrozenLakeEnv`` (C++).
 
     Config: see ``FrozenLakeConfig`` (``num_threads`` is accepted and ignored).
@@ -130,6 +122,15 @@ class PyFrozenLakeEnv(BatchEnv):
     name = "frozenlake"
     action_names = FROZENLAKE_ACTIONS
     grid_vocab = FROZENLAKE_GRID_VOCAB
+    instruction_text = FROZENLAKE_INSTRUCTION
+    _state_fields = {
+        "desc": (lambda g: g.desc, None),
+        "position": (lambda g: g.position, np.int32),
+        "num_steps": (lambda g: g.num_steps, np.int32),
+        "slip_draws": (lambda g: g.slip.counter, np.int64),
+        "terminated": (lambda g: g.terminated, bool),
+        "truncated": (lambda g: g.truncated, bool),
+    }
 
     def __init__(self, num_envs: int, **config: Any):
         super().__init__(num_envs)
@@ -163,54 +164,19 @@ class PyFrozenLakeEnv(BatchEnv):
         ]
         return self.render()
 
-    def step(self, actions: Any, render: bool = True) -> StepResult:
-        """``actions``: ``int32[num_envs]`` ids (1 Left, 2 Down, 3 Right, 4 Up; others are invalid)."""
-        actions = check_discrete_actions(actions, self.num_envs)
-        games = self._games()
-        reward = np.zeros(self.num_envs, dtype=np.float32)
-        terminated = np.zeros(self.num_envs, dtype=bool)
-        truncated = np.zeros(self.num_envs, dtype=bool)
-        info = empty_info(self.num_envs)
-        for i, game in enumerate(games):
-            reward[i], info["action_is_valid"][i], info["action_is_effective"][i] = game.step(int(actions[i]))
-            terminated[i], truncated[i] = game.terminated, game.truncated
-            info["success"][i] = game.letter() == "G"
-        return (self.render() if render else None), reward, terminated, truncated, info
-
-    def render(self) -> list[str]:
-        return [game.render() for game in self._games()]
-
-    def state_keys(self) -> np.ndarray:
-        """``uint64[num_envs]``: FNV-1a 64 of the map bytes then the player cell (int32 little-endian), as
-        ``FrozenLakeEnv``."""
-        return np.array([fnv1a64(g.position.to_bytes(4, "little"), fnv1a64(g.desc.tobytes())) for g in self._games()],
-                        dtype=np.uint64)
-
-    def instruction(self) -> str:
-        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
-        return f"{FROZENLAKE_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"
-
-    def get_state(self) -> dict[str, np.ndarray]:
-        """Exact state: desc ``uint8[N, S, S]`` (ASCII), position/num_steps ``int32[N]``, slip_draws
-        ``int64[N]``, terminated/truncated ``bool[N]``."""
-        games = self._games()
-        return {
-            "desc": np.stack([g.desc for g in games]),
-            "position": np.array([g.position for g in games], dtype=np.int32),
-            "num_steps": np.array([g.num_steps for g in games], dtype=np.int32),
-            "slip_draws": np.array([g.slip.counter for g in games], dtype=np.int64),
-            "terminated": np.array([g.terminated for g in games], dtype=bool),
-            "truncated": np.array([g.truncated for g in games], dtype=bool),
-        }
-
     def solve(self) -> list[list[int] | None]:
         """Shortest path per instance from its current cell (see ``solvers.solve_frozenlake``)."""
         from .solvers import solve_frozenlake
 
         return [solve_frozenlake(g.desc, g.position) for g in self._games()]
 
-    def _games(self) -> list[FrozenLakeGame]:
-        missing = [i for i, g in enumerate(self.games) if g is None]
-        if missing:
-            raise RuntimeError(f"instances {missing[:8]} were never reset; call reset() or reset_from_layouts() first")
-        return self.games  # type: ignore[return-value]
+    def _success(self, game: FrozenLakeGame) -> bool:
+        return game.letter() == "G"
+
+    def _render_game(self, game: FrozenLakeGame) -> str:
+        return game.render()
+
+    def _state_key(self, game: FrozenLakeGame) -> int:
+        """FNV-1a 64 of the map bytes then the player cell (int32 little-endian), as ``FrozenLakeEnv``."""
+        return fnv1a64(game.position.to_bytes(4, "little"), fnv1a64(game.desc.tobytes()))
+

@@ -25,16 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
-    BatchEnv,
-    StepResult,
-    build_config,
-    check_discrete_actions,
-    check_mask,
-    check_seeds,
-    empty_info,
-    fnv1a64,
-)
+from .base import build_config, check_mask, check_seeds, fnv1a64
+from .grid import PyGridEnv
 from .layouts import (
     SOKOBAN_ACTIONS,
     SOKOBAN_INSTRUCTION,
@@ -333,7 +325,7 @@ class SokobanGame:
 # ------------------------------------------------------------------------------------------------ env
 
 
-class PySokobanEnv(BatchEnv):
+class PySokobanEnv(PyGridEnv):
     """Batch of pure-Python Sokoban instances; same API, config and results as ``SokobanEnv`` (C++).
 
     Config: see ``SokobanConfig`` (``num_threads`` is accepted and ignored).
@@ -341,6 +333,15 @@ class PySokobanEnv(BatchEnv):
 
     name = "sokoban"
     action_names = SOKOBAN_ACTIONS
+    instruction_text = SOKOBAN_INSTRUCTION
+    _state_fields = {
+        "room_fixed": (lambda g: g.room_fixed, None),
+        "room_state": (lambda g: g.room_state, None),
+        "num_steps": (lambda g: g.num_steps, np.int32),
+        "boxes_on_target": (lambda g: g.boxes_on_target, np.int32),
+        "terminated": (lambda g: g.terminated, bool),
+        "truncated": (lambda g: g.truncated, bool),
+    }
 
     def __init__(self, num_envs: int, **config: Any):
         super().__init__(num_envs)
@@ -369,53 +370,19 @@ class PySokobanEnv(BatchEnv):
         self.games = [SokobanGame(f, s, self.config.max_steps) for f, s in zip(fixed, state, strict=True)]
         return self.render()
 
-    def step(self, actions: Any, render: bool = True) -> StepResult:
-        """``actions``: ``int32[num_envs]`` ids (1 Up, 2 Down, 3 Left, 4 Right; others are invalid)."""
-        actions = check_discrete_actions(actions, self.num_envs)
-        games = self._games()
-        reward = np.zeros(self.num_envs, dtype=np.float32)
-        terminated = np.zeros(self.num_envs, dtype=bool)
-        truncated = np.zeros(self.num_envs, dtype=bool)
-        info = empty_info(self.num_envs)
-        for i, game in enumerate(games):
-            reward[i], info["action_is_valid"][i], info["action_is_effective"][i] = game.step(int(actions[i]))
-            terminated[i], truncated[i] = game.terminated, game.truncated
-            info["success"][i] = game.all_boxes_on_target()
-        return (self.render() if render else None), reward, terminated, truncated, info
-
-    def render(self) -> list[str]:
-        return [game.render(self.symbols) for game in self._games()]
-
-    def state_keys(self) -> np.ndarray:
-        """``uint64[num_envs]``: FNV-1a 64 of room_fixed then room_state (row-major bytes), as ``SokobanEnv``."""
-        return np.array([fnv1a64(g.room_state.tobytes(), fnv1a64(g.room_fixed.tobytes())) for g in self._games()],
-                        dtype=np.uint64)
-
-    def instruction(self) -> str:
-        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
-        return f"{SOKOBAN_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"
-
-    def get_state(self) -> dict[str, np.ndarray]:
-        """Exact state: room_fixed/room_state ``uint8[N, R, C]``, num_steps/boxes_on_target ``int32[N]``,
-        terminated/truncated ``bool[N]``."""
-        games = self._games()
-        return {
-            "room_fixed": np.stack([g.room_fixed for g in games]),
-            "room_state": np.stack([g.room_state for g in games]),
-            "num_steps": np.array([g.num_steps for g in games], dtype=np.int32),
-            "boxes_on_target": np.array([g.boxes_on_target for g in games], dtype=np.int32),
-            "terminated": np.array([g.terminated for g in games], dtype=bool),
-            "truncated": np.array([g.truncated for g in games], dtype=bool),
-        }
-
     def solve(self, max_depth: int = 100) -> list[list[int] | None]:
         """Optimal action ids per instance from its current state (see ``solvers.solve_sokoban``)."""
         from .solvers import solve_sokoban
 
         return [solve_sokoban(g.room_fixed, g.room_state, max_depth) for g in self._games()]
 
-    def _games(self) -> list[SokobanGame]:
-        missing = [i for i, g in enumerate(self.games) if g is None]
-        if missing:
-            raise RuntimeError(f"instances {missing[:8]} were never reset; call reset() or reset_from_layouts() first")
-        return self.games  # type: ignore[return-value]
+    def _success(self, game: SokobanGame) -> bool:
+        return game.all_boxes_on_target()
+
+    def _render_game(self, game: SokobanGame) -> str:
+        return game.render(self.symbols)
+
+    def _state_key(self, game: SokobanGame) -> int:
+        """FNV-1a 64 of room_fixed then room_state (row-major bytes), as ``SokobanEnv``."""
+        return fnv1a64(game.room_state.tobytes(), fnv1a64(game.room_fixed.tobytes()))
+

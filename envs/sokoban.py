@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds
+from .base import build_config
+from .grid import CppGridEnv
 from .layouts import (
     SOKOBAN_ACTIONS,
     SOKOBAN_INSTRUCTION,
@@ -26,17 +25,21 @@ from .layouts import (
 )
 
 
-class SokobanEnv(BatchEnv):
+class SokobanEnv(CppGridEnv):
     """``num_envs`` Sokoban instances (actions 1 Up, 2 Down, 3 Left, 4 Right; others are "no valid action").
 
     Config: see ``SokobanConfig`` (dim_room, num_boxes, search_depth, max_steps, symbols, num_threads,
     p_change_directions, num_gen_steps). Rewards: -0.1 per valid action, +1 / -1 for a box pushed onto /
     off a target, +10 when all boxes are on targets (terminated). ``truncated`` after ``max_steps`` valid
-    actions.
+    actions. ``reset``, ``step``, ``render`` as ``CppGridEnv``. State key: FNV-1a 64 of room_fixed then
+    room_state (walls, targets, boxes, player; not the step counter): equal states give equal keys at any turn.
+    ``get_state``: room_fixed/room_state ``uint8[N, R, C]``, num_steps/boxes_on_target ``int32[N]``,
+    terminated/truncated ``bool[N]``.
     """
 
     name = "sokoban"
     action_names = SOKOBAN_ACTIONS
+    instruction_text = SOKOBAN_INSTRUCTION
 
     def __init__(self, num_envs: int, **config: Any):
         super().__init__(num_envs)
@@ -58,13 +61,6 @@ class SokobanEnv(BatchEnv):
             cfg.gen_steps,
         )
 
-    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
-        """Generate levels. ``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]`` (only True
-        instances are regenerated). Returns all ``num_envs`` observations."""
-        seeds = check_seeds(seeds, self.num_envs)
-        mask = check_mask(mask, self.num_envs)
-        return self._batch.reset(seeds, mask)
-
     def reset_from_layouts(self, layouts: Sequence[str | Sequence[str]]) -> list[str]:
         """Start every instance from a text grid in the default symbols ``# _ O √ X P S``.
 
@@ -73,32 +69,6 @@ class SokobanEnv(BatchEnv):
         """
         fixed, state = parse_sokoban_layouts(layouts, self.num_envs, self.config.dim_room)
         return self._batch.set_layouts(fixed, state)
-
-    def step(self, actions: Any, render: bool = True) -> StepResult:
-        """``actions``: ``int32[num_envs]`` -> ``(obs, reward float32[N], terminated bool[N], truncated
-        bool[N], info)`` with info ``success``, ``action_is_valid``, ``action_is_effective`` (``bool[N]``)."""
-        actions = check_discrete_actions(actions, self.num_envs)
-        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions, render)
-        info = {"success": success, "action_is_valid": valid, "action_is_effective": effective}
-        return obs, reward, terminated, truncated, info
-
-    def render(self) -> list[str]:
-        return self._batch.render()
-
-    def state_keys(self) -> np.ndarray:
-        """``uint64[num_envs]``: exact key of each instance's current state:
-        FNV-1a 64 of room_fixed then room_state (walls, targets, boxes,
-        player; not the step counter): equal states give equal keys at any turn, equal to ``PySokobanEnv``'s."""
-        return self._batch.state_keys()
-
-    def instruction(self) -> str:
-        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
-        return f"{SOKOBAN_INSTRUCTION}\nThe meaning of each symbol in the state is:\n{legend}"
-
-    def get_state(self) -> dict[str, np.ndarray]:
-        """Exact state: room_fixed/room_state ``uint8[N, R, C]``, num_steps/boxes_on_target ``int32[N]``,
-        terminated/truncated ``bool[N]`` (same keys as ``PySokobanEnv.get_state``)."""
-        return self._batch.get_state()
 
     def solve(self, max_depth: int = 100) -> list[list[int] | None]:
         """Optimal action ids per instance from its current state (see ``solvers.solve_sokoban``)."""

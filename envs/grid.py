@@ -1,0 +1,108 @@
+"""What the grid games (Sokoban, FrozenLake) share, once for the C++ batch wrappers and once for their pure-Python
+twins: the instruction with its symbol legend, and stepping, rendering, state keys and exact state on top of a
+batch simulator (``CppGridEnv``) or of one Python game object per instance (``PyGridEnv``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .base import BatchEnv, StepResult, check_discrete_actions, check_mask, check_seeds, empty_info
+
+
+class GridEnv(BatchEnv):
+    """A grid game: ``instruction_text`` (the rules) and ``grid_vocab`` (symbol -> meaning) make the instruction."""
+
+    instruction_text: str = ""
+    grid_vocab: dict[str, str] = {}
+
+    def instruction(self) -> str:
+        legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
+        return f"{self.instruction_text}\nThe meaning of each symbol in the state is:\n{legend}"
+
+
+class CppGridEnv(GridEnv):
+    """A grid game on a ``fastpo._C`` batch simulator (``self._batch``, built by the subclass): the simulator
+    generates, steps, renders and keys every instance; this class checks the inputs and shapes the outputs."""
+
+    _batch: Any
+
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """Generate new instances. ``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]`` (only True
+        instances are regenerated). Returns all ``num_envs`` observations."""
+        return self._batch.reset(check_seeds(seeds, self.num_envs), check_mask(mask, self.num_envs))
+
+    def step(self, actions: Any, render: bool = True) -> StepResult:
+        """``actions``: ``int32[num_envs]`` -> ``(obs, reward float32[N], terminated bool[N], truncated
+        bool[N], info)`` with info ``success``, ``action_is_valid``, ``action_is_effective`` (``bool[N]``);
+        ``obs`` is None with ``render=False``."""
+        actions = check_discrete_actions(actions, self.num_envs)
+        obs, reward, terminated, truncated, success, valid, effective = self._batch.step(actions, render)
+        info = {"success": success, "action_is_valid": valid, "action_is_effective": effective}
+        return obs, reward, terminated, truncated, info
+
+    def render(self) -> list[str]:
+        return self._batch.render()
+
+    def state_keys(self) -> np.ndarray:
+        """``uint64[num_envs]``: the exact key of each instance's state (the class docstring says what it hashes),
+        equal to the pure-Python twin's."""
+        return self._batch.state_keys()
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """The exact state, one array per field with the instances first (the same keys as the twin's)."""
+        return self._batch.get_state()
+
+
+class PyGridEnv(GridEnv):
+    """A grid game as one Python game object per instance (``self.games``); the subclass says how a game scores
+    success (``_success``), renders (``_render_game``), keys its state (``_state_key``) and which fields make its
+    exact state (``_state_fields``: name -> (getter, dtype), dtype None for arrays stacked as they are)."""
+
+    games: list[Any]
+    _state_fields: dict[str, tuple[Any, Any]] = {}
+
+    def step(self, actions: Any, render: bool = True) -> StepResult:
+        """``actions``: ``int32[num_envs]`` ids (``action_names[i - 1]`` names id i; others are invalid); the same
+        outputs as the C++ simulator's."""
+        actions = check_discrete_actions(actions, self.num_envs)
+        games = self._games()
+        reward = np.zeros(self.num_envs, dtype=np.float32)
+        terminated = np.zeros(self.num_envs, dtype=bool)
+        truncated = np.zeros(self.num_envs, dtype=bool)
+        info = empty_info(self.num_envs)
+        for i, game in enumerate(games):
+            reward[i], info["action_is_valid"][i], info["action_is_effective"][i] = game.step(int(actions[i]))
+            terminated[i], truncated[i] = game.terminated, game.truncated
+            info["success"][i] = self._success(game)
+        return (self.render() if render else None), reward, terminated, truncated, info
+
+    def render(self) -> list[str]:
+        return [self._render_game(game) for game in self._games()]
+
+    def state_keys(self) -> np.ndarray:
+        """``uint64[num_envs]``: ``_state_key`` of every instance (equal to the C++ simulator's)."""
+        return np.array([self._state_key(g) for g in self._games()], dtype=np.uint64)
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """The exact state: each field of ``_state_fields`` over the instances."""
+        games = self._games()
+        return {name: np.stack([get(g) for g in games]) if dtype is None else
+                np.array([get(g) for g in games], dtype=dtype) for name, (get, dtype) in self._state_fields.items()}
+
+    def _success(self, game: Any) -> bool:
+        raise NotImplementedError
+
+    def _render_game(self, game: Any) -> str:
+        raise NotImplementedError
+
+    def _state_key(self, game: Any) -> int:
+        raise NotImplementedError
+
+    def _games(self) -> list[Any]:
+        missing = [i for i, g in enumerate(self.games) if g is None]
+        if missing:
+            raise RuntimeError(f"instances {missing[:8]} were never reset; call reset() or reset_from_layouts() first")
+        return self.games
