@@ -529,18 +529,28 @@ def load_policy(
     """
     from transformers import AutoModelForCausalLM
 
+    model, _ = _load(AutoModelForCausalLM, path_or_id, dtype, gradient_checkpointing, attn_implementation, lora_rank,
+                     lora_alpha, lora_target_modules, trust_remote_code, lora_seed, liger_kernel, meta)
+    model.train()
+    return model
+
+
+def _load(auto_cls: Any, path_or_id: str | os.PathLike, dtype: torch.dtype | str | None, gradient_checkpointing: bool,
+          attn_implementation: str | None, lora_rank: int, lora_alpha: int, lora_target_modules: str | list[str],
+          trust_remote_code: bool, lora_seed: int, liger_kernel: bool, meta: bool) -> tuple[Any, str]:
+    """What ``load_policy`` and ``load_critic`` share: resolve the path, patch with Liger, build the `auto_cls`
+    model, checkpointing, LoRA (arguments as ``load_policy``). Returns (model, the resolved folder or hub id)."""
     _check_meta(meta, lora_rank)
     peft = _require_peft(lora_rank)
     name = resolve_pretrained(path_or_id, ("config.json",), "model")
     if liger_kernel:
         apply_liger_kernel(name, trust_remote_code=trust_remote_code)
-    model = _build(AutoModelForCausalLM, name, _load_kwargs(dtype, attn_implementation, trust_remote_code), meta)
+    model = _build(auto_cls, name, _load_kwargs(dtype, attn_implementation, trust_remote_code), meta)
     if gradient_checkpointing:
         _enable_checkpointing(model)
     if peft is not None:
         model = _apply_lora(peft, model, lora_rank, lora_alpha, lora_target_modules, lora_seed)
-    model.train()
-    return model
+    return model, name
 
 
 class CriticModel(nn.Module):
@@ -610,16 +620,8 @@ def load_critic(
     """
     from transformers import AutoModel
 
-    _check_meta(meta, lora_rank)
-    peft = _require_peft(lora_rank)
-    name = resolve_pretrained(path_or_id, ("config.json",), "model")
-    if liger_kernel:
-        apply_liger_kernel(name, trust_remote_code=trust_remote_code)
-    backbone = _build(AutoModel, name, _load_kwargs(dtype, attn_implementation, trust_remote_code), meta)
-    if gradient_checkpointing:
-        _enable_checkpointing(backbone)
-    if peft is not None:
-        backbone = _apply_lora(peft, backbone, lora_rank, lora_alpha, lora_target_modules, lora_seed)
+    backbone, name = _load(AutoModel, path_or_id, dtype, gradient_checkpointing, attn_implementation, lora_rank,
+                           lora_alpha, lora_target_modules, trust_remote_code, lora_seed, liger_kernel, meta)
     config = backbone.config.get_text_config()
     head = nn.Linear(config.hidden_size, 1, dtype=torch.float32)  # on CPU also with meta: same global RNG draws
     head_file = os.path.join(name, VALUE_HEAD_FILE)
