@@ -105,7 +105,7 @@ PEER_PKGS := verl==0.9.1 ray==2.55.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf=
 	orjson==3.13.0 msgpack==1.2.4
 $(VENV)/.installed-peers: $(STAMP) Makefile
 	$(BIN)/python -m pip install --quiet --no-deps $(TRL_PKGS) $(PEER_PKGS)
-	$(BIN)/python -c "import trl, verl.trainer.ppo.core_algos, transformers; assert transformers.__version__ == '5.19.0'"
+	$(BIN)/python -c "import trl, verl.trainer.ppo.core_algos; print('trl', trl.__version__, 'verl', verl.__version__)"
 	touch $@
 test test-fast: $(VENV)/.installed-peers
 
