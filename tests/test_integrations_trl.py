@@ -79,10 +79,11 @@ TRAIN_CASES = {  # every loss type with (beta 0, num_iterations 1) and (beta > 0
                                       entropy_coef=0.01, off_policy_mask_threshold=1e-6,
                                       use_bias_correction_kl=False, epsilon=1e-4, learning_rate=1e-2),
     "dr_grpo-b0-it1": dict(loss_type="dr_grpo", beta=0.0, num_iterations=1),
-    # sequence-level ratio (GSPO), two-sided clip, clipping active (tiny epsilon)
-    "dr_grpo-b.04-it2-gspo-delta": dict(loss_type="dr_grpo", beta=0.04, num_iterations=2,
-                                        importance_sampling_level="sequence", epsilon=1e-4, epsilon_high=2e-4,
-                                        delta=1.0003, learning_rate=1e-2),
+    # sequence-level ratio (GSPO), two-sided clip, clipping active (tiny epsilon), adaptive entropy bonus
+    "dr_grpo-b.04-it2-gspo-delta-adaptive": dict(loss_type="dr_grpo", beta=0.04, num_iterations=2,
+                                                 importance_sampling_level="sequence", epsilon=1e-4,
+                                                 epsilon_high=2e-4, delta=1.0003, learning_rate=1e-2,
+                                                 entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=10.0),
     "dapo-b0-it1": dict(loss_type="dapo", beta=0.0, num_iterations=1),
     # gradient accumulation, two optimiser steps per generation
     "dapo-b.04-it2-accum": dict(loss_type="dapo", beta=0.04, num_iterations=2, per_device_train_batch_size=2,
@@ -116,8 +117,10 @@ def test_training_matches_stock_trainer(case, model_dir, tokenizer, tmp_path):
         torch.testing.assert_close(fast_w[name], w, atol=1e-5, rtol=1e-5, msg=f"final weight {name}")
     if "masks" in case or "delta" in case:  # the clip branches were taken: the metrics compared real values
         assert max(h.get("clip_ratio/region_mean", 0.0) for h in stock_log) > 0
-    if "bonus" in case:
+    if "bonus" in case or "adaptive" in case:
         assert {"policy_loss", "entropy_coef"} <= set(stock_log[0])
+    if "adaptive" in case:  # the coefficient moved each step (entropy ~6 < target 10: up by entropy_coef_delta)
+        assert [h["entropy_coef"] for h in stock_log[:3]] == pytest.approx([0.015, 0.02, 0.025])
 
 
 # ----------------------------------------------------------------------------------------------- loss call
@@ -130,13 +133,18 @@ def trainer_pair(model_dir, tokenizer, tmp_path_factory):
 
 
 def set_options(trainer, loss_type="grpo", beta=0.0, level="token", bias_kl=True, delta=None, eps=(0.2, 0.28),
-                off_policy=None, entropy_q=1.0, entropy_coef=0.0, vllm_is=False, train=True, accum=1):
+                off_policy=None, entropy_q=1.0, entropy_coef=0.0, vllm_is=False, train=True, accum=1,
+                adaptive_target=None):
     """The loss options as the trainer stores them (both trainers read the same attributes)."""
+    trainer.use_adaptive_entropy = adaptive_target is not None
+    trainer.args.entropy_target = adaptive_target if adaptive_target is not None else 0.2
+    trainer._last_world_entropy, trainer._entropy_window_stats = float("inf"), None
     trainer.loss_type, trainer.beta, trainer.importance_sampling_level = loss_type, beta, level
     trainer.args.use_bias_correction_kl, trainer.args.delta = bias_kl, delta
     trainer.epsilon_low, trainer.epsilon_high = eps
     trainer.off_policy_mask_threshold, trainer.top_entropy_quantile = off_policy, entropy_q
-    trainer.entropy_coef, trainer._entropy_bonus_enabled = entropy_coef, entropy_coef != 0.0
+    trainer.entropy_coef = entropy_coef
+    trainer._entropy_bonus_enabled = entropy_coef != 0.0 or trainer.use_adaptive_entropy
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = vllm_is
     trainer.current_gradient_accumulation_steps = accum
     trainer.model.train(train)
@@ -225,6 +233,27 @@ def test_loss_options_match_stock(trainer_pair, name, opts, batch_opts):
     assert_same_step(trainer_pair, synthetic_batch(trainer_pair[0], seed=1, **batch_opts), **opts)
 
 
+@pytest.mark.parametrize("target", [10.0, 1.0])  # entropy ~6: the coefficient goes up / down
+def test_adaptive_entropy_matches_stock(trainer_pair, target):
+    """Three accumulation windows of one micro-batch each: loss, gradients, metrics and the controller state
+    (coefficient, last window entropy) agree after every call."""
+    batch = synthetic_batch(trainer_pair[0], seed=4)
+    for tr in trainer_pair:
+        set_options(tr, loss_type="bnpo", entropy_coef=0.05, adaptive_target=target, entropy_q=0.5)
+    for _ in range(3):
+        results = [loss_and_grads(tr, batch) for tr in trainer_pair]
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-5)
+        for name in results[0][1]:
+            torch.testing.assert_close(results[1][1][name], results[0][1][name], atol=1e-6, rtol=1e-4)
+        assert results[0][2] == pytest.approx(results[1][2], rel=1e-5, abs=1e-6, nan_ok=True)
+        stock, fast = trainer_pair
+        assert fast.entropy_coef == pytest.approx(stock.entropy_coef)
+        assert fast._last_world_entropy == pytest.approx(stock._last_world_entropy, rel=1e-6)
+    assert stock.entropy_coef != 0.05
+    for tr in trainer_pair:
+        set_options(tr)
+
+
 def test_all_masked_batch_is_a_differentiable_zero(trainer_pair):
     stock, fast = trainer_pair
     batch = synthetic_batch(stock, seed=2)
@@ -255,7 +284,6 @@ def test_no_full_logits(trainer_pair, monkeypatch):
     ("loss_type", "cispo", {}),
     ("loss_type", "sapo", {}),
     ("loss_type", "vespo", {}),
-    ("use_adaptive_entropy", True, {}),
     ("delta", 1.1, dict(epsilon_high=0.28)),
 ])
 def test_refuses_option(model_dir, tokenizer, tmp_path, option, value, extra):

@@ -56,12 +56,13 @@ HONOURED = (
     "use_bias_correction_kl", "epsilon", "epsilon_high", "delta (>= 1 + epsilon_high)",
     "importance_sampling_level token / sequence (GSPO)", "num_iterations", "steps_per_generation",
     "gradient_accumulation_steps", "temperature", "max_completion_length", "mask_truncated_completions",
-    "top_entropy_quantile", "off_policy_mask_threshold", "entropy_coef (static)",
+    "top_entropy_quantile", "off_policy_mask_threshold", "entropy_coef", "use_adaptive_entropy (entropy_target, "
+    "entropy_coef_min / max / delta)",
     "use_vllm + vllm_importance_sampling_correction (every vllm_importance_sampling_mode)", "cast_lm_head_to_fp32",
     "tools (tool_mask)", "and every option that acts before the loss (generation, rewards, scale_rewards, ...)",
 )
 REFUSED = (
-    "loss_type cispo / sapo / vespo", "use_adaptive_entropy=True", "delta < 1 + epsilon_high",
+    "loss_type cispo / sapo / vespo", "delta < 1 + epsilon_high",
     "a MoE router aux loss (router_aux_loss_coef != 0 on a router model)",
     "models whose logits are transformed (final_logit_softcapping, logit_scale, ...)", "DeepSpeed ZeRO-3",
     f"trl releases other than {SUPPORTED_TRL}.x (FASTPO_TRL_UNTESTED=1 turns the refusal into a warning)",
@@ -101,9 +102,6 @@ def check_config(args) -> None:
     if args.loss_type not in LOSS_TYPES:
         _refuse("GRPOConfig.loss_type", args.loss_type, f"fastpo's loss op computes the clipped loss types "
                 f"{LOSS_TYPES}")
-    if args.use_adaptive_entropy:
-        _refuse("GRPOConfig.use_adaptive_entropy", True, "adaptive entropy control is not implemented (a static "
-                "entropy_coef is)")
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.delta is not None and not (args.delta >= 1.0 + eps_high and args.delta > 1.0):
         _refuse("GRPOConfig.delta", args.delta, f"two-sided clipping is fastpo's dual clip, the same loss only for "
@@ -250,6 +248,34 @@ class FastPOGRPOTrainer(GRPOTrainer):
     def _seq_mean(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
+    def _entropy_bonus(self, entropy: torch.Tensor, eff: torch.Tensor, mode: str) -> torch.Tensor:
+        """coef * (mean entropy over the tokens the policy term acts on) / accumulation, TRL's bonus. Adaptive
+        control: the coefficient applied is the one set at the end of the previous optimiser step (0 while the
+        window's entropy was above entropy_target); each train micro-batch adds its entropy sum and token count to
+        the window, and at the optimiser-step boundary the coefficient moves by entropy_coef_delta, up (capped at
+        entropy_coef_max) when the window's global mean entropy is at or below the target, else down (floored at
+        entropy_coef_min)."""
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        mean_entropy = (entropy * eff).sum() / eff.sum().clamp(min=1.0) / accum
+        coef = self.entropy_coef
+        if self.use_adaptive_entropy:
+            coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            if mode == "train":
+                window = torch.stack([(entropy * eff).sum(), eff.sum()]).detach()
+                prev = self._entropy_window_stats
+                self._entropy_window_stats = window if prev is None else prev + window
+                if self.accelerator.sync_gradients:
+                    total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                    world = (total[0] / total[1].clamp(min=1.0)).item()
+                    a = self.args
+                    if world <= a.entropy_target:
+                        self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+                    else:
+                        self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
+                    self._last_world_entropy = world
+                    self._entropy_window_stats = None
+        return coef * mean_entropy
+
     def _compute_loss(self, model, inputs):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
@@ -314,10 +340,8 @@ class FastPOGRPOTrainer(GRPOTrainer):
             loss = loss + self.beta * (weights * per_token_kl).sum()
         policy_loss = loss.detach() * policy_scale
 
-        if self._entropy_bonus_enabled:  # static coefficient (adaptive control is refused at construction)
-            eff = m if entropy_mask is None else m * entropy_mask
-            accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            loss = loss - self.entropy_coef * ((entropy * eff).sum() / eff.sum().clamp(min=1.0) / accum)
+        if self._entropy_bonus_enabled:
+            loss = loss - self._entropy_bonus(entropy, m if entropy_mask is None else m * entropy_mask, mode)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
