@@ -19,8 +19,8 @@ completions of 512 tokens after 32-token prompts (4,096 scored tokens), beta 0, 
     python bench/bench_integrations.py                    # rows -> bench/results/integrations.csv
     python bench/bench_integrations.py --smoke --no-csv   # tiny shapes: proves the script runs
 
-Target (issue): fastpo's peak <= 0.3x the stock path's at equal steps/s or better. Needs trl 1.16 (``make setup``
-installs it with the test peers).
+Target (issue): fastpo's peak <= 0.3x the stock path's at equal steps/s or better. Needs trl 1.16 (``make test``
+installs it with the test peers, ``make bench-vs-trl`` too).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What the documented Python examples assume the reader already has (tests/test_docs_commands.py).
 
 A doc block marked ``<!-- test: python NAME -->`` runs with ``NAME()``'s dict as its globals: tiny stand-ins for a
-real model, dataset, config or batch, so the block runs as written on CPU in seconds.
+real model, dataset, config or batch, so the block runs as written on CPU in seconds. ``NAME.requires`` lists the
+modules it needs; the test skips the block when one is not installed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def trl_example() -> dict:
                 dataset=Dataset.from_dict({"prompt": ["push the box", "go left", "which arm?", "2 + 2 ="]}))
 
 
+trl_example.requires = ("trl", "datasets")
+
+
 def verl_example() -> dict:
     """README / KERNELS "Drop-in: verl": verl's registry lookups and one micro-batch as its advantage step and actor
     see it (a DataProto's fields, the algorithm and actor configs)."""
@@ -48,3 +52,6 @@ def verl_example() -> dict:
         log_prob=(old_log_prob + 0.1 * torch.randn(batch, length, generator=g)).requires_grad_(),
         actor=ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, clip_ratio_high=0.28,
                           loss_agg_mode="token-mean"))
+
+
+verl_example.requires = ("verl",)

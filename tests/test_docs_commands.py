@@ -31,6 +31,7 @@ are prose and are not run.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -203,6 +204,12 @@ def test_documented_command(cmd: DocCommand, workspace: Path):
            "TOKENIZERS_PARALLELISM": "false"}
     line = f"{cmd.command} {cmd.extra}".strip()
     if cmd.action == "python":  # the block as a script, after its prelude (tests/doc_preludes.py)
+        sys.path.insert(0, str(REPO / "tests"))
+        import doc_preludes
+
+        missing = [m for m in getattr(doc_preludes, cmd.extra).requires if importlib.util.find_spec(m) is None]
+        if missing:
+            pytest.skip(f"{cmd.id}: needs {', '.join(missing)} (the test peers `make test` installs)")
         script = Path(tempfile.mkdtemp(prefix="doc-python-")) / f"{Path(cmd.doc).stem}_{cmd.line}.py"
         script.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
                           f"from doc_preludes import {cmd.extra} as _prelude\n"
