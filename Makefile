@@ -81,6 +81,18 @@ bench-vs-trl-learning: build
 	  --task bandit --no-think --groups 4 --group-size 8 --response-length 16 --steps 30 --lr 5e-4 \
 	  --seeds 1,2,3 --no-sokoban $(BENCH_VS_TRL_ARGS)
 
+# Peer trainers of tests/test_integrations_{trl,verl}.py (fastpo.integrations), for `make test` in either mode:
+# pip --no-deps, so pip never touches the pinned torch / transformers / triton. TRL_PKGS (above) is trl and what it
+# imports; PEER_PKGS is verl plus exactly what its imported modules need (verl/__init__ imports ray and tensordict,
+# core_algos omegaconf and codetiming; ray needs msgpack, tensordict pyvers and orjson).
+PEER_PKGS := verl==0.9.1 ray==2.55.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 codetiming==1.4.0 \
+	orjson==3.13.0 msgpack==1.2.4
+$(VENV)/.installed-peers: $(STAMP) Makefile
+	$(BIN)/python -m pip install --quiet --no-deps $(TRL_PKGS) $(PEER_PKGS)
+	$(BIN)/python -c "import trl, verl.trainer.ppo.core_algos; print('trl', trl.__version__, 'verl', verl.__version__)"
+	touch $@
+test test-fast: $(VENV)/.installed-peers
+
 bench-envs: build
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_envs.py
 

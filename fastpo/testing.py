@@ -138,21 +138,25 @@ def build_tiny_model(
     intermediate: int | None = None,
     max_positions: int = 4096,
     initializer_range: float = 0.02,
+    vocab_size: int | None = None,
 ) -> Any:
     """Build a randomly initialised Qwen2ForCausalLM (tied embeddings, fp32) and save it to `path` (safetensors).
 
     Deterministic given `seed` (the global RNG state is restored afterwards). The vocab is ``len(tokenizer)``,
     eos/pad/bos ids come from the tokenizer; the generation config stops on ``<|im_end|>`` and
-    ``<|endoftext|>``. Returns the model (eval mode).
+    ``<|endoftext|>``. ``vocab_size`` (>= ``len(tokenizer)``) pads the vocab beyond the tokenizer's, as real
+    checkpoints do (Qwen2.5: 151,936 rows for 151,665 tokens). Returns the model (eval mode).
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size ({vocab_size}) must be >= len(tokenizer) ({len(tokenizer)})")
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, PAD_TOKEN)]
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=intermediate or 4 * hidden,
         num_hidden_layers=layers,

@@ -21,15 +21,23 @@ one-line marker ``<!-- test: ACTION -->`` applies to every command of the block.
 fails without being run: a new command gets a rule saying how it is tested (nothing is started by surprise, e.g. a
 `make test` inside the test suite). A rule that matches no command of its block is an error (stale marker).
 Each command gets ``TIMEOUT_S``.
+
+Python examples (fenced ``python`` blocks) run only when a one-line marker asks for it: ``<!-- test: python NAME
+-->`` runs the whole block, as a script in the same scratch folder, after ``tests/doc_preludes.py``'s ``NAME()``
+whose returned dict becomes the block's globals (the objects the surrounding prose says the reader already has: a
+model, a dataset, a batch); ``slow python NAME`` marks it slow, ``skip (REASON)`` skips it. Unmarked python blocks
+are prose and are not run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +58,8 @@ class DocCommand:
     doc: str
     line: int  # 1-based line of the command's first line in the doc
     command: str  # as written, comment stripped, continuation lines joined
-    action: str  # "run" | "skip" | "unmarked" (no rule: the test fails)
-    extra: str  # appended arguments ("" for none)
+    action: str  # "run" | "python" (a python block) | "skip" | "unmarked" (no rule: the test fails)
+    extra: str  # appended arguments ("" for none); for "python": the prelude's name
     reason: str  # why it is skipped
     slow: bool
 
@@ -118,6 +126,9 @@ def parse_action(action: str) -> tuple[str, str, str, bool]:
         return "run", "", "", slow
     if action.startswith("+ "):
         return "run", action[2:].strip(), "", slow
+    match = re.fullmatch(r"python (\w+)", action)
+    if match:
+        return "python", match.group(1), "", slow
     match = re.fullmatch(r"skip \((.+)\)", action, re.S)
     if match and not slow:
         return "skip", "", match.group(1).strip(), False
@@ -128,17 +139,30 @@ def collect(doc: str, text: str) -> list[DocCommand]:
     """The documented commands of one doc, each with what its marker says."""
     commands = []
     for block in FENCE.finditer(text):
-        if block.group("lang") not in SHELL_LANGS:
-            continue
         before = text[: block.start()]
         marker = MARKER.search(before)
-        rules = parse_rules(marker.group("body")) if marker else []
         body_line = before.count("\n") + 2
+        if block.group("lang") == "python" and marker:
+            rules = parse_rules(marker.group("body"))
+            if len(rules) != 1 or rules[0][0] != "*":
+                raise ValueError(f"{doc}:{body_line - 1}: a python block takes a one-line marker "
+                                 "<!-- test: python NAME --> or <!-- test: skip (REASON) -->")
+            kind, extra, reason, slow = parse_action(rules[0][1])
+            if kind not in ("python", "skip"):
+                raise ValueError(f"{doc}:{body_line - 1}: python block marker {rules[0][1]!r}: expected "
+                                 "'python NAME' or 'skip (REASON)'")
+            commands.append(DocCommand(doc, body_line, block.group("body"), kind, extra, reason, slow))
+            continue
+        if block.group("lang") not in SHELL_LANGS:
+            continue
+        rules = parse_rules(marker.group("body")) if marker else []
         used = set()
         for line, command in block_commands(block.group("body"), body_line):
             words = " ".join(command.split())
             rule = next(((p, a) for p, a in rules if p == "*" or words.startswith(p)), None)
             kind, extra, reason, slow = parse_action(rule[1]) if rule else ("unmarked", "", "", False)
+            if kind == "python":
+                raise ValueError(f"{doc}:{line}: 'python NAME' is for python blocks, not shell commands")
             used.add(rule)
             commands.append(DocCommand(doc, line, command, kind, extra, reason, slow))
         stale = [p for p, a in rules if (p, a) not in used]
@@ -179,6 +203,18 @@ def test_documented_command(cmd: DocCommand, workspace: Path):
            str(Path(venv_bin).parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     line = f"{cmd.command} {cmd.extra}".strip()
+    if cmd.action == "python":  # the block as a script, after its prelude (tests/doc_preludes.py)
+        sys.path.insert(0, str(REPO / "tests"))
+        import doc_preludes
+
+        missing = [m for m in getattr(doc_preludes, cmd.extra).requires if importlib.util.find_spec(m) is None]
+        if missing:
+            pytest.skip(f"{cmd.id}: needs {', '.join(missing)} (the test peers `make test` installs)")
+        script = Path(tempfile.mkdtemp(prefix="doc-python-")) / f"{Path(cmd.doc).stem}_{cmd.line}.py"
+        script.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
+                          f"from doc_preludes import {cmd.extra} as _prelude\n"
+                          f"globals().update(_prelude())\n\n{cmd.command}")
+        line = f"python {script}"
     # its own session, so that a timeout stops the whole tree (torchrun's workers, make's children), not just bash
     proc = subprocess.Popen(["bash", "-c", line], cwd=workspace, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -230,6 +266,27 @@ def test_extraction_reads_markers_continuations_and_comments():
         (21, "nvidia-smi", "skip", "", False),
     ]
     assert got[2].reason == "builds the venv" and got[4].reason == "needs a GPU"
+
+
+def test_python_blocks_run_only_when_marked():
+    text = ("```python\nprint('prose')\n```\n\n<!-- test: slow python trl_example -->\n```python\nimport x\n"
+            "x.run()\n```\n<!-- test: skip (needs a GPU) -->\n```python\ncuda()\n```\n")
+    got = collect("X.md", text)
+    assert [(c.line, c.command, c.action, c.extra, c.slow) for c in got] == [
+        (7, "import x\nx.run()\n", "python", "trl_example", True), (12, "cuda()\n", "skip", "", False)]
+    with pytest.raises(ValueError, match="expected 'python NAME'"):
+        collect("X.md", "<!-- test: run -->\n```python\nx\n```\n")
+    with pytest.raises(ValueError, match="for python blocks"):
+        collect("X.md", "<!-- test: python trl_example -->\n```bash\nx\n```\n")
+
+
+def test_python_blocks_skipped_as_copies_are_copies():
+    """A python block skipped as "the same block as README.md's ..." is, character for character, a README block
+    that runs."""
+    commands = all_commands()
+    readme = {c.command for c in commands if c.doc == "README.md" and c.action == "python"}
+    copies = [c for c in commands if c.action == "skip" and c.reason.startswith("the same block as README.md")]
+    assert copies and all(c.command in readme for c in copies), [c.id for c in copies if c.command not in readme]
 
 
 def test_stale_or_malformed_markers_are_errors():
