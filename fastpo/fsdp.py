@@ -108,7 +108,7 @@ def shard_model(
 
     if reshard_after_forward is None:
         reshard_after_forward = dist.get_world_size() > 1
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"mesh": _mesh()}
     if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
@@ -116,10 +116,19 @@ def shard_model(
     head = getattr(model, "value_head", None)
     if mixed_precision is not None and isinstance(head, nn.Module):
         # its own unit, computed in fp32 (module docstring); the unit casts its input to fp32 as well
-        fully_shard(head, reshard_after_forward=reshard_after_forward,
+        fully_shard(head, reshard_after_forward=reshard_after_forward, mesh=kwargs["mesh"],
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     fully_shard(model, **kwargs)
     return model
+
+
+def _mesh() -> Any:
+    """The 1-D device mesh over every rank, on the process group's device: CUDA under nccl, CPU under gloo. FSDP2's
+    own default mesh is on CUDA whenever CUDA is available, which would move a CPU-rank run (gloo; the test suite on a
+    GPU machine) onto the GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cuda" if "nccl" in str(dist.get_backend()) else "cpu", (dist.get_world_size(),))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -43,9 +43,15 @@ def tiny(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------- T1: critic
-def test_critic_value_head_runs_in_fp32_under_bf16_mixed_precision(world1, tiny):
+@pytest.mark.parametrize("cuda_visible", [False, True], ids=["cpu_machine", "cuda_machine"])
+def test_critic_value_head_runs_in_fp32_under_bf16_mixed_precision(world1, tiny, cuda_visible, monkeypatch):
     """Before the fix the root unit's bf16 policy cast the head's weight to bf16 while CriticModel fed it fp32
-    hidden states: "mat1 and mat2 must have the same dtype" at the first forward."""
+    hidden states: "mat1 and mat2 must have the same dtype" at the first forward. cuda_machine: CUDA reported
+    available (a stand-in for a GPU machine); the gloo ranks' mesh must stay on CPU (FSDP2's default mesh would be
+    on CUDA and move the critic there)."""
+    if cuda_visible:  # what torch reports on a GPU machine (FSDP2's default mesh asks for the accelerator)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     reference = fm.load_critic(tiny, dtype="float32", head_seed=1)
     with torch.no_grad():
