@@ -39,10 +39,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +62,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import distributed as du
 from . import storage
+from .log import ALL_RANKS
+
+logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 #: Written last into a Hugging Face export (:func:`export_hf`); a folder without it is a cut-short export.
@@ -268,11 +271,11 @@ def remove_stale_temp(run_dir: str | os.PathLike) -> list[Path]:
             else:
                 d.unlink()
         except OSError as err:
-            print(f"warning: could not remove the stale temporary folder {d}: {err}", file=sys.stderr, flush=True)
+            logger.warning(f"warning: could not remove the stale temporary folder {d}: {err}", extra=ALL_RANKS)
             continue
         removed.append(d)
-        print(f"removed the stale temporary folder {d} (an unfinished write of pid {pid}, which no longer holds "
-              f"this run directory)", flush=True)
+        logger.info(f"removed the stale temporary folder {d} (an unfinished write of pid {pid}, which no longer "
+                    f"holds this run directory)", extra=ALL_RANKS)  # the disk's leader: on any rank
     return removed
 
 
@@ -385,16 +388,16 @@ def load(path: str | os.PathLike, model_state: dict[str, Any], restore_rng: bool
         if rng_path.is_file() and meta.get("world_size") == du.get_world_size():
             du.set_rng_state(json.loads(rng_path.read_text()))
         else:
-            du.print0(
+            logger.info(
                 f"checkpoint {path.name}: saved with world_size {meta.get('world_size')}, now "
                 f"{du.get_world_size()}; RNG states not restored"
             )
     threads = meta.get("num_threads")
     if threads is not None and threads != torch.get_num_threads():
         # CPU reductions split their work by thread count, so sums differ in the last bits (~1e-7 relative)
-        du.print0(f"warning: checkpoint {path.name} was saved with {threads} torch threads, this run has "
-                  f"{torch.get_num_threads()} (OMP_NUM_THREADS); the resumed run is not bit-exact on CPU. Set "
-                  f"OMP_NUM_THREADS={threads} to resume exactly.", file=sys.stderr, flush=True)
+        logger.warning(f"warning: checkpoint {path.name} was saved with {threads} torch threads, this run has "
+                       f"{torch.get_num_threads()} (OMP_NUM_THREADS); the resumed run is not bit-exact on CPU. Set "
+                       f"OMP_NUM_THREADS={threads} to resume exactly.")
     du.barrier()
     return meta["trainer_state"]
 
@@ -408,7 +411,7 @@ def _check_hash(path: Path, config_hash: str | None, force: bool) -> None:
                 f"pass that run's config (--config <run_dir>/config.json), another --trainer.run_dir, or "
                 f"--trainer.resume never --trainer.overwrite true (replaces the run)"
             )
-        du.print0(f"resuming {path} saved with config hash {saved} under config hash {config_hash} (forced)")
+        logger.info(f"resuming {path} saved with config hash {saved} under config hash {config_hash} (forced)")
 
 
 def resume(
@@ -459,7 +462,7 @@ def resume(
             # e.g. a checkpoint from before manifests with a bad .metadata (DCP raises a BaseException subclass)
             except (Exception, CheckpointException) as err:
                 problem = f"{type(err).__name__}: {err}"
-        du.print0(f"resume: skipping checkpoint {path.name}: {problem}", file=sys.stderr, flush=True)
+        logger.warning(f"resume: skipping checkpoint {path.name}: {problem}")
     return None
 
 

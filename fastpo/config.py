@@ -366,6 +366,8 @@ class TrainerConfig:
     """Deterministic torch algorithms (slower); with fixed seeds a rerun repeats bit for bit."""
     log_console: bool = True
     """One rank-0 console line per iteration."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """The console's level for the library's messages (resume, checkpoints, skipped steps; docs/LOGGING.md)."""
     log_jsonl: bool = True
     """Append every iteration's metrics to <run_dir>/metrics.jsonl."""
     log_tensorboard: bool = False
@@ -397,8 +399,8 @@ class TrainerConfig:
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({
         "iterations", "val_every", "val_before_train", "save_every", "keep_last", "run_dir", "resume",
-        "log_console", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "run_name", "metric_names",
-        "log_generations", "min_in_group_std",
+        "log_console", "log_level", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "run_name",
+        "metric_names", "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
         "overwrite", "collective_timeout_s",
     })

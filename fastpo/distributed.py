@@ -8,7 +8,7 @@
     info = dist_utils.init()                # DistInfo(rank, world_size, local_rank, device)
     dist_utils.seed_everything(cfg.seed, info.rank)
     groups = dist_utils.shard_groups(cfg.env_groups, info.world_size, info.rank)
-    dist_utils.print0(f"{info.world_size} ranks")
+    logging.getLogger("fastpo").info(f"{info.world_size} ranks")  # shown on rank 0 (fastpo.log)
     ...
     dist_utils.shutdown()
 
@@ -145,12 +145,6 @@ def collective_failure(err: BaseException, timeout_s: float) -> str | None:
 
 def is_main() -> bool:
     return get_rank() == 0
-
-
-def print0(*args: Any, **kwargs: Any) -> None:
-    """print() on rank 0 only."""
-    if is_main():
-        print(*args, **kwargs)
 
 
 def barrier() -> None:

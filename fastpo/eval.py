@@ -331,7 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastpo.envs.text import TextEnvError
 
     from .config import ConfigError
+    from .log import console
 
+    console()  # the library's messages (e.g. a checkpoint note) on the console
     try:
         return _run(parse_args(argv))
     except (ConfigError, ValueError, ImportError, TextEnvError) as exc:

@@ -485,7 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastpo.envs.text import TextEnvError
 
     from .config import ConfigError
+    from .log import console
 
+    console()  # the library's messages on the console
     try:
         args = parse_args(argv)
         return _run(args)

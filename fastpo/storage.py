@@ -29,6 +29,7 @@ import datetime
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -45,6 +46,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import distributed as du
 from .config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Env var of the disk-full test hook: ``checkpoint`` or ``export`` (comma-separated for both).
 INJECT_DISK_FULL_ENV = "FASTPO_INJECT_DISK_FULL"
@@ -204,7 +207,7 @@ def claim_run_dir(run_dir: str | os.PathLike, resume: str, overwrite: bool, conf
             elif path.exists():
                 path.unlink()
     du.barrier()
-    du.print0(f"trainer.overwrite: deleted the previous run in {run_dir} ({', '.join(found)})")
+    logger.info(f"trainer.overwrite: deleted the previous run in {run_dir} ({', '.join(found)})")
 
 
 LOCK_FILE = ".lock"
@@ -357,7 +360,7 @@ def lock_run_dir(run_dir: str | os.PathLike) -> RunDirLock | None:
         try:
             lock, note = _take_lock(Path(run_dir))
             if note:
-                print(note, flush=True)
+                logger.info(note)
         except ConfigError as err:
             outcome = ("config", str(err))
         except OSError as err:

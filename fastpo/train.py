@@ -33,6 +33,7 @@ import os
 import sys
 
 from . import distributed as du
+from . import log
 from .config import Config, ConfigError, parse_args
 from .startup import prepare_run
 from .storage import DiskFullError, RankFailedError
@@ -76,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
     info, lock, trainer, timeout = None, None, None, du.DEFAULT_TIMEOUT_S
     try:
+        log.console()  # the library's messages on the console from the start (config errors included)
         cfg = parse_args(argv)
+        log.console(cfg.trainer.log_level)
         info, timeout = _init(cfg)
         lock = prepare_run(cfg, info.world_size)
         trainer = Trainer(cfg, info, prepared=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import time
 from collections import Counter, deque
@@ -57,6 +58,8 @@ from .rollout import RolloutPart, Trajectory, run_rollouts
 from .rollout_metrics import combine_metric_sums, metric_sums
 from .rollout_pool import NewGroup, RolloutPool
 from .startup import prepare_run
+
+logger = logging.getLogger(__name__)
 
 #: Env var of the NaN-injection test hook: comma-separated 1-based iteration numbers.
 INJECT_NAN_ENV = "FASTPO_INJECT_NAN_AT"
@@ -208,12 +211,12 @@ class Trainer:
         # metrics.jsonl keeps the rows up to the resumed step: the steps after it are replayed and logged again
         dropped = self.logger.truncate_after(-1 if state is None else int(state["step"]))
         if dropped:
-            du.print0(f"metrics.jsonl: dropped {dropped} row(s) after step {-1 if state is None else state['step']} "
+            logger.info(f"metrics.jsonl: dropped {dropped} row(s) after step {-1 if state is None else state['step']} "
                       f"(replayed by this run)")
         if state is None:
             return None
         self.load_state_dict(state)
-        du.print0(f"resumed from step {self.step} ({self.run_dir})")
+        logger.info(f"resumed from step {self.step} ({self.run_dir})")
         return str(self.step)
 
     def save(self) -> Path:
@@ -490,7 +493,7 @@ class Trainer:
             return
         self.nonfinite_in_a_row += 1
         self.nonfinite_total += 1
-        du.print0(f"step {self.step}: non-finite actor loss / grad norm ({loss_sum}, {norm}); optimiser step skipped "
+        logger.info(f"step {self.step}: non-finite actor loss / grad norm ({loss_sum}, {norm}); optimiser step skipped "
                   f"({self.nonfinite_in_a_row} in a row)")
         limit = self.cfg.optim.max_nonfinite_in_a_row
         if self.nonfinite_in_a_row >= limit:
@@ -521,7 +524,7 @@ class Trainer:
                                   f"{self.empty_stop.count} iterations in a row (algorithm."
                                   f"rollout_filter_empty_stop_steps={self.empty_stop.steps})")
         if not kept:
-            du.print0(f"step {self.step}: the rollout filter kept no group; update skipped")
+            logger.info(f"step {self.step}: the rollout filter kept no group; update skipped")
             return metrics
         # from here on one value, the iteration's batch: the kept trajectories (positions 0..K-1), each phase
         # returning new trajectories with its fields added; the rollout's own are never written

@@ -36,6 +36,15 @@ def pytest_sessionstart(session):
             )
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _library_messages_on_the_console():
+    """The library's log messages on the console, as the entry points show them (fastpo.log.console), so that
+    in-process tests read them from capsys as users read them from the terminal."""
+    from fastpo.log import console
+
+    console()
+
+
 @pytest.fixture(autouse=True)
 def _cpu_tests_launch_cpu_ranks(request, monkeypatch):
     """On a CUDA machine (make test there runs the CPU tests and the `gpu` ones), a test not marked `gpu` is a CPU

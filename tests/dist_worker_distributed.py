@@ -4,6 +4,7 @@ torchrun --standalone --nproc_per_node=2 tests/dist_worker_distributed.py OUT_DI
 """
 
 import json
+import logging
 import os
 import random
 import sys
@@ -11,6 +12,7 @@ import sys
 import torch
 
 from fastpo import distributed as du
+from fastpo import log
 
 
 def main() -> None:
@@ -19,7 +21,9 @@ def main() -> None:
     du.seed_everything(5, info.rank)
     mean = du.all_reduce_mean(torch.tensor([float(info.rank), 10.0 * info.rank]))
     obj = du.broadcast_object({"pid": os.getpid(), "rank": info.rank})
-    du.print0("hello from rank 0 only")
+    log.console()
+    logging.getLogger("fastpo.test").info("hello from rank 0 only")
+    logging.getLogger("fastpo.test").warning("a warning from rank %d", info.rank, extra=log.ALL_RANKS)
     report = {
         "rank": info.rank,
         "world_size": info.world_size,
