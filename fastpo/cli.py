@@ -52,6 +52,12 @@ def _error(message: str) -> Exception:
     return ConfigError(message)
 
 
+def _shown(value: Any) -> str:
+    from .config_io import shown  # a value in a message is cut to a bounded length, whatever its size
+
+    return shown(value)
+
+
 # --------------------------------------------------------------------------------- tyro's primitive rules
 def _registry():
     """tyro rules for fastpo's command-line spellings (bool, lists, mappings)."""
@@ -69,7 +75,7 @@ def _registry():
                 return True
             if len(args) == 1 and args[0].lower() in _TRUE | _FALSE:
                 return args[0].lower() in _TRUE
-            raise ValueError(f"expected a bool (true/false, 1/0, yes/no, on/off), got {' '.join(args)!r}")
+            raise ValueError(f"expected a bool (true/false, 1/0, yes/no, on/off), got {_shown(' '.join(args))}")
 
         return PrimitiveConstructorSpec(nargs="*", metavar="{true,false}", instance_from_str=parse,
                                         is_instance=lambda x: isinstance(x, bool),
@@ -80,7 +86,7 @@ def _registry():
             try:
                 return kind(args[0])
             except ValueError:
-                raise ValueError(f"expected {article} {kind.__name__}, got {args[0]!r}") from None
+                raise ValueError(f"expected {article} {kind.__name__}, got {_shown(args[0])}") from None
 
         return PrimitiveConstructorSpec(nargs=1, metavar=kind.__name__.upper(), instance_from_str=parse,
                                         is_instance=lambda x: isinstance(x, kind) and not isinstance(x, bool),
@@ -135,14 +141,14 @@ def _split_list(values: Sequence[str]) -> list[str]:
 
 
 def _yaml(text: str, kind: type) -> Any:
-    import yaml
+    from .config_io import load_yaml, shown
 
     try:
-        value = yaml.safe_load(text) if text.strip() else kind()
-    except yaml.YAMLError as e:
-        raise ValueError(f"expected a YAML / JSON {kind.__name__}, got {text!r} ({' '.join(str(e).split())})") from None
+        value = load_yaml(text, f"the value {shown(text)}") if text.strip() else kind()
+    except ValueError as e:
+        raise ValueError(f"expected a YAML / JSON {kind.__name__}: {e}") from None
     if not isinstance(value, kind):
-        raise ValueError(f"expected a YAML / JSON {'mapping' if kind is dict else 'list'}, got {text!r}")
+        raise ValueError(f"expected a YAML / JSON {'mapping' if kind is dict else 'list'}, got {shown(text)}")
     return value
 
 
@@ -254,7 +260,7 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
     """A YAML / JSON value (or a command-line string) converted to the field type ``tp``; ConfigError naming the
     field otherwise."""
     def bad(expected: str) -> Exception:
-        return _error(f"{name}: expected {expected}, got {value!r}")
+        return _error(f"{name}: expected {expected}, got {_shown(value)}")
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Annotated:
@@ -268,7 +274,7 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
         for choice in args:
             if value == choice or (isinstance(value, str) and str(choice) == value):
                 return choice
-        raise _error(f"{name}: expected one of {list(args)}, got {value!r}{did_you_mean(str(value), args)}")
+        raise _error(f"{name}: expected one of {list(args)}, got {_shown(value)}{did_you_mean(str(value), args)}")
     if origin is tuple:
         if isinstance(value, str):
             value = _split_list([value])
@@ -277,7 +283,7 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
-            raise _error(f"{name}: expected {len(args)} values ({type_name(tp)}), got {value!r}")
+            raise _error(f"{name}: expected {len(args)} values ({type_name(tp)}), got {_shown(value)}")
         return tuple(coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is list or origin is dict or tp is dict:
         kind = list if origin is list else dict
@@ -340,6 +346,8 @@ def type_name(tp: Any) -> str:
 
 def did_you_mean(name: str, choices: Any) -> str:
     """``"; did you mean a, b?"`` for the close matches of ``name`` among ``choices`` ('' when none)."""
+    if len(name) > 200:  # no field or choice is this long; difflib would take quadratic time over it
+        return ""
     close = difflib.get_close_matches(name, [str(c) for c in choices], n=3, cutoff=0.5)
     return f"; did you mean {', '.join(close)}?" if close else ""
 
@@ -351,7 +359,7 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
     setting of another entry point (then it is skipped: a run's config.json holds every trainer setting)."""
     if not isinstance(data, dict):
         if prefix:
-            raise _error(f"{source}: section {prefix[:-1]!r} must be a mapping of fields, got {data!r}")
+            raise _error(f"{source}: section {prefix[:-1]!r} must be a mapping of fields, got {_shown(data)}")
         raise _error(f"{source}: expected a mapping of sections {_names(obj)}, got {type(data).__name__}")
     hints = typing.get_type_hints(type(obj), include_extras=True)
     fields = set(_names(obj))
@@ -360,7 +368,7 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
         if key not in fields:
             if known is not None and known(dotted):
                 continue
-            raise _error(f"{source}: unknown {'field' if prefix else 'section'} {dotted!r}"
+            raise _error(f"{source}: unknown {'field' if prefix else 'section'} {_shown(dotted)}"
                          f"{did_you_mean(dotted, [prefix + f for f in fields])}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
@@ -375,19 +383,20 @@ def _names(obj: Any) -> list[str]:
 
 
 def load_file(path: str) -> dict[str, Any]:
-    """A YAML (or JSON) config file as a mapping; ConfigError naming the file when it cannot be read."""
-    import yaml
+    """A YAML (or JSON) config file as a mapping, read with ``fastpo.config_io.load_yaml`` (bounded depth and size);
+    ConfigError naming the file when it cannot be read."""
+    from .config_io import load_yaml
 
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = load_yaml(f, f"--config: {path!r}")
     except OSError as e:
         raise _error(f"--config: cannot read {path!r}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise _error(f"--config: {path!r} is not a text file (a YAML / JSON mapping of sections is "
                      f"expected)") from None
-    except yaml.YAMLError as e:
-        raise _error(f"--config: {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
+    except ValueError as e:
+        raise _error(str(e)) from None
     return data or {}
 
 
@@ -430,7 +439,7 @@ def _plain(text: str) -> str:
     lines = list(dict.fromkeys(lines))
     if len(lines) > 1 and lines[0] in _TITLES:
         lines = lines[1:]
-    lines = [_ERROR_PARSING.sub(r"\1: ", x) for x in lines]
+    lines = [_LONG_WORD.sub(_cut, _ERROR_PARSING.sub(r"\1: ", x)) for x in lines]
     for i, line in enumerate(lines):  # an invalid choice gets its close matches
         m = _INVALID_CHOICE.match(line)
         if m:
@@ -443,6 +452,13 @@ def _plain(text: str) -> str:
 
 
 _ERROR_PARSING = re.compile(r"^Error parsing (--\S+): ")
+#: A run of characters in tyro's message longer than any flag or choice: a value given on the command line.
+_LONG_WORD = re.compile(r"\S{200,}")
+
+
+def _cut(m: re.Match) -> str:
+    """A long value in tyro's message cut to its start and end (the message stays one readable line)."""
+    return f"{m.group(0)[:120]}...{m.group(0)[-20:]}"
 _INVALID_CHOICE = re.compile(r"^invalid choice '(?P<value>[^']*)' for argument '(?P<flag>[^']*)'\. Expected one of "
                              r"(?P<choices>\(.*\))\.$")
 #: The titles of tyro's error frames (the line under them says the same, more precisely).
@@ -504,7 +520,7 @@ def _parse_plain(cls: type[T], argv: list[str], base: T, prog: str, description:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise _error(f"unexpected argument {arg!r}; flags are --section.field VALUE")
+            raise _error(f"unexpected argument {_shown(arg)}; flags are --section.field VALUE")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from . import cli
+from .config_io import load_json, shown
 
 
 class ConfigError(ValueError):
@@ -479,8 +480,9 @@ def to_json(cfg: Config) -> str:
 
 
 def from_json(text: str) -> Config:
-    """Inverse of :func:`to_json`; missing fields keep their defaults, unknown fields raise ConfigError."""
-    return merge(Config(), json.loads(text), source="json")
+    """Inverse of :func:`to_json`; missing fields keep their defaults, unknown fields raise ConfigError (bad, too deep
+    or too big JSON: ValueError, ``config_io.load_json``)."""
+    return merge(Config(), load_json(text, "json"), source="json")
 
 
 #: Fields added after checkpoints were first written, with their defaults: at the default they are left out of
@@ -551,7 +553,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             try:
                 cli.coerce(value, tp, f"{section}.{key}")
                 if isinstance(value, str) and not (tp is str or typing.get_origin(tp) is Literal):
-                    raise ConfigError(f"{section}.{key}: expected {cli.type_name(tp)}, got {value!r}")
+                    raise ConfigError(f"{section}.{key}: expected {cli.type_name(tp)}, got {shown(value)}")
             except ConfigError as err:
                 errors.append(str(err))
     errors += [] if errors else preflight.finite_float_errors(cfg, _INF_OK)
@@ -574,7 +576,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
           "false")
     check(bool(m.lora_target_modules.strip()) and all(n.strip() for n in m.lora_target_modules.split(",")),
           f"model.lora_target_modules must be 'all-linear' or non-empty comma-separated module names, got "
-          f"{m.lora_target_modules!r}")
+          f"{shown(m.lora_target_modules)}")
     # vLLM renormalises its sampled-token logprobs over the tokens top-k / top-p keep, so the weight-sync guard
     # (engine logp vs the trainer's full-vocabulary logp) would compare different quantities.
     check(cfg.rollout.engine != "vllm" or (cfg.rollout.top_p == 1 and cfg.rollout.top_k == -1),
@@ -588,7 +590,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     known = envs.available()
     for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
         for n in names:
-            check(n.lower() in known, f"{field_name}: unknown env {n!r}; choose from {known}"
+            check(n.lower() in known, f"{field_name}: unknown env {shown(n)}; choose from {known}"
                                       f"{cli.did_you_mean(n.lower(), known)}")
     check(len(e.names) >= 1, "env.names must name at least one env")
     for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
@@ -627,7 +629,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
     check(0 < r.top_p <= 1, f"rollout.top_p must lie in (0, 1], got {r.top_p}")
     check(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {r.top_k}")
-    check(all(isinstance(x, str) and x for x in r.stop), f"rollout.stop must hold non-empty strings, got {r.stop!r}")
+    check(all(isinstance(x, str) and x for x in r.stop), f"rollout.stop must hold non-empty strings, got "
+                                                         f"{shown(r.stop)}")
     check(r.format_penalty <= 0, f"rollout.format_penalty must be <= 0, got {r.format_penalty}")
     check(r.max_context_window == -1 or r.max_context_window >= 1,
           f"rollout.max_context_window must be -1 or >= 1, got {r.max_context_window}")

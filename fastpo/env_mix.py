@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastpo import envs
+from fastpo.config_io import shown
 
 #: Keys an ``env.train`` / ``env.val`` entry may have.
 ENTRY_KEYS = ("name", "label", "groups", "group_size", "kwargs", "max_turns", "max_actions_per_turn",
@@ -116,12 +117,12 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
     for i, entry in enumerate(raw):
         at = f"{where}[{i}]"
         if not isinstance(entry, dict):
-            errors.append(f"{at}: expected a mapping with keys {list(ENTRY_KEYS)}, got {entry!r}")
+            errors.append(f"{at}: expected a mapping with keys {list(ENTRY_KEYS)}, got {shown(entry)}")
             continue
         unknown = [k for k in entry if k not in ENTRY_KEYS]
         for k in unknown:
             close = difflib.get_close_matches(str(k), ENTRY_KEYS, n=1, cutoff=0.5)
-            errors.append(f"{at}: unknown key {k!r}; accepted: {list(ENTRY_KEYS)}"
+            errors.append(f"{at}: unknown key {shown(k)}; accepted: {list(ENTRY_KEYS)}"
                           + (f"; did you mean {close[0]}?" if close else ""))
         name = entry.get("name")
         if not isinstance(name, str) or not name:
@@ -137,15 +138,15 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
         for key in _INT_KEYS:
             value = entry.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                errors.append(f"{at}.{key} must be an int >= 1, got {value!r}")
+                errors.append(f"{at}.{key} must be an int >= 1, got {shown(value)}")
                 bad = True
         label = entry.get("label", env_label(name))
         if not isinstance(label, str) or not label.strip() or "/" in label:
-            errors.append(f"{at}.label must be a non-empty str without '/', got {label!r}")
+            errors.append(f"{at}.label must be a non-empty str without '/', got {shown(label)}")
             bad = True
         kwargs = entry.get("kwargs", {})
         if not isinstance(kwargs, dict):
-            errors.append(f"{at}.kwargs must be a mapping (the env's config), got {kwargs!r}")
+            errors.append(f"{at}.kwargs must be a mapping (the env's config), got {shown(kwargs)}")
             bad = True
         if bad:
             continue
@@ -199,7 +200,7 @@ def check_mix(env_cfg: Any, world_size: int = 1, backend: str = "default") -> li
             try:
                 envs.make(entry.name, 1, backend=backend, **entry.kwargs).close()
             except Exception as e:
-                errors.append(f"env.{split}[{i}].kwargs: env {entry.name!r} rejects {entry.kwargs}: {e}")
+                errors.append(f"env.{split}[{i}].kwargs: env {entry.name!r} rejects {shown(entry.kwargs)}: {e}")
     return errors
 
 

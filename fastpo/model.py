@@ -21,7 +21,6 @@ transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as `
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import sys
 from pathlib import Path
@@ -178,9 +177,11 @@ def resolve_model_path(path: str | os.PathLike) -> str:
 def _is_model_config(path: str) -> bool:
     """True for a transformers config.json (it names its ``model_type``); false for a missing file or a fastpo
     run config (sections such as ``trainer``)."""
+    from .config_io import load_json
+
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = load_json(f.read(), path)  # bounded: a deep file (RecursionError in json) is no model config
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "model_type" in data

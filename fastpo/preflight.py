@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .config import Config, ConfigError, config_hash
+from .config_io import shown
 
 #: Failures an env raises for bad keyword arguments or for levels it cannot generate.
 _ENV_ERRORS = (ValueError, TypeError, RuntimeError, OSError, KeyError)
@@ -117,7 +118,7 @@ def _env_kwargs(cfg: Config) -> list[str]:
         except _ENV_ERRORS as err:
             text = " ".join(str(err).split()) or type(err).__name__
             given = cfg.env.kwargs if where == "env.kwargs" else entry.kwargs
-            errors.append(f"{where} {given!r}: env {entry.name!r} (env.backend {cfg.env.backend}) refuses them: "
+            errors.append(f"{where} {shown(given)}: env {entry.name!r} (env.backend {cfg.env.backend}) refuses them: "
                           f"{text}")
         finally:
             if env is not None:
@@ -221,6 +222,6 @@ def finite_float_errors(cfg: Config, inf_ok: frozenset[str]) -> list[str]:
                     continue
                 if math.isnan(v) or name not in inf_ok:
                     allowed = "a finite number or inf" if name in inf_ok else "a finite number"
-                    errors.append(f"{name} must be {allowed}, got {value!r}")
+                    errors.append(f"{name} must be {allowed}, got {shown(value)}")
                     break
     return errors
