@@ -16,6 +16,7 @@ alias expanded. A real config is a few levels deep and has hundreds of nodes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import reprlib
 from typing import IO, Any
@@ -93,8 +94,9 @@ def load_yaml(source: str | IO[str], what: str) -> Any:
     """
     import yaml
 
-    loader = _loader_class()(source)
+    loader = None
     try:
+        loader = _loader_class()(source)  # reads the first chunk already (a control character fails here)
         return loader.get_single_data()
     except _Refused as err:
         raise ValueError(f"{what} {err}") from None
@@ -103,7 +105,8 @@ def load_yaml(source: str | IO[str], what: str) -> Any:
     except RecursionError:  # a bound above not reached first: never a traceback
         raise ValueError(f"{what} nests too deeply to read") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def load_json(text: str | bytes, what: str) -> Any:
@@ -148,6 +151,16 @@ class _BoundedRepr(reprlib.Repr):
         self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 8, 8, 8
         self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 8
         self.maxstring = self.maxother = self.maxlong = limit
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        # in insertion order, as repr() (reprlib sorts the keys)
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                 for k, v in itertools.islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
 
     def repr_int(self, x: int, level: int) -> str:
         # repr() of an int past 4300 digits raises ValueError (sys.set_int_max_str_digits): say its size instead

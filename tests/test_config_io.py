@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from fastpo import config_io, eval as fastpo_eval, ragen_config, sft
+from fastpo import config_io, ragen_config, sft
+from fastpo import eval as fastpo_eval
 from fastpo.config import ConfigError, from_json, parse_args, validate
 from fastpo.config_io import MAX_DEPTH, MAX_NODES, load_json, load_yaml, shown
 
@@ -52,6 +53,8 @@ def test_alias_bomb_and_deep_nesting_are_refused_by_the_loader():
     # what configs do is untouched: aliases, merge keys, JSON's non-finite floats
     assert load_yaml("a: &x [1, 2]\nb: *x\nc: {<<: {d: 1}, e: 2}\n", "ok") == {"a": [1, 2], "b": [1, 2],
                                                                             "c": {"d": 1, "e": 2}}
+    with pytest.raises(ValueError, match="bin.yaml is not valid YAML: unacceptable character"):
+        load_yaml("a:\x00\x07 b", "bin.yaml")
     assert load_json('{"x": Infinity}', "ok") == {"x": float("inf")}
     nested = {"s": {"f": [{"k": {"v": [1, 2]}}]}}
     assert load_yaml(json.dumps(nested), "ok") == nested == load_json(json.dumps(nested), "ok")
@@ -96,7 +99,7 @@ def test_eval_sft_and_ragen_config_refuse_deep_and_bombed_files(tmp_path, capsys
 
 def test_ragen_interpolation_chains_cannot_blow_up(tmp_path):
     lines = ["a: [x, x, x, x, x, x, x, x, x]"] + [f"{c}: [" + ", ".join([f"'${{{p}}}'"] * 9) + "]"
-                                                 for p, c in zip("abcdefghij", "bcdefghijk")]
+                                                 for p, c in zip("abcdefghij", "bcdefghijk", strict=True)]
     path = tmp_path / "ragen.yaml"
     path.write_text("\n".join(lines) + "\n")
     start = time.perf_counter()
@@ -106,7 +109,7 @@ def test_ragen_interpolation_chains_cannot_blow_up(tmp_path):
 
 
 def test_shown_bounds_any_value_and_keeps_short_ones_exact():
-    assert shown("abc") == "'abc'" and shown([1, 2]) == "[1, 2]" and shown({"a": 1.5}) == "{'a': 1.5}"
+    assert shown("abc") == "'abc'" and shown([1, 2]) == "[1, 2]" and shown({"b": 1.5, "a": 1}) == "{'b': 1.5, 'a': 1}"
     x: list = [1]
     for _ in range(5000):  # 2 ** 5000 leaves once expanded
         x = [x, x]
