@@ -70,12 +70,50 @@ def _run_paths(cfg: Config) -> list[str]:
         errors.append(f"trainer.run_dir {t.run_dir!r} {what}; pass a directory (it is created if missing)")
     elif not os.access(base, os.W_OK | os.X_OK):
         errors.append(f"trainer.run_dir {t.run_dir!r}: {str(base)!r} is not writable; pass a writable directory")
+    else:
+        errors += _unwritable_run_files(run_dir, t.run_dir)
     if t.resume not in ("auto", "never"):
         path = Path(os.path.expanduser(t.resume))
         if not path.is_dir():
-            errors.append(f"trainer.resume {t.resume!r}: no such checkpoint directory; accepted: 'auto', 'never' "
+            errors.append(f"trainer.resume {shown(t.resume)}: no such checkpoint directory; accepted: 'auto', 'never' "
                           f"or the path of a checkpoint directory (e.g. <run_dir>/checkpoints/step-000010)")
+        else:
+            problem = _not_a_checkpoint(path)
+            if problem:
+                errors.append(f"trainer.resume {shown(t.resume)}: {problem}")
     return errors
+
+
+def _unwritable_run_files(run_dir: Path, given: str) -> list[str]:
+    """What the run writes into that already exists but cannot be written: a read-only ``checkpoints/`` passed the
+    run directory's own check and failed at the first save, after a full iteration."""
+    from .storage import RUN_FILES
+
+    errors = []
+    for name in (*RUN_FILES, "config.json"):
+        path = run_dir / name
+        if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+            errors.append(f"trainer.run_dir {shown(given)}: {str(path)!r} is not writable (the run writes there); "
+                          f"make it writable or choose another trainer.run_dir")
+    return errors
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """Why the folder given as trainer.resume is not a checkpoint (None when it has the COMPLETE marker; its files
+    are verified when it loads), with the checkpoint to pass instead when it is a run or checkpoints folder."""
+    from .checkpoint import MARKER, latest
+
+    if (path / MARKER).is_file():
+        return None
+    run = path.parent if path.name == "checkpoints" else path
+    newest = latest(run)
+    if newest is not None:
+        return (f"{str(path)!r} is a run folder, not a checkpoint; pass its newest checkpoint {str(newest)!r}, or "
+                f"--trainer.run_dir {run} --trainer.resume auto")
+    what = (f"has no {MARKER} marker (an interrupted or unpublished save)" if path.name.startswith("step-") else
+            f"is not a checkpoint folder (no {MARKER} marker)")
+    return (f"{str(path)!r} {what}; a checkpoint folder is <run_dir>/checkpoints/step-NNNNNN holding {MARKER}, "
+            f"trainer_state.json and the .distcp / .metadata files")
 
 
 def _mix_entries(cfg: Config) -> list[tuple[str, Any, int]]:
