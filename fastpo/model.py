@@ -13,13 +13,15 @@
 
 Offline: a local directory is used as is; a hub id with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) must
 already be in the Hugging Face cache, or loading fails at once with a one-line ValueError (transformers would
-otherwise fail with a generic connection message, or spend ~23 s retrying when the variable is unset).
+otherwise fail with a generic connection message, or spend ~23 s retrying when the variable is unset). Online, an id
+that is not cached is looked up once on the hub first: not found or an unreachable hub is the same kind of one line.
 
 transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as ``TokenizersBackend``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -97,15 +99,47 @@ def resolve_pretrained(path_or_id: str | os.PathLike, required: tuple[str, ...],
             f"{what} path {name!r} does not exist; pass a directory written by save_pretrained or a hub id such as"
             " Qwen/Qwen2.5-0.5B-Instruct"
         )
-    if _offline():
-        from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache
 
-        if not any(isinstance(try_to_load_from_cache(name, f), str) for f in required):
-            raise ValueError(
-                f"{what} {name!r} is not a local directory and not in the Hugging Face cache while HF_HUB_OFFLINE=1;"
-                f" pass a local directory, or download it first (`hf download {name}`)"
-            )
+    cached = any(isinstance(try_to_load_from_cache(name, f), str) for f in required)
+    if _offline() and not cached:
+        raise ValueError(
+            f"{what} {name!r} is not a local directory and not in the Hugging Face cache while HF_HUB_OFFLINE=1;"
+            f" pass a local directory, or download it first (`hf download {name}`)"
+        )
+    problem = None if cached or _offline() else _hub_problem(name)
+    if problem:
+        raise ValueError(f"{what} {name!r} {problem}; accepted: a local model folder, a fastpo run folder, 'tiny' "
+                         f"(the tiny CPU agent), or a hub id with the hub reachable (offline: HF_HUB_OFFLINE=1 and the "
+                         f"id in the Hugging Face cache)")
     return name
+
+
+#: Seconds the one hub lookup of :func:`_hub_problem` may take.
+HUB_LOOKUP_TIMEOUT_S = 10.0
+
+
+@functools.lru_cache(maxsize=64)
+def _hub_problem(name: str) -> str | None:
+    """Why hub id `name` (not a folder, not cached) cannot load, from one lookup without retries, or None when it
+    exists or the hub answers something else (transformers then reports it). Without this, transformers retries
+    each file for ~50 s when the hub cannot be reached and ends in a multi-line OSError."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        HfApi().repo_info(name, timeout=HUB_LOOKUP_TIMEOUT_S)
+    except GatedRepoError:  # exists; access is transformers' to report
+        return None
+    except RepositoryNotFoundError:
+        return "was not found on the Hugging Face hub (or is private: log in with `hf auth login`)"
+    except HFValidationError:
+        return "is not a local directory and not a valid hub id (owner/name)"
+    except HfHubHTTPError:
+        return None
+    except Exception as err:  # DNS, connection refused, timeout: the hub cannot be reached from here
+        return f"is not a local directory and the Hugging Face hub cannot be reached ({type(err).__name__})"
+    return None
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
