@@ -369,7 +369,8 @@ def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_e
 def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True, eps: float = 1e-6,
                     *, cu_seqlens: Tensor | None = None) -> Tensor:
     """GRPO: A_i = (R_i - mean_group) / (std_group + eps) (unbiased std; a group of one gets 0), or R_i - mean
-    with norm_by_std=False, broadcast to the trained tokens of sequence i.
+    with norm_by_std=False, broadcast to the trained tokens of sequence i. eps must be > 0 (a group of equal scores
+    then gets 0, not 0 / 0).
 
     scores float ``[B]``, group_ids int ``[B]`` (any labels), mask ``[B, T]`` or packed ``[N]`` + cu_seqlens
     (``[B + 1]``). Returns fp32 of mask's shape."""
@@ -384,7 +385,7 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std
         where = "mask.shape[0]" if cu_seqlens is None else "len(cu_seqlens) - 1"
         raise ValueError(f"scores must have one entry per sequence ({where} = {n_seq}), got {scores.shape[0]}")
     _same_device(scores=scores, group_ids=group_ids, mask=mask, cu_seqlens=cu_seqlens)
-    _number(eps, "eps", 0.0)
+    _number(eps, "eps", 0.0, low_open=True)  # 0 would divide 0 by 0 (NaN) for a group of equal scores
     return lib.grpo_advantages(scores.detach(), group_ids, mask, cu_seqlens, bool(norm_by_std), float(eps))
 
 
@@ -420,6 +421,6 @@ def gigpo_advantages(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_
                  cu_turns=cu_turns, turn_ids=turn_ids, mask=mask)
     _number(step_weight, "step_weight", 0.0)
     _number(step_gamma, "step_gamma", 0.0, 1.0)
-    _number(eps, "eps", 0.0)
+    _number(eps, "eps", 0.0, low_open=True)  # 0 would divide 0 by 0 (NaN) for a group of equal returns
     return lib.gigpo_advantages(scores.detach(), group_ids, turn_keys, turn_rewards.detach(), cu_turns, turn_ids, mask,
                                 float(step_weight), float(step_gamma), bool(norm_by_std), float(eps))
