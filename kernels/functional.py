@@ -101,6 +101,9 @@ def selective_logprob(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> 
     if logits.dim() < 2:
         raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
     _same_shape(ids, "ids", logits.shape[:-1], "logits.shape[:-1]")
+    if logits.shape[-1] == 0:  # else reported as ids outside [0, 0)
+        raise ValueError(f"logits: the vocab is empty (V = 0, the last dim of shape {tuple(logits.shape)}); a "
+                         f"logprob needs a vocab of at least one token")
     _same_device(logits=logits, ids=ids)
     t = _temperature(temperature)
     shape = ids.shape
@@ -128,6 +131,9 @@ def fused_linear_logprob(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
                          f"shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.shape[0] == 0:  # else reported as ids outside [0, 0), or a division by zero for an empty batch
+        raise ValueError(f"weight: the vocab is empty (V = 0 rows, shape {tuple(weight.shape)}); a logprob needs a "
+                         f"vocab of at least one token")
     _same_shape(ids, "ids", hidden.shape[:-1], "hidden.shape[:-1]")
     if bias is not None:
         _tensor(bias, "bias")
