@@ -593,8 +593,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             check(n.lower() in known, f"{field_name}: unknown env {shown(n)}; choose from {known}"
                                       f"{cli.did_you_mean(n.lower(), known)}")
     check(len(e.names) >= 1, "env.names must name at least one env")
-    for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
-                "val_groups", "val_group_size"):
+    for key in ("max_turns", "max_actions_per_turn", "max_actions_per_traj"):  # group counts: env_mix.check_mix
         check(getattr(e, key) >= 1, f"env.{key} must be >= 1, got {getattr(e, key)}")
     check(e.env_groups % world_size == 0,
           f"env.env_groups ({e.env_groups}) must be divisible by the world size ({world_size})")
@@ -684,7 +683,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                      or [e.group_size])  # env.train entries may set their own (the smallest counts)
     kept = (algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
             if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
-    if kept is not None and 0 < a.rollout_filter_ratio <= 1:
+    if kept is not None and 0 < a.rollout_filter_ratio <= 1 and e.env_groups >= 1:
         check(kept >= 1, f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
                          f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
         check(kept < 1 or kept * group_size >= o.mini_batch_size,

@@ -86,11 +86,33 @@ def _split(env_cfg: Any, split: str) -> tuple[list[Any], int, int, str]:
     return mirrored, env_cfg.val_groups, env_cfg.val_group_size, "env.train (validation)"
 
 
+#: Episodes of one split (groups x group size) at most: every group id is listed (and every episode built) at once,
+#: so env.val_groups 99999999999 used to be killed for memory. RAGEN's largest settings use a few thousand.
+MAX_EPISODES = 1 << 22
+
+
+def _count_errors(env_cfg: Any, split: str, total: Any, default_size: Any) -> list[str]:
+    """The split's group count and default group size against [1, MAX_EPISODES] (and their product), before any
+    list of group ids is built; one line each."""
+    groups_field = "env.env_groups" if split == "train" else "env.val_groups"
+    size_field = "env.group_size" if split == "train" else "env.val_group_size"
+    errors = [f"{name} must lie in [1, {MAX_EPISODES}], got {shown(value)}"
+              for name, value in ((groups_field, total), (size_field, default_size))
+              if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_EPISODES]
+    uses_default = not (env_cfg.train if split == "train" else (env_cfg.val or env_cfg.train))
+    if not errors and uses_default and total * default_size > MAX_EPISODES:
+        errors.append(f"{groups_field} ({total}) x {size_field} ({default_size}) = {total * default_size} episodes "
+                      f"per {'iteration' if split == 'train' else 'validation'}; at most {MAX_EPISODES}")
+    return errors
+
+
 def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
     from .rollout import env_label
 
     raw, total, default_size, where = _split(env_cfg, split)
-    errors: list[str] = []
+    errors = _count_errors(env_cfg, split, total, default_size)
+    if errors:
+        return [], errors
     if not raw:  # legacy: round-robin over the names, one kwargs dict, the global budgets
         names = (env_cfg.val_names or env_cfg.names) if split == "val" else env_cfg.names
         out = []
@@ -151,6 +173,14 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
         if bad:
             continue
         groups = entry["groups"] if all(given) else total // len(raw)
+        size = entry.get("group_size") or default_size
+        if groups > MAX_EPISODES:
+            errors.append(f"{at}.groups must lie in [1, {MAX_EPISODES}], got {groups}")
+            continue
+        if groups * size > MAX_EPISODES:
+            errors.append(f"{at}: {groups} groups x group_size {size} = {groups * size} episodes; a split runs at "
+                          f"most {MAX_EPISODES}")
+            continue
         try:
             budget = entry.get("max_actions_per_traj") or own_budget(name, kwargs)
             kwargs = envs.step_limit_config(name, budget, kwargs)
@@ -162,6 +192,10 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
             entry.get("max_turns") or env_cfg.max_turns, entry.get("max_actions_per_turn") or
             env_cfg.max_actions_per_turn, budget))
         start += groups
+    episodes = sum(len(e.groups) * e.group_size for e in entries)
+    if episodes > MAX_EPISODES:
+        errors.append(f"{where}: the entries run {episodes} episodes (groups x group_size); a split runs at most "
+                      f"{MAX_EPISODES}")
     if all(given) and raw and not errors and start != total:
         total_field = "env.env_groups" if split == "train" else "env.val_groups"
         errors.append(f"{where}: the entries' groups add up to {start}, but {total_field} is {total}; make them "
@@ -175,10 +209,10 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
 
 def resolve_mix(env_cfg: Any, split: str) -> list[EnvEntry]:
     """The entries of the ``train`` or ``val`` split of an ``EnvConfig`` (see the module docstring). Raises
-    ValueError listing every problem."""
+    ValueError listing every problem (one line when there is one)."""
     entries, errors = _resolve(env_cfg, split)
     if errors:
-        raise ValueError("invalid env mix:\n  " + "\n  ".join(errors))
+        raise ValueError(errors[0] if len(errors) == 1 else "invalid env mix:\n  " + "\n  ".join(errors))
     return entries
 
 

@@ -180,7 +180,8 @@ def resolve_model_path(path: str | os.PathLike) -> str:
 
     - ``"tiny"``: the tiny CPU agent's folder (``fastpo.tiny_agent.tiny_agent_path``: the one shipped in the package,
       else built once into the user cache by rank 0 while the other ranks wait; collective under a process group);
-    - a fastpo run folder (its own config.json is the run's config, not a model's): its export, ``<run>/hf``;
+    - a fastpo run folder (its own config.json is the run's config, not a model's): its export, ``<run>/hf``, which
+      must hold the export's COMPLETE marker (so must a ``<run>/hf`` given directly);
     - anything else (a model folder, a hub id) as is: ``resolve_pretrained`` checks it when it loads.
 
     Raises ValueError for a run folder without an ``hf/`` export, and for a checkpoint folder
@@ -197,7 +198,10 @@ def resolve_model_path(path: str | os.PathLike) -> str:
         return str(path)
     own = os.path.join(name, "config.json")
     if os.path.exists(os.path.join(name, "hf", "config.json")) and not _is_model_config(own):
-        return os.path.join(name, "hf")  # the trainer's export: <run_dir>/hf
+        return _finished_export(os.path.join(name, "hf"))  # the trainer's export: <run_dir>/hf
+    parent = os.path.dirname(os.path.abspath(name))
+    if os.path.basename(os.path.abspath(name)) == "hf" and _is_run_config(os.path.join(parent, "config.json")):
+        return _finished_export(str(path))  # <run_dir>/hf given directly
     if os.path.exists(own) and not _is_model_config(own):
         raise ValueError(f"{name!r} is a fastpo run folder without an hf/ export (the run has not finished, or "
                          f"stopped before exporting); pass a finished run, or a model directory")
@@ -206,6 +210,27 @@ def resolve_model_path(path: str | os.PathLike) -> str:
         raise ValueError(f"{name!r} is a training checkpoint (sharded optimiser and model state), not a model; pass "
                          f"the run folder {run!r} (its hf/ export), or resume the run with --trainer.resume {name}")
     return str(path)
+
+
+def _finished_export(hf: str) -> str:
+    """`hf` when the trainer's export there finished (``fastpo.checkpoint.export_hf`` writes its COMPLETE marker
+    last); ValueError naming the folder otherwise."""
+    if not os.path.isfile(os.path.join(os.path.expanduser(hf), "COMPLETE")):
+        raise ValueError(f"{hf!r} has no COMPLETE marker: an interrupted export (the trainer writes the marker last); "
+                         f"pass a run whose export finished, or a model directory")
+    return hf
+
+
+def _is_run_config(path: str) -> bool:
+    """True for a fastpo run's config.json (its sections env / rollout / trainer)."""
+    from .config_io import load_json
+
+    try:
+        with open(path, "rb") as f:
+            data = load_json(f.read(), path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"env", "rollout", "trainer"} <= set(data)
 
 
 def _is_model_config(path: str) -> bool:
