@@ -403,6 +403,25 @@ def parse_target_modules(spec: str | list[str] | tuple[str, ...]) -> str | list[
     return "all-linear" if names == ["all-linear"] else names
 
 
+def lora_rank_limit(model: nn.Module, target_modules: str | list[str] | tuple[str, ...]) -> tuple[int, str] | None:
+    """(the largest useful LoRA rank, the layer that sets it): the smallest min(in_features, out_features) over the
+    ``nn.Linear`` layers `target_modules` selects as peft does ("all-linear": every linear layer but the output
+    head; names: modules whose name is, or ends with, one of them). None when it selects no linear layer. Works on a
+    meta-device skeleton (no weights read)."""
+    targets = parse_target_modules(target_modules)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    best: tuple[int, str] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        if targets != "all-linear" and not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        limit = min(module.in_features, module.out_features)
+        if best is None or limit < best[0]:
+            best = (limit, f"{name}: {module.in_features} -> {module.out_features}")
+    return best
+
+
 def _apply_lora(peft: Any, model: nn.Module, rank: int, alpha: int, target_modules: str | list[str],
                 seed: int = 0) -> nn.Module:
     """Wrap `model` with a LoRA adapter (no dropout: the trainer's forwards stay deterministic). Base weights are
@@ -412,6 +431,11 @@ def _apply_lora(peft: Any, model: nn.Module, rank: int, alpha: int, target_modul
     :func:`merged_state_dict` merges ``W + scaling * B @ A`` for those alone."""
     if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha < 1:
         raise ValueError(f"lora_alpha must be an int >= 1, got {alpha!r}")
+    limit = lora_rank_limit(model, target_modules)
+    # a rank past a layer's narrower side adds no expressiveness, only adapter size (100000 x 128 took minutes)
+    if limit is not None and rank > limit[0]:
+        raise ValueError(f"lora_rank {rank} exceeds the smallest adapted layer ({limit[1]}); choose lora_rank <= "
+                         f"{limit[0]}")
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=parse_target_modules(target_modules),
                              lora_dropout=0.0)
     with torch.random.fork_rng(devices=[]):

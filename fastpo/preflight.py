@@ -188,6 +188,30 @@ def _resume_hash(cfg: Config) -> list[str]:
             f"never --trainer.overwrite true (replaces that run)"]
 
 
+def lora_rank_error(cfg: Config, model_path: str) -> str | None:
+    """``model.lora_rank`` above the smallest adapted layer of the policy at `model_path` (resolved) or of the critic
+    (``model.critic_path``, when a critic trains), found on a meta-device skeleton (no weights read) before any model
+    loads; None when it fits or LoRA is off."""
+    from . import algorithms
+    from .model import load_policy, lora_rank_limit, resolve_model_path
+
+    m = cfg.model
+    if m.lora_rank <= 0:
+        return None
+    paths = [("model.path", model_path)]
+    if m.critic_path and algorithms.needs_critic(cfg.algorithm):
+        paths.append(("model.critic_path", resolve_model_path(m.critic_path)))
+    for field, path in paths:
+        try:
+            limit = lora_rank_limit(load_policy(path, meta=True), m.lora_target_modules)
+        except (ValueError, OSError):  # an unreadable model is the loader's to report, where it loads
+            continue
+        if limit is not None and m.lora_rank > limit[0]:
+            return (f"model.lora_rank {m.lora_rank} exceeds the smallest layer that model.lora_target_modules="
+                    f"{shown(m.lora_target_modules)} adapts in {field} ({limit[1]}); accepted: 1 to {limit[0]}")
+    return None
+
+
 def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: bool = True, action_sep: str = "||",
                      max_actions_per_traj: int | None = None, max_context_window: int = -1, backend: str = "default",
                      env_kwargs: dict[str, Any] | None = None) -> int:
