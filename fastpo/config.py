@@ -610,12 +610,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     errors += check_mix(e, world_size, e.backend)
     check(e.train_seed >= 0 and e.val_seed >= 0,
           f"env.train_seed / env.val_seed must be >= 0, got {e.train_seed} / {e.val_seed}")
-    # env seeds reach numpy / C++ as int64: the last training group's seed is train_seed + (iterations + 1) *
-    # env_groups - 1, the last validation state's val_seed + val_groups - 1
-    last_train = e.train_seed + (max(cfg.trainer.iterations, 0) + 1) * max(e.env_groups, 1) - 1
-    check(last_train <= INT64_MAX, f"env.train_seed ({e.train_seed}) must be <= {INT64_MAX - last_train + e.train_seed}"
-                                   f": the seed counter advances by env.env_groups ({e.env_groups}) per iteration "
-                                   f"over trainer.iterations ({cfg.trainer.iterations}) and env seeds are int64")
+    # env seeds reach numpy / C++ as int64 (the last validation state's is val_seed + val_groups - 1)
+    errors += preflight.train_seed_errors(cfg, INT64_MAX)
     check(e.val_seed + max(e.val_groups, 1) - 1 <= INT64_MAX,
           f"env.val_seed ({e.val_seed}) must be <= {INT64_MAX - max(e.val_groups, 1) + 1} (val_seed + env.val_groups "
           f"- 1 must fit in int64)")

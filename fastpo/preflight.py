@@ -266,6 +266,27 @@ def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
+def train_seed_errors(cfg: Config, int64_max: int) -> list[str]:
+    """The last training group's env seed, train_seed + (iterations + 1) * env_groups - 1, must fit in int64 (env
+    seeds reach numpy and C++ as int64). The message leads with the larger of the two terms: a huge trainer.iterations
+    was blamed on env.train_seed, with a negative bound. [] when it fits."""
+    e, iterations = cfg.env, max(cfg.trainer.iterations, 0)
+    groups, seed = max(e.env_groups, 1), max(e.train_seed, 0)
+    span = (iterations + 1) * groups  # seeds the run draws from train_seed on
+    if seed + span - 1 <= int64_max:
+        return []
+    why = f"the seed counter advances by env.env_groups ({e.env_groups}) per iteration and env seeds are int64"
+    most_iterations = (int64_max - seed + 1) // groups - 1
+    if span > seed and most_iterations >= 0:
+        return [f"trainer.iterations ({cfg.trainer.iterations}) must be <= {most_iterations} with env.train_seed "
+                f"({e.train_seed}): {why}"]
+    if span <= seed:
+        return [f"env.train_seed ({e.train_seed}) must be <= {int64_max - span + 1} with trainer.iterations "
+                f"({cfg.trainer.iterations}): {why}"]
+    return [f"env.train_seed ({e.train_seed}) must be <= {int64_max - groups + 1} (room for one iteration) and "
+            f"trainer.iterations ({cfg.trainer.iterations}) far lower: {why}"]
+
+
 def finite_float_errors(cfg: Config, inf_ok: frozenset[str]) -> list[str]:
     """NaN in any float field, or +-inf in one not listed in `inf_ok` (``section.field`` names that document
     "inf disables")."""

@@ -45,6 +45,8 @@ PROBES = [
     ([*TINY, "--optim.betas", "[0.9, nan]"], ["optim.betas", "finite"]),
     ([*TINY, "--env.train_seed", str(INT64_MAX - 5)], ["env.train_seed", "int64", "must be <="]),
     ([*TINY, "--env.val_seed", str(INT64_MAX)], ["env.val_seed", "int64"]),
+    ([*TINY, "--trainer.iterations", str(INT64_MAX // 2)], ["trainer.iterations (4611686018427387903) must be <=",
+                                                            "env.env_groups", "int64"]),
     ([*TINY, "--trainer.seed", str(INT64_MAX + 1)], ["trainer.seed", "must be <="]),
     ([*TINY, "--rollout.engine", "vllm", "--trainer.seed", str(2**32)], ["trainer.seed", "4294967295", "vLLM"]),
     (["--config", "{tmp}/binary.yaml"], ["--config", "binary.yaml", "not a text file"]),
@@ -96,6 +98,11 @@ def test_limits_are_the_real_ones(probe_dir, monkeypatch):
     validate(parse_args([*TINY, "--env.train_seed", str(last)]), 1)
     assert "env.train_seed" in _refusal([*TINY, "--env.train_seed", str(last + 1)])
     validate(parse_args([*TINY, "--env.val_seed", str(INT64_MAX - cfg.env.val_groups + 1)]), 1)
+    # a huge trainer.iterations is named as the cause (it was blamed on env.train_seed, with a negative bound)
+    most = (INT64_MAX - cfg.env.train_seed + 1) // cfg.env.env_groups - 1
+    validate(parse_args([*TINY, "--trainer.iterations", str(most)]), 1)
+    message = _refusal([*TINY, "--trainer.iterations", str(most + 1)])
+    assert message.split("\n")[1].strip().startswith(f"trainer.iterations ({most + 1}) must be <= {most}"), message
     validate(parse_args([*TINY, "--rollout.engine", "vllm", "--trainer.seed", str(2**32 - 2)]), 2)
     with pytest.raises(ConfigError, match="trainer.seed must be <= 4294967294"):
         validate(parse_args([*TINY, "--rollout.engine", "vllm", "--trainer.seed", str(2**32 - 1)]), 2)
