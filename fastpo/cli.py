@@ -352,6 +352,33 @@ def did_you_mean(name: str, choices: Any) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
+def ragen_hint(name: str, valid: Any, flag: bool) -> str:
+    """``"; RAGEN's clip_ratio_low is --algorithm.eps_low"`` when `name` (an unknown setting) is RAGEN's spelling of
+    fields among `valid` (the entry point's dotted field names; the port's table ``ragen_config.KEY_MAP``), or
+    ``"; ... a RAGEN config"`` for a RAGEN top-level section; '' otherwise."""
+    from .ragen_config import RAGEN_SECTIONS, ragen_equivalents
+
+    key = name.lstrip("-")
+    if "." not in key and key in RAGEN_SECTIONS:
+        return (f"; {key!r} is a section of a RAGEN config: port it with python -m fastpo.ragen_config FILE "
+                f"(it writes the fastpo config)")
+    short, fields = ragen_equivalents(key)
+    fields = [f for f in fields if f in valid]
+    if not fields:
+        return ""
+    return f"; RAGEN's {short} is " + " or ".join(f"--{f}" if flag else f for f in fields)
+
+
+def _ragen_hints(message: str, base: Any) -> str:
+    """:func:`ragen_hint` for every flag of tyro's "Unrecognized options" line, among the fields of `base`."""
+    m = re.search(r"Unrecognized options: ([^;]*)", message)
+    if not m or not dataclasses.is_dataclass(base):
+        return ""
+    valid = {f"{s}.{f}" for s in _names(base) if dataclasses.is_dataclass(getattr(base, s))
+             for f in _names(getattr(base, s))} | set(_names(base))
+    return "".join(ragen_hint(flag, valid, flag=True) for flag in re.findall(r"--([\w.]+)", m.group(1)))
+
+
 def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bool] | None = None,
           prefix: str = "") -> Any:
     """Apply a nested ``{section: {field: value}}`` mapping (YAML / JSON) onto the dataclass ``obj`` in place and
@@ -369,7 +396,8 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
             if known is not None and known(dotted):
                 continue
             raise _error(f"{source}: unknown {'field' if prefix else 'section'} {_shown(dotted)}"
-                         f"{did_you_mean(dotted, [prefix + f for f in fields])}")
+                         f"{did_you_mean(dotted, [prefix + f for f in fields])}"
+                         f"{ragen_hint(dotted, {prefix + f for f in fields}, flag=False)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             merge(current, value, source, known, f"{dotted}.")
@@ -498,7 +526,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
         with _env("COLUMNS", "100000"), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             parsed = tyro.cli(_mirror(cls), **options)
     except SystemExit:
-        raise _error(_plain(out.getvalue()) or f"bad arguments: {argv}") from None
+        message = _plain(out.getvalue()) or f"bad arguments: {argv}"
+        raise _error(message + _ragen_hints(message, base)) from None
     return _from_mirror(parsed, cls)
 
 

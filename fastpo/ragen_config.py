@@ -205,6 +205,23 @@ INERT: dict[str, str] = {
         "= rollout.top_k", "ctx_manager.generation.gen_config.kwargs": "unused",
 }
 
+#: Top-level keys of RAGEN's configs (a --config with one of them as a section is a RAGEN file, not a fastpo one).
+RAGEN_SECTIONS = frozenset(k.split(".")[0] for k in (*KEY_MAP, *INERT) if "." in k)
+
+
+def ragen_equivalents(name: str) -> tuple[str, list[str]]:
+    """(RAGEN's name, the fastpo fields it maps to) for a setting spelled RAGEN's way: a full RAGEN key
+    (``actor_rollout_ref.actor.clip_ratio_low``) or its last part under any section (``algorithm.clip_ratio_low``,
+    ``clip_ratio_low``), looked up in :data:`KEY_MAP`; ``(name, [])`` when it is not a RAGEN name."""
+    key = name.lstrip("-")
+    short = key.rsplit(".", 1)[-1]
+    if key in KEY_MAP:
+        fields = [KEY_MAP[key][0]]
+    else:
+        fields = [f for k, (f, _) in KEY_MAP.items() if k.rsplit(".", 1)[-1] == short]
+    return short, sorted({f for f in fields if f})
+
+
 _ENV_CONFIG_KEYS = {  # per fastpo env: RAGEN env_config key -> fastpo kwargs key (None: checked separately)
     "sokoban": {"num_boxes": "num_boxes", "max_steps": "max_steps", "search_depth": "search_depth",
                 "dim_room": "dim_room", "dim_x": None, "dim_y": None, "grid_lookup": None, "grid_vocab": None,
