@@ -16,6 +16,7 @@ alias expanded. A real config is a few levels deep and has hundreds of nodes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import reprlib
@@ -30,6 +31,7 @@ MAX_NODES = 100_000
 SHOWN_LIMIT = 200
 
 
+@functools.cache
 def _loader_class():
     import yaml
 
