@@ -201,7 +201,7 @@ def test_unknown_or_unreachable_hub_id_fails_fast_in_one_line(monkeypatch):
         _one_line_value_error(lambda load=load: load("fastpo-test/not-a-model"), "'fastpo-test/not-a-model'",
                               "cannot be reached", "accepted: a local model folder, a fastpo run folder, 'tiny'",
                               "HF_HUB_OFFLINE=1")
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 10.0  # transformers' retries took ~50 s (the first call imports it)
 
     def missing(self, repo_id, **kw):
         raise RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its __init__ wants an HTTP response
