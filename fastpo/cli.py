@@ -53,6 +53,12 @@ def _error(message: str) -> Exception:
     return ConfigError(message)
 
 
+def _shown(value: Any) -> str:
+    from .config_io import shown  # a value in a message is cut to a bounded length, whatever its size
+
+    return shown(value)
+
+
 # --------------------------------------------------------------------------------- tyro's primitive rules
 def _registry():
     """tyro rules for fastpo's command-line spellings (bool, lists, mappings)."""
@@ -70,7 +76,7 @@ def _registry():
                 return True
             if len(args) == 1 and args[0].lower() in _TRUE | _FALSE:
                 return args[0].lower() in _TRUE
-            raise ValueError(f"expected a bool (true/false, 1/0, yes/no, on/off), got {' '.join(args)!r}")
+            raise ValueError(f"expected a bool (true/false, 1/0, yes/no, on/off), got {_shown(' '.join(args))}")
 
         return PrimitiveConstructorSpec(nargs="*", metavar="{true,false}", instance_from_str=parse,
                                         is_instance=lambda x: isinstance(x, bool),
@@ -81,7 +87,7 @@ def _registry():
             try:
                 return kind(args[0])
             except ValueError:
-                raise ValueError(f"expected {article} {kind.__name__}, got {args[0]!r}") from None
+                raise ValueError(f"expected {article} {kind.__name__}, got {_shown(args[0])}") from None
 
         return PrimitiveConstructorSpec(nargs=1, metavar=kind.__name__.upper(), instance_from_str=parse,
                                         is_instance=lambda x: isinstance(x, kind) and not isinstance(x, bool),
@@ -136,14 +142,14 @@ def _split_list(values: Sequence[str]) -> list[str]:
 
 
 def _yaml(text: str, kind: type) -> Any:
-    import yaml
+    from .config_io import load_yaml, shown
 
     try:
-        value = yaml.safe_load(text) if text.strip() else kind()
-    except yaml.YAMLError as e:
-        raise ValueError(f"expected a YAML / JSON {kind.__name__}, got {text!r} ({' '.join(str(e).split())})") from None
+        value = load_yaml(text, f"the value {shown(text)}") if text.strip() else kind()
+    except ValueError as e:
+        raise ValueError(f"expected a YAML / JSON {kind.__name__}: {e}") from None
     if not isinstance(value, kind):
-        raise ValueError(f"expected a YAML / JSON {'mapping' if kind is dict else 'list'}, got {text!r}")
+        raise ValueError(f"expected a YAML / JSON {'mapping' if kind is dict else 'list'}, got {shown(text)}")
     return value
 
 
@@ -255,7 +261,7 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
     """A YAML / JSON value (or a command-line string) converted to the field type ``tp``; ConfigError naming the
     field otherwise."""
     def bad(expected: str) -> Exception:
-        return _error(f"{name}: expected {expected}, got {value!r}")
+        return _error(f"{name}: expected {expected}, got {_shown(value)}")
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Annotated:
@@ -269,7 +275,7 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
         for choice in args:
             if value == choice or (isinstance(value, str) and str(choice) == value):
                 return choice
-        raise _error(f"{name}: expected one of {list(args)}, got {value!r}{did_you_mean(str(value), args)}")
+        raise _error(f"{name}: expected one of {list(args)}, got {_shown(value)}{did_you_mean(str(value), args)}")
     if origin is tuple:
         if isinstance(value, str):
             value = _split_list([value])
@@ -278,7 +284,7 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
-            raise _error(f"{name}: expected {len(args)} values ({type_name(tp)}), got {value!r}")
+            raise _error(f"{name}: expected {len(args)} values ({type_name(tp)}), got {_shown(value)}")
         return tuple(coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is list or origin is dict or tp is dict:
         kind = list if origin is list else dict
@@ -341,8 +347,37 @@ def type_name(tp: Any) -> str:
 
 def did_you_mean(name: str, choices: Any) -> str:
     """``"; did you mean a, b?"`` for the close matches of ``name`` among ``choices`` ('' when none)."""
+    if len(name) > 200:  # no field or choice is this long; difflib would take quadratic time over it
+        return ""
     close = difflib.get_close_matches(name, [str(c) for c in choices], n=3, cutoff=0.5)
     return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def ragen_hint(name: str, valid: Any, flag: bool) -> str:
+    """``"; RAGEN's clip_ratio_low is --algorithm.eps_low"`` when `name` (an unknown setting) is RAGEN's spelling of
+    fields among `valid` (the entry point's dotted field names; the port's table ``ragen_config.KEY_MAP``), or
+    ``"; ... a RAGEN config"`` for a RAGEN top-level section; '' otherwise."""
+    from .ragen_config import RAGEN_SECTIONS, ragen_equivalents
+
+    key = name.lstrip("-")
+    if "." not in key and key in RAGEN_SECTIONS:
+        return (f"; {key!r} is a section of a RAGEN config: port it with python -m fastpo.ragen_config FILE "
+                f"(it writes the fastpo config)")
+    short, fields = ragen_equivalents(key)
+    fields = [f for f in fields if f in valid]
+    if not fields:
+        return ""
+    return f"; RAGEN's {short} is " + " or ".join(f"--{f}" if flag else f for f in fields)
+
+
+def _ragen_hints(message: str, base: Any) -> str:
+    """:func:`ragen_hint` for every flag of tyro's "Unrecognized options" line, among the fields of `base`."""
+    m = re.search(r"Unrecognized options: ([^;]*)", message)
+    if not m or not dataclasses.is_dataclass(base):
+        return ""
+    valid = {f"{s}.{f}" for s in _names(base) if dataclasses.is_dataclass(getattr(base, s))
+             for f in _names(getattr(base, s))} | set(_names(base))
+    return "".join(ragen_hint(flag, valid, flag=True) for flag in re.findall(r"--([\w.]+)", m.group(1)))
 
 
 def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bool] | None = None,
@@ -352,7 +387,7 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
     setting of another entry point (then it is skipped: a run's config.json holds every trainer setting)."""
     if not isinstance(data, dict):
         if prefix:
-            raise _error(f"{source}: section {prefix[:-1]!r} must be a mapping of fields, got {data!r}")
+            raise _error(f"{source}: section {prefix[:-1]!r} must be a mapping of fields, got {_shown(data)}")
         raise _error(f"{source}: expected a mapping of sections {_names(obj)}, got {type(data).__name__}")
     hints = typing.get_type_hints(type(obj), include_extras=True)
     fields = set(_names(obj))
@@ -361,8 +396,9 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
         if key not in fields:
             if known is not None and known(dotted):
                 continue
-            raise _error(f"{source}: unknown {'field' if prefix else 'section'} {dotted!r}"
-                         f"{did_you_mean(dotted, [prefix + f for f in fields])}")
+            raise _error(f"{source}: unknown {'field' if prefix else 'section'} {_shown(dotted)}"
+                         f"{did_you_mean(dotted, [prefix + f for f in fields])}"
+                         f"{ragen_hint(dotted, {prefix + f for f in fields}, flag=False)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             merge(current, value, source, known, f"{dotted}.")
@@ -376,19 +412,20 @@ def _names(obj: Any) -> list[str]:
 
 
 def load_file(path: str) -> dict[str, Any]:
-    """A YAML (or JSON) config file as a mapping; ConfigError naming the file when it cannot be read."""
-    import yaml
+    """A YAML (or JSON) config file as a mapping, read with ``fastpo.config_io.load_yaml`` (bounded depth and size);
+    ConfigError naming the file when it cannot be read."""
+    from .config_io import load_yaml
 
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = load_yaml(f, f"--config: {path!r}")
     except OSError as e:
         raise _error(f"--config: cannot read {path!r}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise _error(f"--config: {path!r} is not a text file (a YAML / JSON mapping of sections is "
                      f"expected)") from None
-    except yaml.YAMLError as e:
-        raise _error(f"--config: {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
+    except ValueError as e:
+        raise _error(str(e)) from None
     return data or {}
 
 
@@ -491,7 +528,7 @@ def _plain(text: str) -> str:
     lines = list(dict.fromkeys(lines))
     if len(lines) > 1 and lines[0] in _TITLES:
         lines = lines[1:]
-    lines = [_ERROR_PARSING.sub(r"\1: ", x) for x in lines]
+    lines = [_LONG_WORD.sub(_cut, _ERROR_PARSING.sub(r"\1: ", x)) for x in lines]
     for i, line in enumerate(lines):  # an invalid choice gets its close matches
         m = _INVALID_CHOICE.match(line)
         if m:
@@ -504,6 +541,13 @@ def _plain(text: str) -> str:
 
 
 _ERROR_PARSING = re.compile(r"^Error parsing (--\S+): ")
+#: A run of characters in tyro's message longer than any flag or choice: a value given on the command line.
+_LONG_WORD = re.compile(r"\S{200,}")
+
+
+def _cut(m: re.Match) -> str:
+    """A long value in tyro's message cut to its start and end (the message stays one readable line)."""
+    return f"{m.group(0)[:120]}...{m.group(0)[-20:]}"
 _INVALID_CHOICE = re.compile(r"^invalid choice '(?P<value>[^']*)' for argument '(?P<flag>[^']*)'\. Expected one of "
                              r"(?P<choices>\(.*\))\.$")
 #: The titles of tyro's error frames (the line under them says the same, more precisely).
@@ -551,7 +595,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
         with _env("COLUMNS", "100000"), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             parsed = tyro.cli(_mirror(cls), **options)
     except SystemExit:
-        raise _error(_plain(out.getvalue()) or f"bad arguments: {argv}") from None
+        message = _plain(out.getvalue()) or f"bad arguments: {argv}"
+        raise _error(message + _ragen_hints(message, base)) from None
     return _from_mirror(parsed, cls)
 
 
@@ -573,7 +618,7 @@ def _parse_plain(cls: type[T], argv: list[str], base: T, prog: str, description:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise _error(f"unexpected argument {arg!r}; flags are --section.field VALUE")
+            raise _error(f"unexpected argument {_shown(arg)}; flags are --section.field VALUE")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):

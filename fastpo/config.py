@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from . import cli
+from .config_io import load_json, shown
 
 
 class ConfigError(ValueError):
@@ -493,8 +494,9 @@ def to_json(cfg: Config) -> str:
 
 
 def from_json(text: str) -> Config:
-    """Inverse of :func:`to_json`; missing fields keep their defaults, unknown fields raise ConfigError."""
-    return merge(Config(), json.loads(text), source="json")
+    """Inverse of :func:`to_json`; missing fields keep their defaults, unknown fields raise ConfigError (bad, too deep
+    or too big JSON: ValueError, ``config_io.load_json``)."""
+    return merge(Config(), load_json(text, "json"), source="json")
 
 
 #: Fields added after checkpoints were first written, with their defaults: at the default they are left out of
@@ -567,7 +569,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             try:
                 cli.coerce(value, tp, f"{section}.{key}")
                 if isinstance(value, str) and not (tp is str or typing.get_origin(tp) is Literal):
-                    raise ConfigError(f"{section}.{key}: expected {cli.type_name(tp)}, got {value!r}")
+                    raise ConfigError(f"{section}.{key}: expected {cli.type_name(tp)}, got {shown(value)}")
             except ConfigError as err:
                 errors.append(str(err))
     errors += [] if errors else preflight.finite_float_errors(cfg, _INF_OK)
@@ -590,7 +592,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
           "false")
     check(bool(m.lora_target_modules.strip()) and all(n.strip() for n in m.lora_target_modules.split(",")),
           f"model.lora_target_modules must be 'all-linear' or non-empty comma-separated module names, got "
-          f"{m.lora_target_modules!r}")
+          f"{shown(m.lora_target_modules)}")
     # vLLM renormalises its sampled-token logprobs over the tokens top-k / top-p keep, so the weight-sync guard
     # (engine logp vs the trainer's full-vocabulary logp) would compare different quantities.
     check(cfg.rollout.engine != "vllm" or (cfg.rollout.top_p == 1 and cfg.rollout.top_k == -1),
@@ -604,11 +606,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     known = envs.available()
     for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
         for n in names:
-            check(n.lower() in known, f"{field_name}: unknown env {n!r}; choose from {known}"
+            check(n.lower() in known, f"{field_name}: unknown env {shown(n)}; choose from {known}"
                                       f"{cli.did_you_mean(n.lower(), known)}")
     check(len(e.names) >= 1, "env.names must name at least one env")
-    for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
-                "val_groups", "val_group_size"):
+    for key in ("max_turns", "max_actions_per_turn", "max_actions_per_traj"):  # group counts: env_mix.check_mix
         check(getattr(e, key) >= 1, f"env.{key} must be >= 1, got {getattr(e, key)}")
     check(e.env_groups % world_size == 0,
           f"env.env_groups ({e.env_groups}) must be divisible by the world size ({world_size})")
@@ -627,12 +628,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     errors += check_mix(e, world_size, e.backend)
     check(e.train_seed >= 0 and e.val_seed >= 0,
           f"env.train_seed / env.val_seed must be >= 0, got {e.train_seed} / {e.val_seed}")
-    # env seeds reach numpy / C++ as int64: the last training group's seed is train_seed + (iterations + 1) *
-    # env_groups - 1, the last validation state's val_seed + val_groups - 1
-    last_train = e.train_seed + (max(cfg.trainer.iterations, 0) + 1) * max(e.env_groups, 1) - 1
-    check(last_train <= INT64_MAX, f"env.train_seed ({e.train_seed}) must be <= {INT64_MAX - last_train + e.train_seed}"
-                                   f": the seed counter advances by env.env_groups ({e.env_groups}) per iteration "
-                                   f"over trainer.iterations ({cfg.trainer.iterations}) and env seeds are int64")
+    # env seeds reach numpy / C++ as int64 (the last validation state's is val_seed + val_groups - 1)
+    errors += preflight.train_seed_errors(cfg, INT64_MAX)
     check(e.val_seed + max(e.val_groups, 1) - 1 <= INT64_MAX,
           f"env.val_seed ({e.val_seed}) must be <= {INT64_MAX - max(e.val_groups, 1) + 1} (val_seed + env.val_groups "
           f"- 1 must fit in int64)")
@@ -645,7 +642,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
     check(0 < r.top_p <= 1, f"rollout.top_p must lie in (0, 1], got {r.top_p}")
     check(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {r.top_k}")
-    check(all(isinstance(x, str) and x for x in r.stop), f"rollout.stop must hold non-empty strings, got {r.stop!r}")
+    check(all(isinstance(x, str) and x for x in r.stop), f"rollout.stop must hold non-empty strings, got "
+                                                         f"{shown(r.stop)}")
     check(r.format_penalty <= 0, f"rollout.format_penalty must be <= 0, got {r.format_penalty}")
     check(r.max_context_window == -1 or r.max_context_window >= 1,
           f"rollout.max_context_window must be -1 or >= 1, got {r.max_context_window}")
@@ -699,7 +697,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                      or [e.group_size])  # env.train entries may set their own (the smallest counts)
     kept = (algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
             if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
-    if kept is not None and 0 < a.rollout_filter_ratio <= 1:
+    if kept is not None and 0 < a.rollout_filter_ratio <= 1 and e.env_groups >= 1:
         check(kept >= 1, f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
                          f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
         check(kept < 1 or kept * group_size >= o.mini_batch_size,

@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any
 
 from fastpo import envs
+from fastpo.config_io import shown
 
 #: Keys an ``env.train`` / ``env.val`` entry may have.
 ENTRY_KEYS = ("name", "label", "groups", "group_size", "kwargs", "max_turns", "max_actions_per_turn",
@@ -87,11 +88,33 @@ def _split(env_cfg: Any, split: str) -> tuple[list[Any], int, int, str]:
     return mirrored, env_cfg.val_groups, env_cfg.val_group_size, "env.train (validation)"
 
 
+#: Episodes of one split (groups x group size) at most: every group id is listed (and every episode built) at once,
+#: so env.val_groups 99999999999 used to be killed for memory. RAGEN's largest settings use a few thousand.
+MAX_EPISODES = 1 << 22
+
+
+def _count_errors(env_cfg: Any, split: str, total: Any, default_size: Any) -> list[str]:
+    """The split's group count and default group size against [1, MAX_EPISODES] (and their product), before any
+    list of group ids is built; one line each."""
+    groups_field = "env.env_groups" if split == "train" else "env.val_groups"
+    size_field = "env.group_size" if split == "train" else "env.val_group_size"
+    errors = [f"{name} must lie in [1, {MAX_EPISODES}], got {shown(value)}"
+              for name, value in ((groups_field, total), (size_field, default_size))
+              if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_EPISODES]
+    uses_default = not (env_cfg.train if split == "train" else (env_cfg.val or env_cfg.train))
+    if not errors and uses_default and total * default_size > MAX_EPISODES:
+        errors.append(f"{groups_field} ({total}) x {size_field} ({default_size}) = {total * default_size} episodes "
+                      f"per {'iteration' if split == 'train' else 'validation'}; at most {MAX_EPISODES}")
+    return errors
+
+
 def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
     from .rollout import env_label
 
     raw, total, default_size, where = _split(env_cfg, split)
-    errors: list[str] = []
+    errors = _count_errors(env_cfg, split, total, default_size)
+    if errors:
+        return [], errors
     if not raw:  # legacy: round-robin over the names, one kwargs dict, the global budgets
         names = (env_cfg.val_names or env_cfg.names) if split == "val" else env_cfg.names
         out = []
@@ -118,12 +141,12 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
     for i, entry in enumerate(raw):
         at = f"{where}[{i}]"
         if not isinstance(entry, dict):
-            errors.append(f"{at}: expected a mapping with keys {list(ENTRY_KEYS)}, got {entry!r}")
+            errors.append(f"{at}: expected a mapping with keys {list(ENTRY_KEYS)}, got {shown(entry)}")
             continue
         unknown = [k for k in entry if k not in ENTRY_KEYS]
         for k in unknown:
             close = difflib.get_close_matches(str(k), ENTRY_KEYS, n=1, cutoff=0.5)
-            errors.append(f"{at}: unknown key {k!r}; accepted: {list(ENTRY_KEYS)}"
+            errors.append(f"{at}: unknown key {shown(k)}; accepted: {list(ENTRY_KEYS)}"
                           + (f"; did you mean {close[0]}?" if close else ""))
         name = entry.get("name")
         if not isinstance(name, str) or not name:
@@ -139,19 +162,27 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
         for key in _INT_KEYS:
             value = entry.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                errors.append(f"{at}.{key} must be an int >= 1, got {value!r}")
+                errors.append(f"{at}.{key} must be an int >= 1, got {shown(value)}")
                 bad = True
         label = entry.get("label", env_label(name))
         if not isinstance(label, str) or not label.strip() or "/" in label:
-            errors.append(f"{at}.label must be a non-empty str without '/', got {label!r}")
+            errors.append(f"{at}.label must be a non-empty str without '/', got {shown(label)}")
             bad = True
         kwargs = entry.get("kwargs", {})
         if not isinstance(kwargs, dict):
-            errors.append(f"{at}.kwargs must be a mapping (the env's config), got {kwargs!r}")
+            errors.append(f"{at}.kwargs must be a mapping (the env's config), got {shown(kwargs)}")
             bad = True
         if bad:
             continue
         groups = entry["groups"] if all(given) else total // len(raw)
+        size = entry.get("group_size") or default_size
+        if groups > MAX_EPISODES:
+            errors.append(f"{at}.groups must lie in [1, {MAX_EPISODES}], got {groups}")
+            continue
+        if groups * size > MAX_EPISODES:
+            errors.append(f"{at}: {groups} groups x group_size {size} = {groups * size} episodes; a split runs at "
+                          f"most {MAX_EPISODES}")
+            continue
         try:
             budget = entry.get("max_actions_per_traj") or own_budget(name, kwargs, _time_limit(env_cfg))
             kwargs = envs.step_limit_config(name, budget, kwargs)
@@ -163,6 +194,10 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
             entry.get("max_turns") or env_cfg.max_turns, entry.get("max_actions_per_turn") or
             env_cfg.max_actions_per_turn, budget))
         start += groups
+    episodes = sum(len(e.groups) * e.group_size for e in entries)
+    if episodes > MAX_EPISODES:
+        errors.append(f"{where}: the entries run {episodes} episodes (groups x group_size); a split runs at most "
+                      f"{MAX_EPISODES}")
     if all(given) and raw and not errors and start != total:
         total_field = "env.env_groups" if split == "train" else "env.val_groups"
         errors.append(f"{where}: the entries' groups add up to {start}, but {total_field} is {total}; make them "
@@ -176,10 +211,10 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
 
 def resolve_mix(env_cfg: Any, split: str) -> list[EnvEntry]:
     """The entries of the ``train`` or ``val`` split of an ``EnvConfig`` (see the module docstring). Raises
-    ValueError listing every problem."""
+    ValueError listing every problem (one line when there is one)."""
     entries, errors = _resolve(env_cfg, split)
     if errors:
-        raise ValueError("invalid env mix:\n  " + "\n  ".join(errors))
+        raise ValueError(errors[0] if len(errors) == 1 else "invalid env mix:\n  " + "\n  ".join(errors))
     return entries
 
 
@@ -210,7 +245,7 @@ def check_mix(env_cfg: Any, world_size: int = 1, backend: str = "default") -> li
             except PreflightTimeout as e:
                 errors.append(f"env.{split}[{i}]: {e}")
             except Exception as e:
-                errors.append(f"env.{split}[{i}].kwargs: env {entry.name!r} rejects {entry.kwargs}: {e}")
+                errors.append(f"env.{split}[{i}].kwargs: env {entry.name!r} rejects {shown(entry.kwargs)}: {e}")
     return errors
 
 

@@ -318,9 +318,11 @@ def _run_config(argv: Sequence[str]) -> str | None:
     if not path:
         return None
     own = os.path.join(os.path.expanduser(path), "config.json")
+    from .config_io import load_json
+
     try:
-        with open(own) as f:
-            data = json.load(f)
+        with open(own, "rb") as f:
+            data = load_json(f.read(), own)  # bounded: a deep or huge file is not a run's config
     except (OSError, ValueError):
         return None
     return own if isinstance(data, dict) and {"env", "rollout", "trainer"} <= set(data) else None

@@ -13,15 +13,16 @@
 
 Offline: a local directory is used as is; a hub id with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) must
 already be in the Hugging Face cache, or loading fails at once with a one-line ValueError (transformers would
-otherwise fail with a generic connection message, or spend ~23 s retrying when the variable is unset).
+otherwise fail with a generic connection message, or spend ~23 s retrying when the variable is unset). Online, an id
+that is not cached is looked up once on the hub first: not found or an unreachable hub is the same kind of one line.
 
 transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as ``TokenizersBackend``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-import json
 import os
 import sys
 from pathlib import Path
@@ -98,15 +99,47 @@ def resolve_pretrained(path_or_id: str | os.PathLike, required: tuple[str, ...],
             f"{what} path {name!r} does not exist; pass a directory written by save_pretrained or a hub id such as"
             " Qwen/Qwen2.5-0.5B-Instruct"
         )
-    if _offline():
-        from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache
 
-        if not any(isinstance(try_to_load_from_cache(name, f), str) for f in required):
-            raise ValueError(
-                f"{what} {name!r} is not a local directory and not in the Hugging Face cache while HF_HUB_OFFLINE=1;"
-                f" pass a local directory, or download it first (`hf download {name}`)"
-            )
+    cached = any(isinstance(try_to_load_from_cache(name, f), str) for f in required)
+    if _offline() and not cached:
+        raise ValueError(
+            f"{what} {name!r} is not a local directory and not in the Hugging Face cache while HF_HUB_OFFLINE=1;"
+            f" pass a local directory, or download it first (`hf download {name}`)"
+        )
+    problem = None if cached or _offline() else _hub_problem(name)
+    if problem:
+        raise ValueError(f"{what} {name!r} {problem}; accepted: a local model folder, a fastpo run folder, 'tiny' "
+                         f"(the tiny CPU agent), or a hub id with the hub reachable (offline: HF_HUB_OFFLINE=1 and the "
+                         f"id in the Hugging Face cache)")
     return name
+
+
+#: Seconds the one hub lookup of :func:`_hub_problem` may take.
+HUB_LOOKUP_TIMEOUT_S = 10.0
+
+
+@functools.lru_cache(maxsize=64)
+def _hub_problem(name: str) -> str | None:
+    """Why hub id `name` (not a folder, not cached) cannot load, from one lookup without retries, or None when it
+    exists or the hub answers something else (transformers then reports it). Without this, transformers retries
+    each file for ~50 s when the hub cannot be reached and ends in a multi-line OSError."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        HfApi().repo_info(name, timeout=HUB_LOOKUP_TIMEOUT_S)
+    except GatedRepoError:  # exists; access is transformers' to report
+        return None
+    except RepositoryNotFoundError:
+        return "was not found on the Hugging Face hub (or is private: log in with `hf auth login`)"
+    except HFValidationError:
+        return "is not a local directory and not a valid hub id (owner/name)"
+    except HfHubHTTPError:
+        return None
+    except Exception as err:  # DNS, connection refused, timeout: the hub cannot be reached from here
+        return f"is not a local directory and the Hugging Face hub cannot be reached ({type(err).__name__})"
+    return None
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -147,7 +180,8 @@ def resolve_model_path(path: str | os.PathLike) -> str:
 
     - ``"tiny"``: the tiny CPU agent's folder (``fastpo.tiny_agent.tiny_agent_path``: the one shipped in the package,
       else built once into the user cache by rank 0 while the other ranks wait; collective under a process group);
-    - a fastpo run folder (its own config.json is the run's config, not a model's): its export, ``<run>/hf``;
+    - a fastpo run folder (its own config.json is the run's config, not a model's): its export, ``<run>/hf``, which
+      must hold the export's COMPLETE marker (so must a ``<run>/hf`` given directly);
     - anything else (a model folder, a hub id) as is: ``resolve_pretrained`` checks it when it loads.
 
     Raises ValueError for a run folder without an ``hf/`` export, and for a checkpoint folder
@@ -164,7 +198,10 @@ def resolve_model_path(path: str | os.PathLike) -> str:
         return str(path)
     own = os.path.join(name, "config.json")
     if os.path.exists(os.path.join(name, "hf", "config.json")) and not _is_model_config(own):
-        return os.path.join(name, "hf")  # the trainer's export: <run_dir>/hf
+        return _finished_export(os.path.join(name, "hf"))  # the trainer's export: <run_dir>/hf
+    parent = os.path.dirname(os.path.abspath(name))
+    if os.path.basename(os.path.abspath(name)) == "hf" and _is_run_config(os.path.join(parent, "config.json")):
+        return _finished_export(str(path))  # <run_dir>/hf given directly
     if os.path.exists(own) and not _is_model_config(own):
         raise ValueError(f"{name!r} is a fastpo run folder without an hf/ export (the run has not finished, or "
                          f"stopped before exporting); pass a finished run, or a model directory")
@@ -175,12 +212,35 @@ def resolve_model_path(path: str | os.PathLike) -> str:
     return str(path)
 
 
+def _finished_export(hf: str) -> str:
+    """`hf` when the trainer's export there finished (``fastpo.checkpoint.export_hf`` writes its COMPLETE marker
+    last); ValueError naming the folder otherwise."""
+    if not os.path.isfile(os.path.join(os.path.expanduser(hf), "COMPLETE")):
+        raise ValueError(f"{hf!r} has no COMPLETE marker: an interrupted export (the trainer writes the marker last); "
+                         f"pass a run whose export finished, or a model directory")
+    return hf
+
+
+def _is_run_config(path: str) -> bool:
+    """True for a fastpo run's config.json (its sections env / rollout / trainer)."""
+    from .config_io import load_json
+
+    try:
+        with open(path, "rb") as f:
+            data = load_json(f.read(), path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"env", "rollout", "trainer"} <= set(data)
+
+
 def _is_model_config(path: str) -> bool:
     """True for a transformers config.json (it names its ``model_type``); false for a missing file or a fastpo
     run config (sections such as ``trainer``)."""
+    from .config_io import load_json
+
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = load_json(f.read(), path)  # bounded: a deep file (RecursionError in json) is no model config
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "model_type" in data
@@ -343,6 +403,25 @@ def parse_target_modules(spec: str | list[str] | tuple[str, ...]) -> str | list[
     return "all-linear" if names == ["all-linear"] else names
 
 
+def lora_rank_limit(model: nn.Module, target_modules: str | list[str] | tuple[str, ...]) -> tuple[int, str] | None:
+    """(the largest useful LoRA rank, the layer that sets it): the smallest min(in_features, out_features) over the
+    ``nn.Linear`` layers `target_modules` selects as peft does ("all-linear": every linear layer but the output
+    head; names: modules whose name is, or ends with, one of them). None when it selects no linear layer. Works on a
+    meta-device skeleton (no weights read)."""
+    targets = parse_target_modules(target_modules)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    best: tuple[int, str] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        if targets != "all-linear" and not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        limit = min(module.in_features, module.out_features)
+        if best is None or limit < best[0]:
+            best = (limit, f"{name}: {module.in_features} -> {module.out_features}")
+    return best
+
+
 def _apply_lora(peft: Any, model: nn.Module, rank: int, alpha: int, target_modules: str | list[str],
                 seed: int = 0) -> nn.Module:
     """Wrap `model` with a LoRA adapter (no dropout: the trainer's forwards stay deterministic). Base weights are
@@ -352,6 +431,11 @@ def _apply_lora(peft: Any, model: nn.Module, rank: int, alpha: int, target_modul
     :func:`merged_state_dict` merges ``W + scaling * B @ A`` for those alone."""
     if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha < 1:
         raise ValueError(f"lora_alpha must be an int >= 1, got {alpha!r}")
+    limit = lora_rank_limit(model, target_modules)
+    # a rank past a layer's narrower side adds no expressiveness, only adapter size (100000 x 128 took minutes)
+    if limit is not None and rank > limit[0]:
+        raise ValueError(f"lora_rank {rank} exceeds the smallest adapted layer ({limit[1]}); choose lora_rank <= "
+                         f"{limit[0]}")
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=parse_target_modules(target_modules),
                              lora_dropout=0.0)
     with torch.random.fork_rng(devices=[]):

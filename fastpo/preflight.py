@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .config import Config, ConfigError, config_hash
+from .config_io import shown
 
 #: Failures an env raises for bad keyword arguments or for levels it cannot generate.
 _ENV_ERRORS = (ValueError, TypeError, RuntimeError, OSError, KeyError)
@@ -108,12 +109,50 @@ def _run_paths(cfg: Config) -> list[str]:
         errors.append(f"trainer.run_dir {t.run_dir!r} {what}; pass a directory (it is created if missing)")
     elif not os.access(base, os.W_OK | os.X_OK):
         errors.append(f"trainer.run_dir {t.run_dir!r}: {str(base)!r} is not writable; pass a writable directory")
+    else:
+        errors += _unwritable_run_files(run_dir, t.run_dir)
     if t.resume not in ("auto", "never"):
         path = Path(os.path.expanduser(t.resume))
         if not path.is_dir():
-            errors.append(f"trainer.resume {t.resume!r}: no such checkpoint directory; accepted: 'auto', 'never' "
+            errors.append(f"trainer.resume {shown(t.resume)}: no such checkpoint directory; accepted: 'auto', 'never' "
                           f"or the path of a checkpoint directory (e.g. <run_dir>/checkpoints/step-000010)")
+        else:
+            problem = _not_a_checkpoint(path)
+            if problem:
+                errors.append(f"trainer.resume {shown(t.resume)}: {problem}")
     return errors
+
+
+def _unwritable_run_files(run_dir: Path, given: str) -> list[str]:
+    """What the run writes into that already exists but cannot be written: a read-only ``checkpoints/`` passed the
+    run directory's own check and failed at the first save, after a full iteration."""
+    from .storage import RUN_FILES
+
+    errors = []
+    for name in (*RUN_FILES, "config.json"):
+        path = run_dir / name
+        if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+            errors.append(f"trainer.run_dir {shown(given)}: {str(path)!r} is not writable (the run writes there); "
+                          f"make it writable or choose another trainer.run_dir")
+    return errors
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """Why the folder given as trainer.resume is not a checkpoint (None when it has the COMPLETE marker; its files
+    are verified when it loads), with the checkpoint to pass instead when it is a run or checkpoints folder."""
+    from .checkpoint import MARKER, latest
+
+    if (path / MARKER).is_file():
+        return None
+    run = path.parent if path.name == "checkpoints" else path
+    newest = latest(run)
+    if newest is not None:
+        return (f"{str(path)!r} is a run folder, not a checkpoint; pass its newest checkpoint {str(newest)!r}, or "
+                f"--trainer.run_dir {run} --trainer.resume auto")
+    what = (f"has no {MARKER} marker (an interrupted or unpublished save)" if path.name.startswith("step-") else
+            f"is not a checkpoint folder (no {MARKER} marker)")
+    return (f"{str(path)!r} {what}; a checkpoint folder is <run_dir>/checkpoints/step-NNNNNN holding {MARKER}, "
+            f"trainer_state.json and the .distcp / .metadata files")
 
 
 def _mix_entries(cfg: Config) -> list[tuple[str, Any, int]]:
@@ -161,7 +200,7 @@ def _env_kwargs(cfg: Config) -> list[str]:
         except _ENV_ERRORS as err:
             text = " ".join(str(err).split()) or type(err).__name__
             given = cfg.env.kwargs if where == "env.kwargs" else entry.kwargs
-            errors.append(f"{where} {given!r}: env {entry.name!r} (env.backend {cfg.env.backend}) refuses them: "
+            errors.append(f"{where} {shown(given)}: env {entry.name!r} (env.backend {cfg.env.backend}) refuses them: "
                           f"{text}")
             _close_after_failure(env)
     return errors
@@ -196,6 +235,30 @@ def _resume_hash(cfg: Config) -> list[str]:
             f"hash is {mine} (a field that changes the training math differs from that run's config.json); pass "
             f"that run's config (--config <run_dir>/config.json), another --trainer.run_dir, or --trainer.resume "
             f"never --trainer.overwrite true (replaces that run)"]
+
+
+def lora_rank_error(cfg: Config, model_path: str) -> str | None:
+    """``model.lora_rank`` above the smallest adapted layer of the policy at `model_path` (resolved) or of the critic
+    (``model.critic_path``, when a critic trains), found on a meta-device skeleton (no weights read) before any model
+    loads; None when it fits or LoRA is off."""
+    from . import algorithms
+    from .model import load_policy, lora_rank_limit, resolve_model_path
+
+    m = cfg.model
+    if m.lora_rank <= 0:
+        return None
+    paths = [("model.path", model_path)]
+    if m.critic_path and algorithms.needs_critic(cfg.algorithm):
+        paths.append(("model.critic_path", resolve_model_path(m.critic_path)))
+    for field, path in paths:
+        try:
+            limit = lora_rank_limit(load_policy(path, meta=True), m.lora_target_modules)
+        except (ValueError, OSError):  # an unreadable model is the loader's to report, where it loads
+            continue
+        if limit is not None and m.lora_rank > limit[0]:
+            return (f"model.lora_rank {m.lora_rank} exceeds the smallest layer that model.lora_target_modules="
+                    f"{shown(m.lora_target_modules)} adapts in {field} ({limit[1]}); accepted: 1 to {limit[0]}")
+    return None
 
 
 def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: bool = True, action_sep: str = "||",
@@ -259,6 +322,27 @@ def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
+def train_seed_errors(cfg: Config, int64_max: int) -> list[str]:
+    """The last training group's env seed, train_seed + (iterations + 1) * env_groups - 1, must fit in int64 (env
+    seeds reach numpy and C++ as int64). The message leads with the larger of the two terms: a huge trainer.iterations
+    was blamed on env.train_seed, with a negative bound. [] when it fits."""
+    e, iterations = cfg.env, max(cfg.trainer.iterations, 0)
+    groups, seed = max(e.env_groups, 1), max(e.train_seed, 0)
+    span = (iterations + 1) * groups  # seeds the run draws from train_seed on
+    if seed + span - 1 <= int64_max:
+        return []
+    why = f"the seed counter advances by env.env_groups ({e.env_groups}) per iteration and env seeds are int64"
+    most_iterations = (int64_max - seed + 1) // groups - 1
+    if span > seed and most_iterations >= 0:
+        return [f"trainer.iterations ({cfg.trainer.iterations}) must be <= {most_iterations} with env.train_seed "
+                f"({e.train_seed}): {why}"]
+    if span <= seed:
+        return [f"env.train_seed ({e.train_seed}) must be <= {int64_max - span + 1} with trainer.iterations "
+                f"({cfg.trainer.iterations}): {why}"]
+    return [f"env.train_seed ({e.train_seed}) must be <= {int64_max - groups + 1} (room for one iteration) and "
+            f"trainer.iterations ({cfg.trainer.iterations}) far lower: {why}"]
+
+
 def finite_float_errors(cfg: Config, inf_ok: frozenset[str]) -> list[str]:
     """NaN in any float field, or +-inf in one not listed in `inf_ok` (``section.field`` names that document
     "inf disables")."""
@@ -277,6 +361,6 @@ def finite_float_errors(cfg: Config, inf_ok: frozenset[str]) -> list[str]:
                     continue
                 if math.isnan(v) or name not in inf_ok:
                     allowed = "a finite number or inf" if name in inf_ok else "a finite number"
-                    errors.append(f"{name} must be {allowed}, got {value!r}")
+                    errors.append(f"{name} must be {allowed}, got {shown(value)}")
                     break
     return errors

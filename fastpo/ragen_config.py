@@ -205,6 +205,23 @@ INERT: dict[str, str] = {
         "= rollout.top_k", "ctx_manager.generation.gen_config.kwargs": "unused",
 }
 
+#: Top-level keys of RAGEN's configs (a --config with one of them as a section is a RAGEN file, not a fastpo one).
+RAGEN_SECTIONS = frozenset(k.split(".")[0] for k in (*KEY_MAP, *INERT) if "." in k)
+
+
+def ragen_equivalents(name: str) -> tuple[str, list[str]]:
+    """(RAGEN's name, the fastpo fields it maps to) for a setting spelled RAGEN's way: a full RAGEN key
+    (``actor_rollout_ref.actor.clip_ratio_low``) or its last part under any section (``algorithm.clip_ratio_low``,
+    ``clip_ratio_low``), looked up in :data:`KEY_MAP`; ``(name, [])`` when it is not a RAGEN name."""
+    key = name.lstrip("-")
+    short = key.rsplit(".", 1)[-1]
+    if key in KEY_MAP:
+        fields = [KEY_MAP[key][0]]
+    else:
+        fields = [f for k, (f, _) in KEY_MAP.items() if k.rsplit(".", 1)[-1] == short]
+    return short, sorted({f for f in fields if f})
+
+
 _ENV_CONFIG_KEYS = {  # per fastpo env: RAGEN env_config key -> fastpo kwargs key (None: checked separately)
     "sokoban": {"num_boxes": "num_boxes", "max_steps": "max_steps", "search_depth": "search_depth",
                 "dim_room": "dim_room", "dim_x": None, "dim_y": None, "grid_lookup": None, "grid_vocab": None,
@@ -231,18 +248,21 @@ def _merge(base: dict, over: dict) -> dict:
 
 def load_ragen_yaml(path: str | Path) -> dict[str, Any]:
     """A RAGEN YAML with its ``defaults`` merged in (sibling ``<name>.yaml`` files, recursively; ``ppo_trainer``
-    skipped) and ``${a.b}`` interpolations resolved. Raises PortError naming a missing or unreadable file."""
-    import yaml
+    skipped) and ``${a.b}`` interpolations resolved. Raises PortError naming a missing, unreadable, binary, too deep
+    or too big file (``fastpo.config_io.load_yaml``)."""
+    from .config_io import load_yaml
 
     def load(p: Path, seen: tuple[Path, ...]) -> dict:
         if p in seen:
             raise PortError(f"{p}: defaults form a cycle through {[str(s) for s in seen]}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = load_yaml(p.read_text(), str(p)) or {}
         except OSError as e:
             raise PortError(f"cannot read RAGEN config {str(p)!r}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise PortError(f"{p} is not valid YAML: {e}") from None
+        except UnicodeDecodeError:
+            raise PortError(f"{p} is not a text file (a RAGEN YAML is expected)") from None
+        except ValueError as e:
+            raise PortError(str(e)) from None
         if not isinstance(data, dict):
             raise PortError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
         merged: dict = {}
@@ -271,11 +291,18 @@ def _lookup(root: dict, dotted: str) -> Any:
 
 
 def _interpolate(root: dict) -> dict:
+    from .config_io import MAX_NODES
+
     pattern = re.compile(r"\$\{([^}]+)\}")
+    budget = [MAX_NODES]  # values produced: each ${...} copies what it names, so chains of them multiply
 
     def resolve(value: Any, depth: int = 0) -> Any:
         if depth > 20:
             raise PortError("interpolations nest more than 20 levels (a cycle?)")
+        budget[0] -= 1 + (len(value) // 100 if isinstance(value, str) else 0)
+        if budget[0] < 0:
+            raise PortError(f"${{...}} interpolations expand the config past {MAX_NODES} values; a RAGEN config "
+                            f"has a few hundred")
         if isinstance(value, dict):
             return {k: resolve(v, depth) for k, v in value.items()}
         if isinstance(value, list):

@@ -62,20 +62,41 @@ class EnvSuccess:
         return 100.0 * (self.after - self.before)
 
 
+class MetricsFileError(ValueError):
+    """A metrics.jsonl that is not the trainer's: binary data, or a row whose ``step`` is not an integer."""
+
+
 def load_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of ``<run_dir>/metrics.jsonl`` in file order (a truncated last line, e.g. from a killed run, is
-    skipped). Raises FileNotFoundError naming the path when the run folder has no metrics file."""
+    skipped, and so is a line that is not a JSON object with a ``step``). Raises FileNotFoundError naming the path
+    when the run folder has no metrics file, MetricsFileError (one line naming the file and the line) for a line
+    that is not UTF-8 text or a ``step`` that is not an integer."""
+    from .config_io import shown
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass a run folder written by fastpo.train (--trainer.run_dir)")
     rows = []
-    for line in path.read_text().splitlines():
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        torn = n == len(lines)  # no newline after it: a killed run's partial write (a multi-byte char may be cut)
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            if torn:
+                continue
+            raise MetricsFileError(f"{path} is not a metrics file: line {n} is not UTF-8 text (binary data?); pass "
+                                   f"a run folder written by fastpo.train") from None
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             continue
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        if isinstance(row["step"], bool) or not isinstance(row["step"], int):
+            raise MetricsFileError(f"{path} line {n}: step must be an integer (the iteration), got "
+                                   f"{shown(row['step'])}")
+        rows.append(row)
     return rows
 
 
@@ -207,8 +228,10 @@ def plot_compare(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str 
 
 def _n_val(run_dir: Path) -> int | None:
     """Validation states per env from the run's resolved config (None when it cannot be read)."""
+    from .config_io import load_json
+
     try:
-        env = json.loads((run_dir / "config.json").read_text())["env"]
+        env = load_json((run_dir / "config.json").read_bytes(), "config.json")["env"]  # bounded: never a crash
         names = env.get("val_names") or env["names"]
         return int(env["val_groups"]) * int(env.get("val_group_size", 1)) // max(1, len(names))
     except (OSError, KeyError, ValueError, TypeError):
@@ -284,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(args.runs) != 1:
             raise ConfigError("several run folders need --compare PNG")
         print(write_report(args.runs[0], args.png))
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, MetricsFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

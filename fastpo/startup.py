@@ -11,20 +11,23 @@ the first writes: what ``trainer.overwrite`` deletes, the temporary folders of k
 from __future__ import annotations
 
 from .config import Config, ConfigError, config_hash, validate
-from .preflight import check_prompt_fits
+from .preflight import check_prompt_fits, lora_rank_error
 from .storage import RunDirLock, claim_run_dir, lock_run_dir
 
 
 def _prompt_problem(cfg: Config) -> str | None:
-    """The prompt check (``preflight.check_prompt_fits``; this module's name is the patch point for tests) with the
-    run's tokenizer: the problem or None (every rank calls it: resolving ``tiny`` is collective)."""
+    """The checks that need the model's files, before any model loads: the prompt check
+    (``preflight.check_prompt_fits``; this module's name is the patch point for tests) with the run's tokenizer, and
+    ``model.lora_rank`` against the model's layers (``preflight.lora_rank_error``, on a meta-device skeleton). The
+    problem or None (every rank calls it: resolving ``tiny`` is collective)."""
     from .model import load_tokenizer, resolve_model_path
 
+    path = resolve_model_path(cfg.model.path)
     try:
-        check_prompt_fits(cfg, load_tokenizer(resolve_model_path(cfg.model.path)))
+        check_prompt_fits(cfg, load_tokenizer(path))
     except ConfigError as err:
         return str(err)
-    return None
+    return lora_rank_error(cfg, path)
 
 
 def prepare_run_dir(cfg: Config) -> RunDirLock | None:

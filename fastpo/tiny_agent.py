@@ -158,21 +158,115 @@ def train_reading(model: Any, rows: list[tuple[list[int], int]], steps: int, lr:
     return losses
 
 
+#: Largest seed of the recipe (env seeds reach numpy / C++ as int64; data_seed + 100000 + episodes must fit).
+_SEED_MAX = 2**63 - 1 - 200_000 - 2**31
+
+
+def recipe_errors(r: TinyAgentRecipe) -> list[str]:
+    """One line per bad field of `r` (naming the field, the value and what is accepted); [] when the recipe can be
+    built. Builds the env once (one instance, reset at ``data_seed``), so bad env kwargs fail here, before any work."""
+    import math
+
+    errors = []
+    for name in ("hidden", "layers", "heads", "kv_heads", "episodes", "sft_steps", "batch_size", "max_turns",
+                 "max_actions_per_turn"):
+        if getattr(r, name) < 1:
+            errors.append(f"recipe.{name} must be >= 1, got {getattr(r, name)}")
+    if r.hidden >= 1 and r.heads >= 1 and r.kv_heads >= 1:
+        if r.hidden % r.heads:
+            errors.append(f"recipe.hidden ({r.hidden}) must be divisible by recipe.heads ({r.heads})")
+        elif (r.hidden // r.heads) % 2:  # rotary embeddings rotate pairs of dimensions
+            errors.append(f"recipe.hidden ({r.hidden}) / recipe.heads ({r.heads}) = {r.hidden // r.heads} must be "
+                          f"even (the head dimension; rotary embeddings pair its dimensions)")
+        if r.heads % r.kv_heads:
+            errors.append(f"recipe.heads ({r.heads}) must be divisible by recipe.kv_heads ({r.kv_heads})")
+    if r.read_steps < 0:
+        errors.append(f"recipe.read_steps must be >= 0, got {r.read_steps}")
+    if r.read_episodes < 1 and r.read_steps > 0:
+        errors.append(f"recipe.read_episodes must be >= 1 while recipe.read_steps > 0, got {r.read_episodes}")
+    if not 0.0 <= r.noise <= 1.0:
+        errors.append(f"recipe.noise must lie in [0, 1], got {r.noise}")
+    if not (math.isfinite(r.lr) and r.lr > 0):  # inf / nan train to NaN weights
+        errors.append(f"recipe.lr must be a finite number > 0, got {r.lr}")
+    if not math.isfinite(r.read_loss_target):
+        errors.append(f"recipe.read_loss_target must be a finite number, got {r.read_loss_target}")
+    for name in ("init_seed", "data_seed", "shuffle_seed"):
+        if not 0 <= getattr(r, name) <= _SEED_MAX:
+            errors.append(f"recipe.{name} must lie in [0, {_SEED_MAX}], got {getattr(r, name)}")
+    if not errors:
+        errors += _env_errors(r)
+    return errors
+
+
+def _env_errors(r: TinyAgentRecipe) -> list[str]:
+    """The SFT env: a known env with a solver (the data are its shortest paths), built from env_kwargs."""
+    import numpy as np
+
+    from . import envs
+    from .config_io import shown
+
+    if r.env.lower() not in envs.available():
+        return [f"recipe.env: unknown env {shown(r.env)}; choose from {envs.available()}"]
+    if not isinstance(r.env_kwargs, dict):
+        return [f"recipe.env_kwargs must be a mapping (the env's config), got {shown(r.env_kwargs)}"]
+    try:
+        env = envs.make(r.env, 1, **r.env_kwargs)
+        try:
+            env.reset(np.array([r.data_seed], dtype=np.int64))
+            solvable = callable(getattr(env, "solve", None))
+        finally:
+            env.close()
+    except Exception as err:  # the env's own refusal of its kwargs, in its words
+        return [f"recipe.env_kwargs {shown(r.env_kwargs)}: env {r.env!r} refuses them: {' '.join(str(err).split())}"]
+    if not solvable:
+        return [f"recipe.env {r.env!r} has no solver to write the SFT trajectories; choose an env with one "
+                f"(frozenlake or a sokoban variant)"]
+    return []
+
+
+def out_dir_error(out: str | os.PathLike, overwrite: bool = False) -> str | None:
+    """Why `out` may not be (re)built into: a file, or a non-empty folder that is not a tiny-agent build (no
+    ``tiny_agent.json``) whose contents the build would delete, unless `overwrite`. None when it may."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        return f"out {str(path)!r} is a file; pass a folder (created if missing)"
+    if overwrite or not path.is_dir() or (path / RECIPE_FILE).is_file() or not any(path.iterdir()):
+        return None
+    return (f"out {str(path)!r} is a non-empty folder that is not a tiny agent (no {RECIPE_FILE}); building would "
+            f"delete its contents: pass a new or empty folder, a previous tiny-agent build, or --overwrite true")
+
+
 def build_tiny_agent(out: str | os.PathLike, recipe: TinyAgentRecipe | None = None,
-                     log: Callable[[str], None] = print) -> Path:
+                     log: Callable[[str], None] = print, overwrite: bool = False) -> Path:
     """Build the tiny agent into `out` (written under a temporary name, then renamed, so a crash never leaves a
     half-written folder that looks complete). Returns the folder; ``fastpo.model.load_policy(out)`` and
-    ``load_tokenizer(out)`` load it."""
+    ``load_tokenizer(out)`` load it.
+
+    Raises:
+        ValueError: before any work, one line per bad recipe field (:func:`recipe_errors`), or `out` is a file or a
+            non-empty folder that is not a tiny-agent build (unless `overwrite`).
+        FloatingPointError: training diverged (non-finite weights); nothing is saved.
+    """
+    r = recipe or TinyAgentRecipe()
+    errors = recipe_errors(r) + [e for e in [out_dir_error(out, overwrite)] if e]
+    if errors:
+        raise ValueError("\n".join(errors))
+    out = Path(out)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        return _build(out, tmp, r, log)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed build leaves nothing behind (a finished one was renamed)
+
+
+def _build(out: Path, tmp: Path, r: TinyAgentRecipe, log: Callable[[str], None]) -> Path:
     import torch
 
     from .model import load_tokenizer
     from .sft import build_sft_dataset, train_sft
     from .testing import build_tiny_model, build_tiny_tokenizer
 
-    r = recipe or TinyAgentRecipe()
-    out = Path(out)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
     build_tiny_tokenizer(tmp)
     tok = load_tokenizer(str(tmp), padding_side="right")
@@ -198,6 +292,9 @@ def build_tiny_agent(out: str | os.PathLike, recipe: TinyAgentRecipe | None = No
         train_sft(model, data, r.sft_steps, lr=r.lr / 2, batch_size=r.batch_size, pad_token_id=tok.pad_token_id,
                   seed=r.shuffle_seed, log_every=max(1, r.sft_steps // 10), log=on_log)
     model.eval()
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        raise FloatingPointError(f"training diverged: the weights are not finite after {len(read_losses)} reading "
+                                 f"and {r.sft_steps} SFT steps (recipe.lr {r.lr} too high?); nothing was saved")
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.padding_side = "left"
     tok.save_pretrained(str(tmp))
@@ -245,7 +342,9 @@ class TinyAgentArgs:
     """``python -m fastpo.tiny_agent --out DIR``: build (or rebuild) the tiny agent from its recipe."""
 
     out: str = ""
-    """Output folder (replaced; required)."""
+    """Output folder (required): created, or replaced when it is empty or a previous tiny-agent build."""
+    overwrite: bool = False
+    """Replace an --out folder that holds other files (they are deleted)."""
     threads: int = 2
     """Torch CPU threads (>= 1); the weights do not depend on it."""
     recipe: TinyAgentRecipe = field(default_factory=TinyAgentRecipe)
@@ -259,15 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse(TinyAgentArgs, argv, prog="python -m fastpo.tiny_agent",
                      description=describe(__doc__.split("\n\n")[0]))
-        r = args.recipe
         checks = [(bool(args.out), "out: required (the output folder)"),
-                  (args.threads >= 1, f"threads must be >= 1, got {args.threads}"),
-                  (r.read_steps >= 0, f"recipe.read_steps must be >= 0, got {r.read_steps}"),
-                  (r.sft_steps >= 1, f"recipe.sft_steps must be >= 1, got {r.sft_steps}"),
-                  (r.episodes >= 1, f"recipe.episodes must be >= 1, got {r.episodes}"),
-                  (0.0 <= r.noise <= 1.0, f"recipe.noise must lie in [0, 1], got {r.noise}"),
-                  (r.lr > 0, f"recipe.lr must be > 0, got {r.lr}")]
-        errors = [msg for ok, msg in checks if not ok]
+                  (args.threads >= 1, f"threads must be >= 1, got {args.threads}")]
+        errors = [msg for ok, msg in checks if not ok] + recipe_errors(args.recipe)  # before any work
+        if args.out:
+            errors += [e for e in [out_dir_error(args.out, args.overwrite)] if e]
         if errors:
             raise ConfigError("\n".join(errors))
     except ConfigError as err:
@@ -277,7 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    build_tiny_agent(args.out, args.recipe)
+    try:
+        build_tiny_agent(args.out, args.recipe, overwrite=args.overwrite)
+    except FloatingPointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -101,6 +101,9 @@ def selective_logprob(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> 
     if logits.dim() < 2:
         raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
     _same_shape(ids, "ids", logits.shape[:-1], "logits.shape[:-1]")
+    if logits.shape[-1] == 0:  # else reported as ids outside [0, 0)
+        raise ValueError(f"logits: the vocab is empty (V = 0, the last dim of shape {tuple(logits.shape)}); a "
+                         f"logprob needs a vocab of at least one token")
     _same_device(logits=logits, ids=ids)
     t = _temperature(temperature)
     shape = ids.shape
@@ -128,6 +131,9 @@ def fused_linear_logprob(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
                          f"shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.shape[0] == 0:  # else reported as ids outside [0, 0), or a division by zero for an empty batch
+        raise ValueError(f"weight: the vocab is empty (V = 0 rows, shape {tuple(weight.shape)}); a logprob needs a "
+                         f"vocab of at least one token")
     _same_shape(ids, "ids", hidden.shape[:-1], "hidden.shape[:-1]")
     if bias is not None:
         _tensor(bias, "bias")
@@ -369,7 +375,8 @@ def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_e
 def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True, eps: float = 1e-6,
                     *, cu_seqlens: Tensor | None = None) -> Tensor:
     """GRPO: A_i = (R_i - mean_group) / (std_group + eps) (unbiased std; a group of one gets 0), or R_i - mean
-    with norm_by_std=False, broadcast to the trained tokens of sequence i.
+    with norm_by_std=False, broadcast to the trained tokens of sequence i. eps must be > 0 (a group of equal scores
+    then gets 0, not 0 / 0).
 
     scores float ``[B]``, group_ids int ``[B]`` (any labels), mask ``[B, T]`` or packed ``[N]`` + cu_seqlens
     (``[B + 1]``). Returns fp32 of mask's shape."""
@@ -384,7 +391,7 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std
         where = "mask.shape[0]" if cu_seqlens is None else "len(cu_seqlens) - 1"
         raise ValueError(f"scores must have one entry per sequence ({where} = {n_seq}), got {scores.shape[0]}")
     _same_device(scores=scores, group_ids=group_ids, mask=mask, cu_seqlens=cu_seqlens)
-    _number(eps, "eps", 0.0)
+    _number(eps, "eps", 0.0, low_open=True)  # 0 would divide 0 by 0 (NaN) for a group of equal scores
     return lib.grpo_advantages(scores.detach(), group_ids, mask, cu_seqlens, bool(norm_by_std), float(eps))
 
 
@@ -420,6 +427,6 @@ def gigpo_advantages(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_
                  cu_turns=cu_turns, turn_ids=turn_ids, mask=mask)
     _number(step_weight, "step_weight", 0.0)
     _number(step_gamma, "step_gamma", 0.0, 1.0)
-    _number(eps, "eps", 0.0)
+    _number(eps, "eps", 0.0, low_open=True)  # 0 would divide 0 by 0 (NaN) for a group of equal returns
     return lib.gigpo_advantages(scores.detach(), group_ids, turn_keys, turn_rewards.detach(), cu_turns, turn_ids, mask,
                                 float(step_weight), float(step_gamma), bool(norm_by_std), float(eps))

@@ -166,3 +166,30 @@ def test_mix_one_rank_equals_two_ranks_and_resumes_exactly(tmp_path):
     assert {k: s[1][k] for k in keys} == {k: r[1][k] for k in keys}
     ws, wr = _weights(tmp_path / "straight" / "hf"), _weights(tmp_path / "one" / "hf")
     assert all(torch.equal(ws[k], wr[k]) for k in ws)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--env.val_groups", "0"], "env.val_groups must lie in [1, 4194304], got 0"),
+    (["--env.val_groups", "99999999999"], "env.val_groups must lie in [1, 4194304], got 99999999999"),
+    (["--env.env_groups", "-3"], "env.env_groups must lie in [1, 4194304], got -3"),
+    (["--env.val_group_size", "0"], "env.val_group_size must lie in [1, 4194304], got 0"),
+    (["--env.val_groups", "4096", "--env.val_group_size", "4096"],
+     "env.val_groups (4096) x env.val_group_size (4096) = 16777216 episodes per validation; at most 4194304"),
+    (["--env.train", '[{"name": "sokoban", "groups": 99999999999}]', "--env.env_groups", "99999999999"],
+     "env.env_groups must lie in [1, 4194304], got 99999999999"),
+    (["--env.train", '[{"name": "sokoban", "groups": 99999999999}, {"name": "bandit", "groups": 1}]'],
+     "env.train[0].groups must lie in [1, 4194304], got 99999999999"),
+    (["--env.train", '[{"name": "sokoban", "groups": 2048, "group_size": 4096}]', "--env.env_groups", "2048"],
+     "env.train[0]: 2048 groups x group_size 4096 = 8388608 episodes; a split runs at most 4194304"),
+], ids=["val_zero", "val_huge", "train_negative", "size_zero", "product", "entries_total", "entry_groups",
+        "entry_product"])
+def test_group_counts_are_bounded_before_anything_is_allocated(args, words):
+    """env.val_groups 99999999999 built a list of 10^11 group ids (OOM-killed); 0 gave 'min() arg is an empty
+    sequence' in fastpo.eval. Each is one line with the range, from the one place both train and eval resolve."""
+    import time
+
+    start = time.perf_counter()
+    msg = _errors(parse_args(["--preset", "tiny", *args]))
+    lines = [x for x in msg.splitlines()[1:] if x.strip()]
+    assert len(lines) == 1 and words in lines[0], msg
+    assert time.perf_counter() - start < 10

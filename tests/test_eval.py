@@ -121,9 +121,13 @@ def test_bad_inputs(tiny, tmp_path):
     no_template.chat_template = None
     with pytest.raises(ValueError, match="has no chat template; pass an instruct model's tokenizer"):
         evaluate(None, no_template, "bandit", engine=SolverEngine(tok, "bandit"))
-    # a run dir that holds an HF export under hf/ resolves to it
+    # a run dir that holds an HF export under hf/ resolves to it; without the export's COMPLETE marker (written
+    # last) it is refused, naming the folder
     (tmp_path / "run" / "hf").mkdir(parents=True)
     (tmp_path / "run" / "hf" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"run/hf' has no COMPLETE marker: an interrupted export"):
+        resolve_model_dir(str(tmp_path / "run"))
+    (tmp_path / "run" / "hf" / "COMPLETE").write_text("{}")
     assert resolve_model_dir(str(tmp_path / "run")) == str(tmp_path / "run" / "hf")
     (tmp_path / "run" / "config.json").write_text("{}")  # the trainer's config.json beside hf/ (a real run folder)
     assert resolve_model_dir(str(tmp_path / "run")) == str(tmp_path / "run" / "hf")
@@ -197,7 +201,16 @@ def test_cli_on_a_run_dir_and_a_prompt_that_cannot_fit(tiny, tmp_path, capsys):
     assert main(["--model.path", str(run), "--env.names", "bandit", "--env.val_groups", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a fastpo run folder without an hf/ export" in err
-    shutil.copytree(path, run / "hf")
+    shutil.copytree(path, run / "hf")  # an export cut short: no COMPLETE marker (export_hf writes it last)
+    for given in (run, run / "hf"):
+        assert main(["--model.path", str(given), "--env.names", "bandit", "--env.val_groups", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{str(run / 'hf')!r} has no COMPLETE marker" in err, err
+    (run / "hf" / "COMPLETE").write_text("{}")
+    for groups in ("0", "99999999999"):  # refused with the range before anything is allocated or loaded
+        assert main(["--model.path", str(run), "--env.names", "bandit", "--env.val_groups", groups]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"env.val_groups must lie in [1, 4194304], got {groups}" in err, err
     out = tmp_path / "res.json"
     # the run's config.json supplies the defaults (its FrozenLake kwargs too: a flag changing the env resets them)
     assert main(["--model.path", str(run), "--env.names", "bandit", "--env.kwargs", "{}", "--env.val_groups", "2",

@@ -30,6 +30,13 @@ PROBES = [
     ([*TINY, "--model.path", "{tmp}/missing_model"], ["model.path", "missing_model", "does not exist"]),
     ([*TINY, "--model.path", "{tmp}"], ["model.path", "has none of ['config.json']"]),
     ([*TINY, "--trainer.resume", "{tmp}/no_ckpt"], ["trainer.resume", "no_ckpt", "'auto', 'never'"]),
+    ([*TINY, "--trainer.resume", "{tmp}/emptydir"], ["trainer.resume", "emptydir", "is not a checkpoint folder",
+                                                      "checkpoints/step-NNNNNN", "COMPLETE"]),
+    ([*TINY, "--trainer.resume", "{tmp}/old"], ["trainer.resume", "is a run folder", "old/checkpoints/step-000002",
+                                                "--trainer.resume auto"]),
+    ([*TINY, "--trainer.resume", "{tmp}/old/checkpoints"], ["trainer.resume", "old/checkpoints/step-000002"]),
+    ([*TINY, "--trainer.resume", "{tmp}/old/checkpoints/step-000003"], ["trainer.resume", "step-000003",
+                                                                        "no COMPLETE", "interrupted"]),
     ([*TINY, "--trainer.run_dir", "{tmp}/afile"], ["trainer.run_dir", "afile", "is a file"]),
     ([*TINY, "--trainer.run_dir", "{tmp}/afile/run"], ["trainer.run_dir", "lies under the file"]),
     ([*TINY, "--rollout.temperature", "inf"], ["rollout.temperature", "finite", "inf"]),
@@ -38,6 +45,8 @@ PROBES = [
     ([*TINY, "--optim.betas", "[0.9, nan]"], ["optim.betas", "finite"]),
     ([*TINY, "--env.train_seed", str(INT64_MAX - 5)], ["env.train_seed", "int64", "must be <="]),
     ([*TINY, "--env.val_seed", str(INT64_MAX)], ["env.val_seed", "int64"]),
+    ([*TINY, "--trainer.iterations", str(INT64_MAX // 2)], ["trainer.iterations (4611686018427387903) must be <=",
+                                                            "env.env_groups", "int64"]),
     ([*TINY, "--trainer.seed", str(INT64_MAX + 1)], ["trainer.seed", "must be <="]),
     ([*TINY, "--rollout.engine", "vllm", "--trainer.seed", str(2**32)], ["trainer.seed", "4294967295", "vLLM"]),
     (["--config", "{tmp}/binary.yaml"], ["--config", "binary.yaml", "not a text file"]),
@@ -52,6 +61,12 @@ def probe_dir(tmp_path):
     (tmp_path / "binary.yaml").write_bytes(bytes(range(128, 256)) * 4)
     (tmp_path / "list.yaml").write_text("[1, 2]\n")
     (tmp_path / "control.yaml").write_bytes(b"model:\x00\x07 path: x\n")
+    (tmp_path / "emptydir").mkdir()
+    step = tmp_path / "old" / "checkpoints" / "step-000002"  # a run folder with one complete checkpoint
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    (step / "trainer_state.json").write_text('{"step": 2, "trainer_state": {}}')
+    (step.parent / "step-000003").mkdir()  # one cut short (no marker)
     return tmp_path
 
 
@@ -83,6 +98,11 @@ def test_limits_are_the_real_ones(probe_dir, monkeypatch):
     validate(parse_args([*TINY, "--env.train_seed", str(last)]), 1)
     assert "env.train_seed" in _refusal([*TINY, "--env.train_seed", str(last + 1)])
     validate(parse_args([*TINY, "--env.val_seed", str(INT64_MAX - cfg.env.val_groups + 1)]), 1)
+    # a huge trainer.iterations is named as the cause (it was blamed on env.train_seed, with a negative bound)
+    most = (INT64_MAX - cfg.env.train_seed + 1) // cfg.env.env_groups - 1
+    validate(parse_args([*TINY, "--trainer.iterations", str(most)]), 1)
+    message = _refusal([*TINY, "--trainer.iterations", str(most + 1)])
+    assert message.split("\n")[1].strip().startswith(f"trainer.iterations ({most + 1}) must be <= {most}"), message
     validate(parse_args([*TINY, "--rollout.engine", "vllm", "--trainer.seed", str(2**32 - 2)]), 2)
     with pytest.raises(ConfigError, match="trainer.seed must be <= 4294967294"):
         validate(parse_args([*TINY, "--rollout.engine", "vllm", "--trainer.seed", str(2**32 - 1)]), 2)
@@ -94,6 +114,25 @@ def test_limits_are_the_real_ones(probe_dir, monkeypatch):
     envs.make("sokoban", 1).reset(np.array([INT64_MAX]))
     for inf_ok in ("--algorithm.clip_c", "--trainer.logprob_gap_max"):  # documented "inf disables"
         validate(parse_args([*TINY, inf_ok, "inf"]), 1)
+
+
+def test_read_only_checkpoints_folder_is_refused_at_start_up(probe_dir, monkeypatch):
+    """A run folder whose checkpoints/ cannot be written passed the run-dir check and failed at the first save,
+    after a full iteration."""
+    monkeypatch.chdir(probe_dir)
+    run = probe_dir / "ro_run"
+    (run / "checkpoints").mkdir(parents=True)
+    validate(parse_args([*TINY, "--trainer.run_dir", str(run)]), 1)
+    (run / "checkpoints").chmod(0o555)
+    if os.geteuid() == 0:  # root writes through the mode bits: let access() answer as for a read-only mount
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p).name != "checkpoints" and real(p, mode, **kw))
+    try:
+        message = _refusal([*TINY, "--trainer.run_dir", str(run)])
+    finally:
+        (run / "checkpoints").chmod(0o755)
+    assert "trainer.run_dir" in message and f"{run / 'checkpoints'}' is not writable" in message, message
+    assert len(message.splitlines()) == 2, message
 
 
 def test_config_hash_mismatch_is_refused_up_front_with_real_options(probe_dir, monkeypatch):

@@ -63,6 +63,28 @@ def test_lora_config_is_accepted_and_hashed():
     assert config_hash(cfg) != config_hash(validate(parse_args(["--preset", "tiny", *LORA]), 1))
 
 
+def test_a_rank_above_the_smallest_adapted_layer_is_refused_before_the_models_load(tmp_path, capsys):
+    """--model.lora_rank 100000 on the 128-wide tiny agent ran silently for minutes (adapters of 100000 x 128)."""
+    import time
+
+    from fastpo import train
+
+    path = tiny_agent_path()
+    start = time.perf_counter()
+    # all-linear on the tiny agent: k_proj / v_proj map 128 -> 2 KV heads x 32 = 64, the narrowest adapted layer
+    with pytest.raises(ValueError, match=r"lora_rank 65 exceeds .*k_proj: 128 -> 64\); choose lora_rank <= 64"):
+        load_policy(path, lora_rank=65)
+    assert is_lora(load_policy(path, lora_rank=64))
+    with pytest.raises(ValueError, match=r"q_proj: 128 -> 128\); choose lora_rank <= 128"):
+        load_policy(path, lora_rank=129, lora_target_modules="q_proj")
+    assert time.perf_counter() - start < 20
+    capsys.readouterr()
+    rc = train.main(["--preset", "tiny", "--model.lora_rank", "100000", "--trainer.run_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "model.lora_rank 100000" in err and "accepted: 1 to 64" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # the refused embed_tokens target
 def test_lora_loader_targets_seed_and_non_linear_refusal():
     path = tiny_agent_path()

@@ -173,6 +173,73 @@ def test_missing_paths_and_offline_hub_ids_fail_fast(tmp_path, monkeypatch):
         resolve_dtype("int8")
 
 
+def _online(monkeypatch, repo_info):
+    """HF_HUB_OFFLINE off (the test session sets it) and the hub's repo lookup replaced: no network is touched."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from fastpo import model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", repo_info)
+    model._hub_problem.cache_clear()
+
+
+def test_unknown_or_unreachable_hub_id_fails_fast_in_one_line(monkeypatch):
+    """Online, an id that is neither a folder nor cached used to reach transformers, which retried for ~50 s (no
+    network) and raised a multi-line OSError; the hub is now asked once, briefly."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    def unreachable(self, repo_id, **kw):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    _online(monkeypatch, unreachable)
+    start = time.perf_counter()
+    for load in (load_policy, load_tokenizer):
+        _one_line_value_error(lambda load=load: load("fastpo-test/not-a-model"), "'fastpo-test/not-a-model'",
+                              "cannot be reached", "accepted: a local model folder, a fastpo run folder, 'tiny'",
+                              "HF_HUB_OFFLINE=1")
+    assert time.perf_counter() - start < 10.0  # transformers' retries took ~50 s (the first call imports it)
+
+    def missing(self, repo_id, **kw):
+        raise RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its __init__ wants an HTTP response
+
+    _online(monkeypatch, missing)
+    _one_line_value_error(lambda: load_tokenizer("fastpo-test/not-a-model"), "was not found on the Hugging Face hub",
+                          "'fastpo-test/not-a-model'", "'tiny'")
+
+
+def test_sft_tiny_is_the_tiny_agent_and_a_bad_hub_id_is_one_line(monkeypatch, capsys):
+    """``python -m fastpo.sft --model.path tiny`` loads the tiny agent (it used to go to the hub for "tiny")."""
+    from fastpo import model, sft
+    from fastpo.tiny_agent import tiny_agent_path
+
+    asked = []
+
+    def no_hub(self, repo_id, **kw):
+        asked.append(repo_id)
+        raise ConnectionError("no network in this test")
+
+    _online(monkeypatch, no_hub)
+    loaded = []
+
+    def fake_load_tokenizer(path, **kw):
+        loaded.append(path)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(model, "load_tokenizer", fake_load_tokenizer)
+    assert sft.main(["--model.path", "tiny", "--sft.steps", "1", "--sft.out", "unused"]) == 2
+    assert loaded == [str(tiny_agent_path())] and not asked
+    capsys.readouterr()
+    monkeypatch.undo()
+    _online(monkeypatch, no_hub)
+    assert sft.main(["--model.path", "nobody/no-such-model", "--sft.steps", "1", "--sft.out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert asked == ["nobody/no-such-model"] and err.count("\n") == 1 and "cannot be reached" in err, err
+
+
 def test_lora_without_peft_is_a_clear_error(tiny):
     try:
         import peft  # noqa: F401

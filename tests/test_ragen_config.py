@@ -199,3 +199,32 @@ def test_ragen2_filter_keys_port():
                                 "rollout_filter_value": 0.5}
     paper, _ = port({"actor_rollout_ref": {"rollout": {"rollout_filter_ratio": 0.25, "rollout_filter_type": "std"}}})
     assert paper["algorithm"] == {"rollout_filter_ratio": 0.25, "rollout_filter_type": "std"}
+
+
+def test_ragen_names_on_the_command_line_or_in_a_config_point_to_ours(tmp_path):
+    """RAGEN's --algorithm.clip_ratio_low got no hint to eps_low: unknown names are looked up in the port's key
+    table (fastpo.ragen_config.KEY_MAP), among the fields of the entry point that was run."""
+    from fastpo.config import ConfigError, parse_args
+    from fastpo.eval import parse_args as eval_parse_args
+
+    for flag, hint in (("--algorithm.clip_ratio_low", "RAGEN's clip_ratio_low is --algorithm.eps_low"),
+                       ("--actor_rollout_ref.actor.clip_ratio_low", "--algorithm.eps_low"),
+                       ("--trainer.total_training_steps", "RAGEN's total_training_steps is --trainer.iterations"),
+                       ("--optim.lr", "RAGEN's lr is --optim.actor_lr or --optim.critic_lr")):
+        with pytest.raises(ConfigError) as err:
+            parse_args([flag, "3"])
+        assert hint in str(err.value) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(ConfigError) as err:  # eval has no optim section: nothing to point to there
+        eval_parse_args(["--optim.lr", "1e-6"])
+    assert "RAGEN" not in str(err.value)
+    with pytest.raises(ConfigError, match="RAGEN's temperature is --rollout.val_temperature"):
+        eval_parse_args(["--rollout.temperature", "0.5"])
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  clip_ratio_high: 0.28\n")
+    with pytest.raises(ConfigError, match=r"unknown field 'algorithm.clip_ratio_high'.*RAGEN's clip_ratio_high is "
+                                          r"algorithm.eps_high"):
+        parse_args(["--config", str(path)])
+    path.write_text("actor_rollout_ref:\n  actor:\n    clip_ratio_low: 0.2\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'actor_rollout_ref'.* a RAGEN config: port it with "
+                                          r"python -m fastpo.ragen_config"):
+        parse_args(["--config", str(path)])

@@ -110,3 +110,26 @@ def test_compare_overlays_runs(tmp_path, capsys):
     assert img.shape[1] > 1000 and img.std() > 0.01
     assert main([str(a), str(b), "--compare", str(out), "--labels", "one"]) == 2
     assert main([str(a), str(b)]) == 2 and "--compare" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,words", [
+    (bytes(range(256)) * 8, ["metrics.jsonl", "line 2", "not UTF-8 text"]),  # line 1: bytes 0-9
+    (b'{"step": 0}\n{"step": "three", "rollout/reward": 1}\n', ["metrics.jsonl", "line 2", "step", "'three'",
+                                                                "integer"]),
+    (b'{"step": 1.5}\n', ["line 1", "step", "1.5"]),
+], ids=["binary", "text_step", "float_step"])
+def test_unreadable_metrics_are_one_line_errors(tmp_path, capsys, content, words):
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and len(err) < 400, err
+    for word in words:
+        assert word in err, err
+
+
+def test_a_torn_multibyte_last_line_is_skipped_and_a_deep_config_ignored(tmp_path):
+    good = json.dumps({"step": 0, "val-env/FrozenLake/success": 0.5}) + "\n"
+    (tmp_path / "metrics.jsonl").write_bytes(good.encode() + '{"step": 1, "note": "é'.encode()[:-1])
+    (tmp_path / "config.json").write_text('{"env": ' + "[" * 5000 + "]" * 5000 + "}")
+    assert len(load_metrics(tmp_path)) == 1
+    assert "validation success" in write_report(tmp_path)

@@ -63,6 +63,80 @@ def test_cli_rejects_bad_values(capsys):
     assert "recipe.noise must lie in [0, 1], got 1.5" in capsys.readouterr().err
 
 
+BAD_RECIPES = [  # (flags, words of the one line); each used to fail after data generation, or to exit 0
+    (["--recipe.lr", "inf"], "recipe.lr must be a finite number > 0, got inf"),
+    (["--recipe.layers", "0"], "recipe.layers must be >= 1, got 0"),
+    (["--recipe.hidden", "100"], "recipe.hidden (100) / recipe.heads (4) = 25"),
+    (["--recipe.heads", "3", "--recipe.kv_heads", "1"], "recipe.hidden (128) must be divisible by recipe.heads (3)"),
+    (["--recipe.kv_heads", "3"], "recipe.heads (4) must be divisible by recipe.kv_heads (3)"),
+    (["--recipe.env", "bandit", "--recipe.env_kwargs", "{}"], "recipe.env 'bandit' has no solver"),
+    (["--recipe.env", "nope"], "recipe.env: unknown env 'nope'"),
+    (["--recipe.env_kwargs", "{size: -1}"], "recipe.env_kwargs {'size': -1}"),
+    (["--recipe.batch_size", "0"], "recipe.batch_size must be >= 1, got 0"),
+    (["--recipe.max_turns", "0"], "recipe.max_turns must be >= 1, got 0"),
+    (["--recipe.max_actions_per_turn", "0"], "recipe.max_actions_per_turn must be >= 1, got 0"),
+    (["--recipe.read_episodes", "0"], "recipe.read_episodes must be >= 1"),
+    (["--recipe.data_seed", "-1"], "recipe.data_seed must lie in [0, "),
+    (["--recipe.read_loss_target", "nan"], "recipe.read_loss_target must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("flags,words", BAD_RECIPES, ids=[" ".join(f) for f, _ in BAD_RECIPES])
+def test_bad_recipes_are_refused_before_any_work(flags, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tiny_agent, "build_tiny_agent", lambda *a, **k: pytest.fail("work started"))
+    assert tiny_agent.main(["--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and err.startswith("error: "), err
+    from fastpo.cli import parse
+
+    recipe = parse(tiny_agent.TinyAgentArgs, flags, prog="test").recipe
+    monkeypatch.undo()
+    with pytest.raises(ValueError) as info:  # the library function refuses the same, before any work
+        build_tiny_agent(tmp_path / "lib", recipe, log=lambda _: pytest.fail("work started"))
+    assert words in str(info.value) and not (tmp_path / "lib").exists()
+
+
+def test_every_bad_field_is_listed_one_line_each(tmp_path, capsys):
+    assert tiny_agent.main(["--out", str(tmp_path / "o"), "--recipe.layers", "0", "--recipe.lr", "-1"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "recipe.layers" in lines[0] + lines[1] and "recipe.lr" in lines[0] + lines[1]
+
+
+def test_out_folder_with_other_files_is_not_deleted(tmp_path, monkeypatch, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious")
+    built = []
+    monkeypatch.setattr(tiny_agent, "build_tiny_agent", lambda out, r, overwrite=False: built.append(out))
+    assert tiny_agent.main(["--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert str(mine) in err and "--overwrite true" in err and err.count("\n") == 1, err
+    assert (mine / "thesis.tex").read_text() == "precious" and not built
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="not a tiny agent"):  # the library function too, before any work
+        build_tiny_agent(mine, QUICK, log=lambda _: pytest.fail("work started"))
+    monkeypatch.setattr(tiny_agent, "build_tiny_agent", lambda out, r, overwrite=False: built.append(out))
+    (tmp_path / "afile").write_text("x")
+    assert tiny_agent.main(["--out", str(tmp_path / "afile")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    previous = tmp_path / "previous"  # a previous tiny-agent output, or an empty folder: replaced as before
+    previous.mkdir()
+    (previous / "tiny_agent.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    for out in (previous, tmp_path / "empty", tmp_path / "new"):
+        assert tiny_agent.main(["--out", str(out)]) == 0
+    assert tiny_agent.main(["--out", str(mine), "--overwrite", "true"]) == 0
+    assert len(built) == 4
+
+
+def test_diverged_training_is_an_error_and_saves_nothing(tmp_path):
+    out = tmp_path / "agent"
+    with pytest.raises(FloatingPointError, match="not finite"):
+        build_tiny_agent(out, TinyAgentRecipe(read_episodes=16, read_steps=2, episodes=16, sft_steps=2, batch_size=4,
+                                              lr=1e30), log=lambda _: None)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_shortened_default_run_end_to_end(tmp_path):
     """`make demo`'s command (torchrun, 2 ranks, --preset tiny) shortened to 4 iterations: it prints the

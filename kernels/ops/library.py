@@ -86,6 +86,9 @@ def _out(x: Tensor, like: Tensor) -> Tensor:
 def selective_logprob(logits: Tensor, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """logits [R, V] or [B, T, V] (vocab dim contiguous), ids logits.shape[:-1] -> fp32 (logp, lse)."""
     check_ids(ids, logits.shape[-1])
+    if ids.numel() == 0:  # an empty batch: the same empty result on both backends (the torch path stacks rows)
+        cd = ref.compute_dtype(logits)
+        return logits.new_empty(ids.shape, dtype=cd), logits.new_empty(ids.shape, dtype=cd)
     if backend_for(logits) == "triton":
         logp, lse = triton_module("logprob").selective_logprob_fwd(logits, ids, temperature)
         return _out(logp, logits), _out(lse, logits)
@@ -104,6 +107,8 @@ def _(logits, ids, temperature):
 @torch.library.custom_op("fastpo::selective_logprob_backward", mutates_args=())
 def selective_logprob_backward(grad_logp: Tensor, grad_lse: Tensor, logits: Tensor, ids: Tensor, lse: Tensor,
                                temperature: float) -> Tensor:
+    if ids.numel() == 0:
+        return torch.zeros_like(logits)
     if backend_for(logits) == "triton":
         return triton_module("logprob").selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature)
     vocab = logits.shape[-1]
@@ -141,6 +146,9 @@ def fused_linear_logprob(hidden: Tensor, weight: Tensor, bias: Tensor | None, id
                          return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V] or None, ids [N] -> fp32 (logp [N], entropy [N] or [0], lse [N])."""
     check_ids(ids, weight.shape[0])
+    if ids.numel() == 0:  # an empty batch: nothing to tile over, on either backend
+        empty = hidden.new_empty((0,), dtype=ref.compute_dtype(hidden))
+        return empty, empty.clone(), empty.clone()
     impl = triton_module("logprob") if backend_for(hidden) == "triton" else ref
     outs = impl.fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature, return_entropy)
     return tuple(_out(x, hidden) for x in outs)
@@ -160,6 +168,9 @@ def fused_linear_logprob_backward(grad_logp: Tensor, grad_entropy: Tensor, grad_
                                   need_bias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias); d_weight / d_bias are empty [0] tensors when not needed (a frozen lm-head
     or no bias): the backward then skips their GEMM / reduction."""
+    if ids.numel() == 0:  # no token contributes: zero gradients (the kernels' accumulators would stay unwritten)
+        return (torch.zeros_like(hidden), torch.zeros_like(weight) if need_weight else _empty(hidden.device),
+                torch.zeros_like(bias) if bias is not None and need_bias else _empty(hidden.device))
     impl = triton_module("logprob") if backend_for(hidden) == "triton" else ref
     d_hidden, d_weight, d_bias = impl.fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight,
                                                                bias, ids, lse, entropy, temperature, need_weight,

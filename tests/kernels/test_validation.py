@@ -75,3 +75,52 @@ def test_bad_input_raises_value_error(call, message):
 def test_mismatched_devices():
     with pytest.raises(ValueError, match="old_logp must be on logp's device"):
         K.ppo_loss(x.cuda(), x, x.cuda(), m.cuda())
+
+
+def test_grpo_eps_must_be_positive_on_both_backends(backend):
+    """eps = 0 on a group of equal scores divided 0 by 0: NaN advantages, silently (probe 15f)."""
+    scores, groups, mask = torch.ones(4), torch.tensor([0, 0, 1, 1]), torch.ones(4, 3)
+    for eps in (0.0, -1e-6, float("nan")):
+        with pytest.raises(ValueError, match=r"eps must (lie in \(0.0, inf\]|be a number)"):
+            K.grpo_advantages(scores, groups, mask, eps=eps)
+    turn_keys, cu_turns = torch.tensor([5, 5, 5, 5]), torch.tensor([0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"eps must lie in \(0.0, inf\]"):
+        K.gigpo_advantages(scores, groups, turn_keys, torch.zeros(4), cu_turns, torch.arange(4), torch.ones(4),
+                           eps=0.0)
+    adv = K.grpo_advantages(scores, groups, mask, eps=1e-6)  # equal scores: zero advantage, finite
+    assert torch.equal(adv, torch.zeros(4, 3))
+    adv, step, _ = K.gigpo_advantages(scores, groups, turn_keys, torch.zeros(4), cu_turns, torch.arange(4),
+                                      torch.ones(4))
+    assert torch.isfinite(adv).all() and torch.isfinite(step).all()
+
+
+def test_an_empty_vocab_is_named_as_such():
+    """V = 0 was reported as 'ids must lie in [0, 0)' (or a ZeroDivisionError for an empty batch)."""
+    def ids(*shape):
+        return torch.zeros(shape, dtype=torch.long)
+
+    for call in (lambda: K.selective_logprob(torch.randn(2, 3, 0), ids(2, 3)),
+                 lambda: K.selective_logprob(torch.randn(0, 0), ids(0)),
+                 lambda: K.fused_linear_logprob(torch.randn(3, 4), torch.randn(0, 4), ids(3)),
+                 lambda: K.fused_linear_logprob(torch.randn(0, 4), torch.randn(0, 4), ids(0))):
+        with pytest.raises(ValueError, match=r"the vocab is empty \(V = 0"):
+            call()
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (0, 0, 5), (0, 3, 5), (2, 0, 5), (0, 2, 3, 5)])
+def test_logprobs_of_an_empty_batch_are_empty_on_both_backends(backend, shape):
+    """An empty batch raised torch's 'stack expects a non-empty TensorList' on the torch path (the Triton path
+    returned an empty result): both return ids.shape, fp32 (fp64 for fp64 logits), with a zero gradient."""
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        logits = torch.randn(*shape[:-1], shape[-1] + 1, dtype=dtype)[..., :-1].requires_grad_()  # not contiguous
+        ids = torch.zeros(shape[:-1], dtype=torch.long)
+        out = K.selective_logprob(logits, ids)
+        assert out.shape == ids.shape and out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        out.sum().backward()
+        assert logits.grad.shape == logits.shape
+    hidden = torch.randn(0, 4, requires_grad=True)
+    weight = torch.randn(5, 4, requires_grad=True)
+    logp, entropy = K.fused_linear_logprob(hidden, weight, torch.zeros(0, dtype=torch.long), return_entropy=True)
+    assert logp.shape == entropy.shape == (0,) and logp.dtype == torch.float32
+    (logp.sum() + entropy.sum()).backward()
+    assert hidden.grad.shape == (0, 4) and torch.equal(weight.grad, torch.zeros(5, 4))

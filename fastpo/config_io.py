@@ -1,0 +1,185 @@
+"""Config text (YAML / JSON) read with bounds, and values shown in error messages with a bound: the one place every
+entry point (train, eval, sft, ragen_config, tiny_agent, report) reads a ``--config`` file, a mapping given on the
+command line or a run's ``config.json``.
+
+    data = load_yaml(text_or_file, "--config 'my.yaml'")   # ValueError (one line) for bad, too deep or too big input
+    data = load_json(text, "'runs/x/config.json'")
+    f"expected a float, got {shown(value)}"                 # at most ~SHOWN_LIMIT characters, whatever value is
+
+Why: YAML aliases let a 1 KB file stand for a structure of 10^9 nodes ("billion laughs"): loading it is cheap (the
+aliases are shared references), but every later walk of it (a type check, a deep copy, the ``repr`` in an error
+message) expands it, which took minutes and printed hundreds of MB. Very deep nesting (``[[[[...]]]]``) exhausts
+Python's recursion limit in the YAML composer, the JSON decoder and every recursive walk after them. Both are
+refused while the text is read: at most :data:`MAX_DEPTH` levels and :data:`MAX_NODES` nodes, counted with every
+alias expanded. A real config is a few levels deep and has hundreds of nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import reprlib
+from typing import IO, Any
+
+#: Deepest nesting of mappings / lists accepted (a fastpo config is at most ~5 deep: section, field, env.train
+#: entry, its kwargs, a value list).
+MAX_DEPTH = 32
+#: Most nodes (scalars, lists, mappings; each alias counted as the nodes it stands for) in one document.
+MAX_NODES = 100_000
+#: Characters of a value echoed in an error message, at most (about: reprlib's "..." markers included).
+SHOWN_LIMIT = 200
+
+
+@functools.cache
+def _loader_class():
+    import yaml
+
+    class BoundedSafeLoader(yaml.SafeLoader):
+        """yaml.SafeLoader that counts nesting depth and the expanded size of every node while it composes them
+        (before any Python object is built), so a bomb or a deep document stops at the first node past a bound."""
+
+        def __init__(self, stream: Any):
+            super().__init__(stream)
+            self._depth = 0
+            self._sizes: dict[int, int] = {}  # id(node) -> nodes it expands to; set once the node is complete
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):  # a node composed before (its size known) or one still open
+                event = self.peek_event()
+                target = self.anchors.get(event.anchor)
+                if target is not None and id(target) not in self._sizes:
+                    raise _Refused(f"has a recursive alias (a list or mapping that contains itself){_where(event)}")
+                return super().compose_node(parent, index)
+            self._depth += 1
+            try:
+                if self._depth > MAX_DEPTH:
+                    raise _Refused(f"nests deeper than {MAX_DEPTH} levels{_where(self.peek_event())}{_TYPICAL}")
+                node = super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+            self._sizes[id(node)] = size = self._expanded(node)
+            if size > MAX_NODES:
+                raise _Refused(f"expands to more than {MAX_NODES} values (YAML aliases repeat what they point to)"
+                               f"{_where(node)}{_TYPICAL}")
+            return node
+
+        def _expanded(self, node: Any) -> int:
+            if isinstance(node, yaml.ScalarNode):
+                return 1
+            children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                        else list(node.value))
+            return 1 + sum(self._sizes[id(child)] for child in children)  # each composed (and sized) already
+
+    return BoundedSafeLoader
+
+
+_TYPICAL = f"; a config is a few levels deep and at most {MAX_NODES} values"
+
+
+class _Refused(Exception):
+    """Raised inside the loader; :func:`load_yaml` turns it into a ValueError naming the source."""
+
+
+def _where(mark_holder: Any) -> str:
+    mark = getattr(mark_holder, "start_mark", None)
+    return f" (line {mark.line + 1})" if mark is not None else ""
+
+
+def load_yaml(source: str | IO[str], what: str) -> Any:
+    """The YAML (or JSON) document in `source` (text or a text stream) as Python data, read with yaml's safe loader.
+
+    Raises:
+        ValueError: one line starting with `what`: not valid YAML, nested deeper than :data:`MAX_DEPTH`, more than
+            :data:`MAX_NODES` nodes with aliases expanded, or an alias to itself. UnicodeDecodeError from a binary
+            stream passes through (the caller names the file).
+    """
+    import yaml
+
+    loader = None
+    try:
+        loader = _loader_class()(source)  # reads the first chunk already (a control character fails here)
+        return loader.get_single_data()
+    except _Refused as err:
+        raise ValueError(f"{what} {err}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"{what} is not valid YAML: {shown_text(' '.join(str(err).split()))}") from None
+    except RecursionError:  # a bound above not reached first: never a traceback
+        raise ValueError(f"{what} nests too deeply to read") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def load_json(text: str | bytes, what: str) -> Any:
+    """``json.loads(text)`` with the same bounds as :func:`load_yaml` (JSON has no aliases: depth and size only).
+    Non-finite floats (``Infinity``, ``NaN``, written by ``fastpo.config.to_json``) are accepted.
+
+    Raises:
+        ValueError: one line starting with `what`: not valid JSON, too deep or too big.
+    """
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what} nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as err:  # JSONDecodeError, and bytes that are not UTF-8
+        raise ValueError(f"{what} is not valid JSON: {shown_text(str(err))}") from None
+    problem = shape_problem(data)
+    if problem:
+        raise ValueError(f"{what} {problem}")
+    return data
+
+
+def shape_problem(data: Any) -> str | None:
+    """Why `data` (plain lists / dicts / scalars) is past :data:`MAX_DEPTH` or :data:`MAX_NODES` ('nests deeper
+    than ...'), or None. Walks at most MAX_NODES + 1 nodes, without recursion."""
+    stack, count = [(data, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_NODES:
+            return f"holds more than {MAX_NODES} values"
+        if isinstance(value, (dict, list, tuple)):
+            if depth > MAX_DEPTH:
+                return f"nests deeper than {MAX_DEPTH} levels"
+            items = [x for kv in value.items() for x in kv] if isinstance(value, dict) else value
+            stack.extend((x, depth + 1) for x in items)
+    return None
+
+
+class _BoundedRepr(reprlib.Repr):
+    def __init__(self, limit: int):
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 8, 8, 8
+        self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 8
+        self.maxstring = self.maxother = self.maxlong = limit
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        # in insertion order, as repr() (reprlib sorts the keys)
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                 for k, v in itertools.islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int past 4300 digits raises ValueError (sys.set_int_max_str_digits): say its size instead
+        if x.bit_length() > 4000:
+            return f"<an int of about {int(x.bit_length() * 0.30103)} digits>"
+        return super().repr_int(x, level)
+
+
+def shown(value: Any, limit: int = SHOWN_LIMIT) -> str:
+    """``repr(value)`` for an error message, at most about `limit` characters whatever `value` is (a huge string,
+    a deep or aliased structure, a 10^5-digit int): long strings keep their start and end, long lists / mappings
+    their first items, deep ones their first levels (``...`` marks what was left out). Short values read exactly as
+    ``repr``. Costs O(limit), never a walk of the whole value."""
+    text = _BoundedRepr(limit).repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_text(text: str, limit: int = SHOWN_LIMIT) -> str:
+    """`text` itself (no quotes) cut to about `limit` characters, for messages that quote a parser's own text."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
