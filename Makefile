@@ -5,6 +5,11 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?= --durations=25
+# The tests run in TEST_WORKERS pytest-xdist workers (default: one per core, at most 4), each test handed to the
+# next free worker (worksteal: the long end-to-end tests do not queue behind one worker); tests/conftest.py gives
+# each worker its share of the cores as torch threads. TEST_WORKERS=1 runs them in this process, in order.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 .PHONY: setup setup-flash-attn build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean
 
@@ -44,10 +49,10 @@ build: setup
 # On a GPU machine the `gpu`-marked tests run as well.
 TEST_MARK := $(if $(filter 1,$(GPU)),,not gpu)
 test: build
-	FASTPO_REQUIRE_VLLM=1 $(BIN)/python -m pytest -m "$(TEST_MARK)" $(PYTEST_ARGS)
+	FASTPO_REQUIRE_VLLM=1 $(BIN)/python -m pytest -m "$(TEST_MARK)" $(XDIST) $(PYTEST_ARGS)
 
 test-fast: build
-	$(BIN)/python -m pytest -m "not gpu and not slow and not asan" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not slow and not asan" $(XDIST) $(PYTEST_ARGS)
 
 DEMO_ARGS ?=
 demo: build

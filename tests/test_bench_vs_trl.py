@@ -91,6 +91,7 @@ def test_fastpo_side_runs_configured_steps_and_shapes(tiny_path, tmp_path):
     assert summary["steps_per_s"] > 0 and summary["tokens_per_s"][0] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_fastpo_vllm_side_runs_configured_steps_and_shapes(tmp_path):
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer

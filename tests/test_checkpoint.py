@@ -182,6 +182,7 @@ def _torchrun(*args: str, timeout: float = 120) -> None:
     assert rc == 0, (out + err)[-3000:]
 
 
+@pytest.mark.slow
 def test_fsdp2_two_ranks_save_then_load_in_new_run(tmp_path):
     """Save from a 2-rank FSDP2 run, resume in a new 2-rank run: parameters after 2 more steps match the
     uninterrupted run bitwise. The second run also exports an FSDP2-sharded tiny Qwen2 to HF format."""

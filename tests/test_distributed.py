@@ -85,6 +85,7 @@ def test_set_deterministic(monkeypatch):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun(tmp_path):
     cmd = [
         sys.executable,

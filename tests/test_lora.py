@@ -145,6 +145,7 @@ def test_lora_critic_saves_merged_and_missing_peft_is_a_clear_error(tmp_path, mo
 
 
 # ------------------------------------------------------------------------------------------ the trainer
+@pytest.mark.slow
 def test_lora_trains_adapters_only_engine_parity_reference_and_export(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -202,6 +203,7 @@ def test_lora_trains_adapters_only_engine_parity_reference_and_export(tmp_path):
     assert json.loads((run / "hf" / "adapter" / "adapter_config.json").read_text())["r"] == 8
 
 
+@pytest.mark.slow
 def test_lora_exact_resume_in_process(tmp_path):
     """Deterministic mode: 2 iterations straight == 1 + checkpoint + resume to 2 (new Trainer), bit for bit."""
     args = ("--trainer.deterministic", "true", "--optim.actor_lr", "1e-2", "--algorithm.kl_coef", "0.01")
@@ -234,6 +236,7 @@ def test_lora_exact_resume_in_process(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ torchrun, 2 ranks
+@pytest.mark.slow
 def test_lora_torchrun_two_ranks(tmp_path):
     """torchrun --nproc_per_node=2: FSDP2-sharded LoRA actor and critic, KL to the adapter-disabled reference; the
     engine stays in parity after each sync and the export is a merged plain model."""
@@ -283,6 +286,7 @@ def _vllm_model(path):
 VLLM = ["--rollout.engine", "vllm", "--rollout.kv_cache_mb", "32"]
 
 
+@pytest.mark.slow
 def test_lora_vllm_engine_parity(tmp_path, monkeypatch):
     """--rollout.engine vllm with LoRA: the merged weights reach vLLM (its logprobs match the trainer's)."""
     pytest.importorskip("vllm")

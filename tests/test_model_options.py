@@ -187,6 +187,7 @@ def _torchrun_script(script, *args: str, cwd, timeout: float = 240) -> None:
     assert rc == 0, (out + err)[-5000:]
 
 
+@pytest.mark.slow
 def test_meta_init_two_ranks_equals_a_single_process_load(tiny, tmp_path):
     """2 ranks, meta init: rank 0 alone reads the checkpoint; afterwards every rank's full parameters and buffers
     (rotary inv_freq included) equal a single-process load, the embeddings stay tied, and the critic trains."""

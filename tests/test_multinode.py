@@ -87,6 +87,7 @@ def test_two_nodes_with_node_local_run_dirs_train_and_resume(tmp_path):
     assert (tmp_path / "node0" / "run" / "hf" / "COMPLETE").is_file()  # rank 0 exports on its own disk
 
 
+@pytest.mark.slow
 def test_nodes_started_with_different_run_dirs_are_refused(tmp_path):
     results = _two_nodes(tmp_path, ["--trainer.iterations", "1"], ("--trainer.run_dir", "elsewhere"), timeout=120)
     # torchrun exits 1 when a worker fails; the worker's own status (2: bad input) is in its failure summary
@@ -141,6 +142,7 @@ def test_stalled_rank_fails_the_job_with_a_message(tmp_path):
     assert time.monotonic() - stopped < 120
 
 
+@pytest.mark.slow
 def test_bad_collective_timeout_is_a_config_error(tmp_path):
     rc, _, err = run_killable([sys.executable, "-m", "fastpo.train", *TINY, "--trainer.collective_timeout_s", "0",
                                "--trainer.run_dir", str(tmp_path / "run")], tmp_path, ENV, 120)

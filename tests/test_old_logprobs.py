@@ -59,6 +59,7 @@ def _first_update(tmp_path, monkeypatch, run: str, *extra: str):
     return rows[0], weights, calls
 
 
+@pytest.mark.slow
 def test_engine_old_logprobs_skip_the_scoring_forward_and_match_it(tmp_path, monkeypatch):
     m_eng, w_eng, c_eng = _first_update(tmp_path, monkeypatch, "engine", "--algorithm.old_logprobs", "engine")
     m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer", "--algorithm.old_logprobs", "trainer")
@@ -84,6 +85,7 @@ def _initial_weights():
     return {k: v for k, v in load_file(str(tiny_agent_path() / "model.safetensors")).items()}
 
 
+@pytest.mark.slow
 def test_inexact_sample_logprobs_are_still_scored(tmp_path, monkeypatch):
     """rollout.canonical: every trajectory's sample logprobs are inexact, so engine mode scores them all with the
     trainer and its update is the trainer mode's, bit for bit."""
@@ -98,6 +100,7 @@ def test_inexact_sample_logprobs_are_still_scored(tmp_path, monkeypatch):
     assert all(torch.equal(w_eng[k], w_ref[k]) for k in w_ref)
 
 
+@pytest.mark.slow
 def test_engine_gap_guard_stops_before_the_weights_move(tmp_path):
     cfg = validate(parse_args([*SMALL, "--algorithm.old_logprobs", "engine", "--trainer.logprob_gap_max", "1e-12",
                                "--trainer.run_dir", str(tmp_path / "guard")]), 1)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -19,6 +21,7 @@ def test_import_fastpo_kernels_needs_no_transformers():
     assert out.split() == ["False", "False"]
 
 
+@pytest.mark.slow
 def test_top_level_kernels_from_the_checkout_is_inert():
     # transformers probes Hugging Face's `kernels` package by importing it; from the repository root that
     # import finds our folder, which must neither register the custom ops twice nor look like a usable install.

@@ -210,6 +210,7 @@ def test_guess_number_trains_evaluates_and_sfts_from_the_command_line(plugin_dir
     assert len((out / "sft_log.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_a_protocol_breaking_plugin_gets_one_error(plugin_dir, tmp_path):
     (plugin_dir / "broken_envs.py").write_text(GUESS_MODULE.replace(
         'return f"I picked a number between 1 and {self.hi}."', "return self.hi").replace(

@@ -105,6 +105,7 @@ def test_when_a_bar_is_drawn(monkeypatch):
     bar.close()  # a disabled bar is tqdm's no-op bar
 
 
+@pytest.mark.slow
 def test_sft_and_eval_bars(monkeypatch, capsys):
     from fastpo.eval import evaluate
     from fastpo.model import load_policy, load_tokenizer

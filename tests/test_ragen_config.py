@@ -149,6 +149,7 @@ def test_unmappable_keys_are_refused_by_name(ragen_dir):
     assert "val" not in out["env"]
 
 
+@pytest.mark.slow
 def test_cli_prints_yaml_that_fastpo_train_reads(ragen_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-m", "fastpo.ragen_config", str(ragen_dir / "mix.yaml")],

@@ -232,6 +232,7 @@ def test_bilevel_turns_reward_drops_the_turn_discount():
     assert not torch.allclose(fastpo, ragen, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_trainer_feeds_verl_gae_the_observation_values(tmp_path, monkeypatch):
     """algorithm.gae_skip_observations=false: the trainer scores critic values on observation tokens too (verl's
     recursion reads them), and the update's advantages are verl's loop over those values."""

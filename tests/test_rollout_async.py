@@ -66,6 +66,7 @@ def _compare(got, want) -> float:
 
 @pytest.mark.parametrize("options", [{}, {"max_num_seqs": 4}, {"canonical": True}, {"max_context_window": 1}],
                          ids=["kv", "four_in_flight", "canonical", "window"])
+@pytest.mark.slow
 def test_async_equals_lockstep_on_the_tiny_agent(agent, options):
     tok, model = agent
     params = SamplingParams(temperature=1.0, max_new_tokens=24, stop=("</answer>",))

@@ -58,6 +58,7 @@ def reference(groups: list[NewGroup], tok, model) -> dict[int, list]:
     return out
 
 
+@pytest.mark.slow
 def test_unchanged_weights_give_the_async_trajectories(agent):
     tok, model = agent
     engine = HFEngine(model, tok)
@@ -93,6 +94,7 @@ def test_unchanged_weights_give_the_async_trajectories(agent):
     pool.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_no_trained_token_is_staler_than_the_bound(agent, staleness):
     tok, model = agent

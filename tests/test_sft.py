@@ -131,6 +131,7 @@ def test_lr_schedule():
         lr_at(0, 10, 1.0, "linear")
 
 
+@pytest.mark.slow
 def test_twenty_steps_lower_the_loss(tiny):
     path, tok = tiny
     from fastpo.model import load_policy
@@ -144,6 +145,7 @@ def test_twenty_steps_lower_the_loss(tiny):
     assert np.mean(losses[-3:]) < 0.6 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_cli_trains_and_saves(tiny, tmp_path):
     path, _ = tiny
     out = tmp_path / "sft_out"

@@ -35,6 +35,7 @@ def test_shipped_agent_loads_through_from_pretrained():
     assert meta["recipe"]["env"] == "frozenlake" and meta["parameters"] == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_build_is_deterministic(tmp_path):
     a = build_tiny_agent(tmp_path / "a", QUICK, log=lambda _: None)
     b = build_tiny_agent(tmp_path / "b", QUICK, log=lambda _: None)
@@ -46,6 +47,7 @@ def test_build_is_deterministic(tmp_path):
     assert json.loads((a / "tiny_agent.json").read_text())["recipe"]["sft_steps"] == 2
 
 
+@pytest.mark.slow
 def test_missing_shipped_agent_falls_back_to_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_agent, "SHIPPED_DIR", tmp_path / "absent")
     monkeypatch.setenv("FASTPO_CACHE", str(tmp_path / "cache"))

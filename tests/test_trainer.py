@@ -229,6 +229,7 @@ def test_request_seeds_and_nan_hook(monkeypatch):
         injected_nan_steps()
 
 
+@pytest.mark.slow
 def test_bad_config_exits_2(tmp_path):
     rc, _, err = _run([*SMALL, "--optim.grad_clip", "0"], tmp_path / "run")
     assert rc == 2 and "optim.grad_clip must be > 0" in err
@@ -236,6 +237,7 @@ def test_bad_config_exits_2(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ the real entry point
+@pytest.mark.slow
 def test_torchrun_two_ranks_smoke(tmp_path):
     """torchrun --nproc_per_node=2 -m fastpo.train: exit 0, finite metrics, parameters changed, HF export loads."""
     run = tmp_path / "run"
@@ -262,6 +264,7 @@ def test_torchrun_two_ranks_smoke(tmp_path):
     assert [(r["world_size"], r["start_step"]) for r in launches] == [(2, 0)]
 
 
+@pytest.mark.slow
 def test_exact_resume_single_process(tmp_path):
     """3 iterations straight == 1 iteration + checkpoint + resume to 3 in a new process, bit for bit."""
     args = [*SMALL, *GAE, "--trainer.deterministic", "true"]
@@ -284,6 +287,7 @@ def test_exact_resume_single_process(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_validation_schedule_leaves_training_unchanged(tmp_path):
     """Validating before and after every iteration vs never gives the same weights bit for bit: validation draws
     its own sampling seeds and never touches the training RNG (the preset's val_every relies on it)."""
@@ -297,6 +301,7 @@ def test_validation_schedule_leaves_training_unchanged(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
     run = tmp_path / "run"
     _ok([*SMALL, *GAE, "--trainer.iterations", "2"], run, env={"FASTPO_INJECT_NAN_AT": "1"})
@@ -306,6 +311,7 @@ def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
     assert np.isfinite(rows[1]["actor/grad_norm"])
 
 
+@pytest.mark.slow
 def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
     from fastpo import checkpoint
     from fastpo.model import load_policy
@@ -332,6 +338,7 @@ def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
     assert all(torch.equal(params[1][k], params[2][k]) for k in params[1])
 
 
+@pytest.mark.slow
 def test_logprob_gap_after_weight_sync_aborts(tmp_path):
     """A threshold below the fp32 engine/trainer gap (~1e-7) trips the weight-sync check at the first rollout."""
     rc, _, err = _run([*SMALL, *GAE, "--trainer.iterations", "2", "--trainer.logprob_gap_max", "1e-12"],

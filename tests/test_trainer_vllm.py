@@ -102,6 +102,7 @@ def _gaps(trainer, samples) -> np.ndarray:
     return np.concatenate([np.abs(s.sample_logprobs - s.old_logp)[s.loss_mask] for s in samples])
 
 
+@pytest.mark.slow
 def test_vllm_logprobs_match_trainer_after_update_and_sync(model_dir, tmp_path):
     trainer = _trainer(model_dir, tmp_path / "run")
     try:
@@ -126,6 +127,7 @@ def test_vllm_logprobs_match_trainer_after_update_and_sync(model_dir, tmp_path):
         trainer.close(export=False)
 
 
+@pytest.mark.slow
 def test_skipped_sync_is_caught_by_the_gap_guard(model_dir, tmp_path, monkeypatch):
     from fastpo.trainer import TrainingAborted
 
@@ -140,6 +142,7 @@ def test_skipped_sync_is_caught_by_the_gap_guard(model_dir, tmp_path, monkeypatc
         trainer.close(export=False)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_vllm_runs_and_resumes(model_dir, tmp_path):
     """torchrun --nproc_per_node=2 --rollout.engine vllm: 2 iterations with a checkpoint each; a second launch
     resumes from the step-1 checkpoint and repeats iteration 2 (same metrics, same final weights)."""
@@ -188,6 +191,7 @@ def _episode_stats(engine, tok, n: int) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in out.items()}
 
 
+@pytest.mark.slow
 def test_hf_and_vllm_engines_sample_the_same_distribution(agent_dir):
     """Same model and env seeds, independent sampling streams: every per-episode mean within 4 standard errors."""
     n = 256

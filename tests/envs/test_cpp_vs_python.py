@@ -82,6 +82,7 @@ def run_pair(name, cfg, num_envs, rounds, steps, seed):
     return sequences
 
 
+@pytest.mark.slow
 def test_random_action_sequences_equal():
     """More than 10,000 random action sequences over Sokoban and (slippery) FrozenLake configurations."""
     cases = [

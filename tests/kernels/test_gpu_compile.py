@@ -72,6 +72,7 @@ def test_specs_use_the_shipped_cuda_configs():
     assert {f"{dt} bias WANT_ENT aligned" for dt in ("bf16", "fp16", "fp32", "fp32-exact")} <= labels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("key", "arch"), CASES, ids=[f"{k}-{a}" for k, a in CASES])
 def test_compiles_without_spills(compiled, key, arch):
     r = compiled.get((key, arch))
