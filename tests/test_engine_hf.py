@@ -359,8 +359,8 @@ def _alone(model, tok, prompt, turns, params):
     return out
 
 
-@pytest.mark.parametrize("max_batch_size,admit_wait", [(None, 0), (2, 0), (None, 3)],
-                         ids=["grow", "two_slots", "admit_wait"])
+@pytest.mark.parametrize("max_batch_size,admit_wait", [(None, 0), (2, 0), (None, 2), (None, 3)],
+                         ids=["grow", "two_slots", "default", "admit_wait_3"])
 def test_continuous_batching_tokens_depend_on_seed_and_context_only(tiny, max_batch_size, admit_wait):
     """Sessions join while others decode (a session's next turn is submitted the step its turn completes, a new
     session joins half way); every request's tokens equal the same request generated alone, logprobs within 1e-5,

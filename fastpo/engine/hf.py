@@ -206,7 +206,9 @@ class HFEngine(SessionEngine):
         growth: capacity factor when the pool must grow (slots or columns).
         admit_wait: while other requests decode, a newly submitted request may wait up to this many steps so that
             its prefill shares one forward with later arrivals (it joins at once when the queue holds at least half
-            as many requests as are running). 0: admit at every step. Never changes a request's tokens.
+            as many requests as are running). 0: admit at every step. Never changes a request's tokens. Default 2:
+            on the tiny preset's short turns it brings the async rollout from 0.89x to 0.98x lock-step's speed
+            (fewer prefill forwards: 9 instead of 16; docs/ENGINES.md); lock-step calls are never held.
     """
 
     def __init__(
@@ -220,7 +222,7 @@ class HFEngine(SessionEngine):
         max_batch_size: int | None = None,
         max_prefill_tokens: int = 65536,
         growth: float = 1.5,
-        admit_wait: int = 0,
+        admit_wait: int = 2,
     ):
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             from ..model import load_policy
