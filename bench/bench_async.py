@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="longtail: also time this many iterations of partial rollouts (rollout.partial) against "
                              "the async driver's iterations (a weight sync between iterations); 0 = skip")
     parser.add_argument("--max-staleness", type=int, default=1, help="partial: rollout.max_staleness")
+    parser.add_argument("--admit-wait", type=int, default=None,
+                        help="built-in engine: HFEngine(admit_wait=N); default: the engine's default")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
     parser.add_argument("--note", default="", help="free text stored with every row (e.g. machine load)")
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to async_rollout.csv)")
@@ -107,7 +109,8 @@ def longtail_setup(args: argparse.Namespace, root: Path):
 
     params = sum(p.numel() for p in model.parameters())
     desc = dict(model=f"qwen2-random-{params / 1e6:.0f}M", episodes=groups * 4, turns=args.turns,
-                max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab, engine=args.engine)
+                max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab, engine=args.engine,
+                **(engine_kwargs(args) if args.engine == "hf" else {}))
     if args.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from fastpo.engine.vllm import VLLMEngine
@@ -121,7 +124,7 @@ def longtail_setup(args: argparse.Namespace, root: Path):
             return engine
 
         return parts, fresh, tok, sampling, cfg, desc
-    return parts, lambda: HFEngine(model, tok), tok, sampling, cfg, desc
+    return parts, lambda: HFEngine(model, tok, **engine_kwargs(args)), tok, sampling, cfg, desc
 
 
 def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
@@ -188,6 +191,11 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The built-in engine's options from the command line (only those given)."""
+    return {} if args.admit_wait is None else {"admit_wait": args.admit_wait}
+
+
 def tiny_setup(args: argparse.Namespace, root: Path):
     """The tiny preset's training rollout (its env, groups, turns, sampling) on the shipped tiny agent."""
     preset = get_preset("tiny")
@@ -206,8 +214,9 @@ def tiny_setup(args: argparse.Namespace, root: Path):
                             max_turns=e.max_turns, max_actions_per_turn=e.max_actions_per_turn)]
 
     cfg = dict(max_model_len=r.max_model_len, enable_think=r.enable_think)
-    desc = dict(model="tiny-agent", env=name, episodes=n, turns=e.max_turns, max_new_tokens=r.response_length)
-    return parts, lambda: HFEngine(model, tok), tok, sampling, cfg, desc
+    desc = dict(model="tiny-agent", env=name, episodes=n, turns=e.max_turns, max_new_tokens=r.response_length,
+                **engine_kwargs(args))
+    return parts, lambda: HFEngine(model, tok, **engine_kwargs(args)), tok, sampling, cfg, desc
 
 
 def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
