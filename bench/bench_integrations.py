@@ -42,17 +42,10 @@ from common import (  # noqa: E402
     print_table,
     quantiles,
     require_clean_tree,
+    status_kib,
 )
 
 PROVIDERS = ("trl", "fastpo")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def build_model(path: Path, hidden: int, vocab: int, layers: int, seed: int = 0) -> None:
@@ -110,7 +103,7 @@ def child(spec: dict) -> dict:
         trainer.compute_loss(model, batch).backward()
 
     model.zero_grad(set_to_none=True)
-    base = _status_kib("VmRSS") * 1024
+    base = status_kib("VmRSS") * 1024
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -119,7 +112,7 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
-    peak = _status_kib("VmHWM") * 1024
+    peak = status_kib("VmHWM") * 1024
     times = []
     for _ in range(spec["repeats"]):
         t0 = time.perf_counter()

@@ -34,7 +34,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_allow_dirty, append_rows, print_table, quantiles, require_clean_tree, time_median  # noqa: E402
+from common import (  # noqa: E402
+    add_allow_dirty,
+    append_rows,
+    print_table,
+    quantiles,
+    require_clean_tree,
+    status_kib,
+    time_median,
+)
 
 import fastpo.kernels as K  # noqa: E402
 
@@ -159,28 +167,20 @@ def _row(name, provider, mode, metric, unit, x_name, x_value, stats, config):
 
 
 # ------------------------------------------------------------------------------------------------ CPU mode
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child_memory(provider: str, n_tokens: int) -> None:
     """Run in a fresh process: one fwd + bwd; print as JSON the RSS before it and the peak RSS during it (bytes).
     The peak is the process's VmHWM, reset after the inputs exist (clear_refs 5); ru_maxrss is not usable
     here since Linux carries it over from the parent across fork + exec."""
     x, weight, ids, grad = logprob_inputs(n_tokens)
     fn = naive_logprob if provider == "naive" else K.fused_linear_logprob
-    base = _status_kib("VmRSS") * 1024
+    base = status_kib("VmRSS") * 1024
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass  # then VmHWM also covers the setup, whose peak is the base
     (fn(x, weight, ids) * grad).sum().backward()
-    print(json.dumps({"base": base, "peak": _status_kib("VmHWM") * 1024}))
+    print(json.dumps({"base": base, "peak": status_kib("VmHWM") * 1024}))
 
 
 def _measure_memory(provider: str, n_tokens: int) -> float:

@@ -135,6 +135,15 @@ def require_clean_tree(allow_dirty: bool = False, repo: str | os.PathLike | None
     return commit
 
 
+def status_kib(field: str) -> int:
+    """A field of this process's /proc/self/status in KiB (``VmRSS`` now, ``VmHWM`` its peak): Linux only."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def pin_threads(threads: int) -> None:
     """Size the OpenMP / MKL pools and keep the hub and tokenizers offline and single-threaded. Call it before torch
     is imported: the pool is sized at import."""
