@@ -315,9 +315,11 @@ def test_main_prints_one_line(monkeypatch, capsys, tmp_path):
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 @pytest.mark.parametrize("gpu", ["0", "1"])
 def test_makefile_runs_the_script(gpu, tmp_path):
-    out = subprocess.run(["make", "-n", "-B", "setup", f"GPU={gpu}", f"VENV={tmp_path}/v", "PY=python3.12",
-                          "TORCH_INDEX_URL=https://x.example/cpu"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    # under `make test` this make is a sub-make: MAKELEVEL / MAKEFLAGS would make it print "Entering directory"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    out = subprocess.run(["make", "-n", "-B", "--no-print-directory", "setup", f"GPU={gpu}", f"VENV={tmp_path}/v",
+                          "PY=python3.12", "TORCH_INDEX_URL=https://x.example/cpu"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True, env=env).stdout
     assert out.strip() == (f'python3.12 requirements/setup_venv.py --venv {tmp_path}/v --torch-index-url '
                            f'"https://x.example/cpu" --gpu {gpu}' + (" --lock requirements/ci-cpu.txt" * (gpu == "0")))
 
