@@ -111,21 +111,24 @@ def shutdown() -> None:
 
 #: torch.distributed's own folder: gloo's collective errors are plain RuntimeErrors raised from its functions there.
 _TORCH_DISTRIBUTED_DIR = os.path.dirname(os.path.abspath(dist.__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def raised_by_torch_distributed(err: BaseException) -> bool:
-    """Whether `err` came from torch.distributed: a ``DistError`` (nccl's watchdog, the stores), or an exception whose
-    innermost traceback frame is torch.distributed's code (a gloo collective raises a plain RuntimeError there).
-    Decided by type and origin, never by message: a plug-in's or a library's RuntimeError saying "timed out" is not a
-    stalled rank."""
+    """Whether `err` came from torch.distributed: a ``DistError`` (nccl's watchdog, the stores), or an exception raised
+    by torch's own code (the innermost traceback frame is in torch) under a torch.distributed frame. A gloo collective
+    raises a plain RuntimeError, in torch/distributed itself or, for FSDP2's gathers, from the custom-op layer
+    (torch/_library) those call. Decided by type and origin, never by message: a plug-in's or a library's
+    RuntimeError saying "timed out" is not a stalled rank."""
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
+    files = []
     tb = err.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
+    while tb is not None:
+        files.append(os.path.abspath(tb.tb_frame.f_code.co_filename))
         tb = tb.tb_next
-    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DISTRIBUTED_DIR + os.sep)
+    return bool(files) and files[-1].startswith(_TORCH_DIR + os.sep) and any(
+        f.startswith(_TORCH_DISTRIBUTED_DIR + os.sep) for f in files)
 
 
 def collective_failure(err: BaseException, timeout_s: float) -> str | None:

@@ -171,6 +171,16 @@ def test_collective_failure_messages():
     peer = _raised_in(c10d, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"))
     assert collective_failure(peer, 5).startswith("another rank died or closed its connection")
     assert collective_failure(_raised_in(c10d, RuntimeError("CUDA out of memory")), 5) is None
+    # FSDP2's gathers: the error comes out of torch's custom-op layer, below a torch.distributed frame (the stalled
+    # rank test once hit this: a traceback instead of the line)
+    library = os.path.join(os.path.dirname(torch.__file__), "_library", "autograd.py")
+    fsdp = os.path.join(os.path.dirname(torch.distributed.__file__), "fsdp", "_fully_shard", "_fsdp_param_group.py")
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation")
+    exec(compile("def gather():\n    raise ERR\n", library, "exec"), scope := {"ERR": timeout})
+    with pytest.raises(RuntimeError) as raised:
+        exec(compile("gather()", fsdp, "exec"), scope)
+    assert collective_failure(raised.value, 10).startswith("a collective timed out after 10 s")
+    assert collective_failure(_raised_in(library, RuntimeError("Timed out waiting 5000ms")), 5) is None  # no dist frame
     nccl = torch.distributed.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7)")
     assert collective_failure(nccl, 5).startswith("a collective timed out")  # by its type, raised anywhere
 
