@@ -4,6 +4,7 @@ batch simulator (``CppGridEnv``) or of one Python game object per instance (``Py
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,14 +93,17 @@ class PyGridEnv(GridEnv):
         return {name: np.stack([get(g) for g in games]) if dtype is None else
                 np.array([get(g) for g in games], dtype=dtype) for name, (get, dtype) in self._state_fields.items()}
 
+    @abstractmethod
     def _success(self, game: Any) -> bool:
-        raise NotImplementedError
+        """Whether `game` is solved (info ``success``)."""
 
+    @abstractmethod
     def _render_game(self, game: Any) -> str:
-        raise NotImplementedError
+        """`game`'s text observation."""
 
+    @abstractmethod
     def _state_key(self, game: Any) -> int:
-        raise NotImplementedError
+        """`game`'s exact state key (uint64 as int), equal to the C++ simulator's."""
 
     def _games(self) -> list[Any]:
         missing = [i for i, g in enumerate(self.games) if g is None]
