@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import gqa_attention
 from .base import (
     Completion,
     EngineStats,
@@ -526,8 +527,9 @@ class HFEngine(SessionEngine):
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=cols.device)
         bias.masked_fill_(~mask, torch.finfo(self.dtype).min)
         try:
-            out = self.model(input_ids=input_ids, attention_mask=bias[:, None], position_ids=positions,
-                             past_key_values=pool.cache, use_cache=True, logits_to_keep=1)
+            with gqa_attention(self.model, self.device):
+                out = self.model(input_ids=input_ids, attention_mask=bias[:, None], position_ids=positions,
+                                 past_key_values=pool.cache, use_cache=True, logits_to_keep=1)
         finally:
             pool.plan = None
         return out.logits[:, -1].float()
