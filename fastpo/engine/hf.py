@@ -210,6 +210,9 @@ class HFEngine(SessionEngine):
             as many requests as are running). 0: admit at every step. Never changes a request's tokens. Default 2:
             on the tiny preset's short turns it brings the async rollout from 0.89x to 0.98x lock-step's speed
             (fewer prefill forwards: 9 instead of 16; docs/ENGINES.md); lock-step calls are never held.
+        gqa_sdpa: on a CPU, run grouped-KV models' forwards through SDPA with ``enable_gqa`` and the engine's mask
+            instead of transformers' per-head KV copy (``fastpo.engine.attention``; same tokens). False keeps the
+            model's own attention (the benchmarks' baseline).
     """
 
     def __init__(
@@ -224,6 +227,7 @@ class HFEngine(SessionEngine):
         max_prefill_tokens: int = 65536,
         growth: float = 1.5,
         admit_wait: int = 2,
+        gqa_sdpa: bool = True,
     ):
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             from ..model import load_policy
@@ -257,6 +261,7 @@ class HFEngine(SessionEngine):
         if isinstance(admit_wait, bool) or not isinstance(admit_wait, int) or admit_wait < 0:
             raise ValueError(f"admit_wait must be an int >= 0, got {admit_wait!r}")
         self.admit_wait = admit_wait
+        self.gqa_sdpa = bool(gqa_sdpa)
         self._pool = _SlotPool((config.num_hidden_layers, kv_heads, head_dim), self.dtype, self.device)
         self._waiting: list[_Request] = []
         self._running: dict[int, _Request] = {}  # slot -> request
@@ -527,7 +532,7 @@ class HFEngine(SessionEngine):
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=cols.device)
         bias.masked_fill_(~mask, torch.finfo(self.dtype).min)
         try:
-            with gqa_attention(self.model, self.device):
+            with gqa_attention(self.model, self.device) if self.gqa_sdpa else contextlib.nullcontext():
                 out = self.model(input_ids=input_ids, attention_mask=bias[:, None], position_ids=positions,
                                  past_key_values=pool.cache, use_cache=True, logits_to_keep=1)
         finally:
