@@ -155,20 +155,24 @@ def claim_run_dir(run_dir: str | os.PathLike, resume: str, overwrite: bool, conf
     """Check, on every rank, that this run may use `run_dir`, then (with `delete`) delete what `overwrite` replaces;
     collective, the same ConfigError on every rank. Every check runs before anything is deleted.
 
-    Refused: ranks started with different run directories or configs (compared as given, so node-local disks
-    may mount the same relative path in different places); ``resume="never"`` on a directory that already holds
-    a run (any of :data:`RUN_FILES` on any node's disk) unless `overwrite`; ``resume="auto"`` on a directory that
-    holds a started or finished run (a metrics.jsonl with rows, ``hf/``, ``report.txt``, ``curves.png``) but no
-    checkpoint folder to continue from, unless `overwrite`; an `overwrite` that would delete a model the run loads
+    Refused: ranks started with different run directories, configs, `resume` or `overwrite` (compared as given,
+    so node-local disks may mount the same relative path in different places); ``resume="never"`` on a directory
+    that already holds a run (any of :data:`RUN_FILES` on any node's disk) unless `overwrite`; ``resume="auto"``
+    on a directory that holds a started or finished run (a metrics.jsonl with rows, ``hf/``, ``report.txt``,
+    ``curves.png``) but no checkpoint folder to continue from, unless `overwrite`; an `overwrite` that would delete
+    a model the run loads
     (`model_paths`: config field -> path, e.g. ``{"model.path": "runs/x/hf"}``). With `overwrite` (where it
     applies) those files are deleted on every disk so the new run starts a fresh ``metrics.jsonl``; ``delete=False``
     runs the checks only (the entry point deletes after its last check, under the run directory's lock).
     """
-    given = all_gather_object((str(run_dir), config_hash))
+    # resume and overwrite are outside the config hash (they do not change the math) but decide below whether a
+    # rank raises or goes on to the next collective: ranks that disagree would leave the others waiting in it
+    given = all_gather_object((str(run_dir), config_hash, str(resume), bool(overwrite)))
     if len(set(given)) > 1:
-        detail = "; ".join(f"rank {r}: run_dir {d!r}, config hash {h}" for r, (d, h) in enumerate(given))
-        raise ConfigError(f"the ranks were started with different trainer.run_dir or configs ({detail}); start "
-                          f"every node with the same command line")
+        detail = "; ".join(f"rank {r}: run_dir {d!r}, resume {res!r}, overwrite {ow}, config hash {h}"
+                           for r, (d, h, res, ow) in enumerate(given))
+        raise ConfigError(f"the ranks were started with different trainer.run_dir or configs (trainer.resume and "
+                          f"trainer.overwrite included) ({detail}); start every node with the same command line")
     layout = disk_layout(run_dir)
     run_dir = Path(run_dir)
     found, started, has_checkpoint = _run_state(run_dir) if layout.is_leader else ([], [], False)

@@ -234,3 +234,33 @@ def test_another_ranks_failure_is_one_line_on_this_rank(monkeypatch, capsys):
     assert _exit_status(err.value, info, None, 300) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"training stopped (rank 1): rank 0 failed: {theirs[0]}: {theirs[1]}"]
+
+
+def test_ranks_with_different_resume_or_overwrite_are_refused_before_any_check(monkeypatch, tmp_path):
+    """resume / overwrite are outside the config hash, but they decide whether a rank refuses the run dir or goes on
+    to the next collective. Ranks that disagree are refused together (probe defect 5), not left waiting."""
+    from fastpo import storage
+    from fastpo.config import ConfigError
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # a started run: rank 0 alone would refuse it
+    for other in (("auto", True), ("never", False)):
+        peer = (str(tmp_path), "h", *other)
+        monkeypatch.setattr(storage, "all_gather_object", lambda obj, peer=peer: [obj, peer])
+        with pytest.raises(ConfigError, match=r"trainer.resume and trainer.overwrite included.*rank 0: run_dir "
+                                              r".*resume 'auto', overwrite False.*rank 1: .*resume '" + other[0]):
+            storage.claim_run_dir(tmp_path, "auto", False, config_hash="h")
+
+
+@pytest.mark.slow
+def test_nodes_started_with_different_overwrite_are_refused_on_every_rank(tmp_path):
+    """Node 0's disk holds a started run: alone, node 0 would refuse it and node 1 (overwrite) would wait for it in
+    the next collective until the timeout. Both exit 2 with one message, and nothing is deleted."""
+    started = tmp_path / "node0" / "run" / "metrics.jsonl"
+    started.parent.mkdir(parents=True)
+    started.write_text('{"step": 1}\n')
+    results = _two_nodes(tmp_path, ["--trainer.iterations", "1", "--trainer.collective_timeout_s", "60"],
+                         ("--trainer.overwrite", "true"), timeout=120)
+    assert [rc for rc, _, _ in results] == [1, 1], [(out + err)[-2000:] for _, out, err in results]
+    assert all(re.search(r"exitcode\s*: 2 ", err) for _, _, err in results)
+    assert "trainer.resume and trainer.overwrite included" in results[0][2] and "overwrite True" in results[0][2]
+    assert started.read_text() == '{"step": 1}\n'
