@@ -27,11 +27,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from fastpo import algorithms, envs, update  # noqa: E402
 from fastpo.cli import describe, parse  # noqa: E402
-from fastpo.config import PRESETS, AlgorithmConfig, Config, validate  # noqa: E402
+from fastpo.config import AlgorithmConfig, Config  # noqa: E402
 from fastpo.engine.base import SamplingParams  # noqa: E402
 from fastpo.engine.hf import HFEngine  # noqa: E402
 from fastpo.env_mix import build_parts, resolve_mix  # noqa: E402
 from fastpo.model import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from fastpo.preflight import validate  # noqa: E402
+from fastpo.presets import PRESETS  # noqa: E402
 from fastpo.rollout import RolloutPart, run_rollouts  # noqa: E402
 from fastpo.trainer import request_seed  # noqa: E402
 

@@ -203,7 +203,7 @@ def _env_errors(r: TinyAgentRecipe) -> list[str]:
     import numpy as np
 
     from . import envs
-    from .config_io import shown
+    from .config import shown
 
     if r.env.lower() not in envs.available():
         return [f"recipe.env: unknown env {shown(r.env)}; choose from {envs.available()}"]

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from fastpo import algorithms, testing
-from fastpo.config import AlgorithmConfig, ConfigError, config_hash, parse_args, validate
+from fastpo.config import AlgorithmConfig, ConfigError, config_hash
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
 from fastpo.trainer import Trainer
 
 SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",

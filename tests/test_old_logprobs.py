@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fastpo import testing, update
-from fastpo.config import parse_args, validate
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
 from fastpo.rollout import Trajectory
 from fastpo.trainer import Trainer, TrainingAborted
 

@@ -156,8 +156,8 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     """Accumulated over micro-batches (with their loss scales), the actor gradient equals the gradient of the same
     loss over the whole mini-batch in one micro-batch, for every aggregation mode."""
     from fastpo import algorithms
-    from fastpo.config import get_preset
     from fastpo.microbatch import cat_tokens, pack, token_cost
+    from fastpo.presets import get_preset
     from fastpo.rollout import Trajectory
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
     from fastpo.update import loss_scales, norm_len, token_logp
@@ -403,7 +403,8 @@ def test_on_policy_update_equals_the_scored_path(tmp_path, monkeypatch):
     """One epoch over one mini-batch skips the separate old-logprob pass (the update's detached logp is the old
     logp); the first update must equal the path that scores first, and the parity guard still measures the gap."""
     from fastpo import update
-    from fastpo.config import parse_args, validate
+    from fastpo.config_load import parse_args
+    from fastpo.preflight import validate
     from fastpo.trainer import Trainer
 
     def first_update(run: str, on_policy: bool):
