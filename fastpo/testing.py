@@ -302,22 +302,3 @@ def run_killable(cmd: list[str], cwd: Any, env: dict[str, str], timeout: float) 
         out, err = proc.communicate()
         raise TimeoutError(f"{cmd[:6]} timed out after {timeout}s:\n{(out + err).decode()[-3000:]}") from None
     return proc.returncode, out.decode(), err.decode()
-
-
-def train_iterations(cfg: Any, iterations: int = 1) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Run iterations 1..`iterations` of a ``Trainer`` built from the validated `cfg` in this process, without
-    validation, checkpoints or an export; returns (each iteration's metrics, the actor's weights after the last:
-    detached clones by state-dict name)."""
-    from .trainer import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        rows = []
-        for step in range(1, iterations + 1):
-            trainer.step = step
-            rows.append(trainer.iteration())
-        weights = {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
-    finally:
-        trainer.close(export=False)
-    return rows, weights
-

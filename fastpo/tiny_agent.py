@@ -20,7 +20,7 @@ Recipe (docs/TINY_AGENT.md has the measurements it follows):
    a. *state reading*: the first-turn prompt of ``read_episodes`` solver instances, the loss on the first action
       of the shortest path only (one clean label per sequence); first-action accuracy jumps from chance to
       ~65% after ~300 steps;
-   b. *multi-turn*: ``fastpo.sft`` on whole solver trajectories (``turn_length="max"``: every trained token is a
+   b. *multi-turn*: ``fastpo.sft_core`` on whole solver trajectories (``turn_length="max"``: every trained token is a
       function of the state) with a share of random actions, so the agent also sees recovery states.
    The result succeeds sometimes but not always, so RL has room and a signal (in-group reward variance).
 
@@ -263,13 +263,12 @@ def build_tiny_agent(out: str | os.PathLike, recipe: TinyAgentRecipe | None = No
 def _build(out: Path, tmp: Path, r: TinyAgentRecipe, log: Callable[[str], None]) -> Path:
     import torch
 
-    from .model import load_tokenizer
-    from .sft import build_sft_dataset, train_sft
+    from .sft_core import build_sft_dataset, train_sft
     from .testing import build_tiny_model, build_tiny_tokenizer
 
     t0 = time.perf_counter()
-    build_tiny_tokenizer(tmp)
-    tok = load_tokenizer(str(tmp), padding_side="right")
+    tok = build_tiny_tokenizer(tmp)  # as reloaded from tmp; it has its pad token and chat template
+    tok.padding_side = "right"
     model = build_tiny_model(tmp, tok, hidden=r.hidden, layers=r.layers, heads=r.heads, kv_heads=r.kv_heads,
                              seed=r.init_seed)
     n_params = sum(p.numel() for p in model.parameters())

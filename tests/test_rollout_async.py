@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from test_trainer import train_iterations
 
 import fastpo.envs as E
 from fastpo import testing
@@ -146,7 +147,7 @@ def test_trainer_with_async_rollout_trains_like_lockstep(tmp_path):
     out = {}
     for mode in ("lockstep", "async"):
         cfg = validate(parse_args([*small, "--rollout.mode", mode, "--trainer.run_dir", str(tmp_path / mode)]), 1)
-        out[mode] = testing.train_iterations(cfg, 2)
+        out[mode] = train_iterations(cfg, 2)
     (lock_rows, lock_w), (fast_rows, fast_w) = out["lockstep"], out["async"]
     for a, b in zip(lock_rows, fast_rows, strict=True):
         for key in ("rollout/reward", "rollout/response_length", "rollout/num_turns", "rollout/trained_tokens"):

@@ -18,12 +18,29 @@ import pytest
 import torch
 
 from fastpo.tiny_agent import tiny_agent_path
+from fastpo.trainer import Trainer
 
 SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
          "--env.env_groups", "4", "--env.group_size", "4", "--optim.mini_batch_size", "8",
          "--optim.micro_batch_tokens", "800", "--rollout.max_model_len", "800", "--trainer.iterations", "3",
          "--trainer.val_every", "3"]
 GAE = ["--algorithm.adv_estimator", "gae", "--trainer.val_before_train", "false", "--trainer.val_every", "0"]
+
+
+def train_iterations(cfg, iterations: int = 1) -> tuple[list[dict[str, float]], dict]:
+    """Run iterations 1..`iterations` of a ``Trainer`` built from the validated `cfg` in this process, without
+    validation, checkpoints or an export; returns (each iteration's metrics, the actor's weights after the last:
+    detached clones by state-dict name)."""
+    trainer = Trainer(cfg)
+    try:
+        rows = []
+        for step in range(1, iterations + 1):
+            trainer.step = step
+            rows.append(trainer.iteration())
+        weights = {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
+    finally:
+        trainer.close(export=False)
+    return rows, weights
 
 
 def _run(args: list[str], run_dir: Path, nproc: int = 1, timeout: float = 180, env: dict | None = None):
