@@ -33,7 +33,7 @@ import torch
 
 from . import distributed as dist_utils
 from .cli import describe, parse, subset
-from .config import EnvConfig, ModelConfig, RolloutConfig
+from .config import ConfigError, EnvConfig, ModelConfig, RolloutConfig, failed, is_field
 from .progress import write
 from .sft_core import DEFAULT_SFT_SEED, generate_episodes, tokenize_episode, train_sft
 
@@ -77,6 +77,26 @@ class SFTConfig:
     device: str = ""
     """Torch device; "" = cuda when available, else cpu."""
 
+    def check(self, num_envs: int = 1) -> list[str]:
+        """One line per bad field of this section, for data split among `num_envs` envs; [] when all is well."""
+        return failed([
+            (bool(self.out), "sft.out: required (the output folder)"),
+            (self.episodes >= num_envs,
+             f"sft.episodes must be >= the number of envs ({num_envs}), got {self.episodes}"),
+            (0.0 <= self.noise <= 1.0, f"sft.noise must lie in [0, 1], got {self.noise}"),
+            (self.steps >= 1, f"sft.steps must be >= 1, got {self.steps}"),
+            (self.lr > 0 and math.isfinite(self.lr), f"sft.lr must be a finite number > 0, got {self.lr}"),
+            (self.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (self.weight_decay >= 0, f"sft.weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.grad_clip > 0, f"sft.grad_clip must be > 0, got {self.grad_clip}"),
+            (self.batch_size >= 1, f"sft.batch_size must be >= 1, got {self.batch_size}"),
+            (self.micro_batch_size >= 0,
+             f"sft.micro_batch_size must be >= 0 (0 = batch_size), got {self.micro_batch_size}"),
+            (self.seed >= 0, f"sft.seed must be >= 0, got {self.seed}"),
+            (self.save_every >= 0, f"sft.save_every must be >= 0 (0: save only at the end), got {self.save_every}"),
+            (self.log_every >= 1, f"sft.log_every must be >= 1, got {self.log_every}"),
+        ])
+
 
 SFTModel = subset(ModelConfig, "path", "dtype", defaults={"dtype": "float32"}, name="SFTModel",
                   doc="The model to fine-tune (its tokenizer must have a chat template).")
@@ -100,32 +120,23 @@ class SFTArgs:
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Data and optimisation."""
 
+    def check(self) -> list[str]:
+        """One line per bad field of every section (the env names against the registry: when the run starts); []
+        when all is well. The model / env sections are subsets of the trainer's, whose checks need a whole Config,
+        so their few fields are checked here."""
+        e = self.env
+        return (failed([(bool(self.model.path), "model.path: required (a model folder or hub id)"),
+                        (len(e.names) >= 1, "env.names: give at least one env")])
+                + self.sft.check(len(e.names))
+                + failed([(e.max_turns >= 1, f"env.max_turns must be >= 1, got {e.max_turns}"),
+                          (e.max_actions_per_turn >= 1,
+                           f"env.max_actions_per_turn must be >= 1, got {e.max_actions_per_turn}")]))
+
 
 def validate_args(args: SFTArgs) -> SFTArgs:
-    """Range checks of every field, before anything is built; ConfigError naming each bad one."""
-    from .config import ConfigError
-
-    s, e = args.sft, args.env
-    checks = [
-        (bool(args.model.path), "model.path: required (a model folder or hub id)"),
-        (bool(s.out), "sft.out: required (the output folder)"),
-        (len(e.names) >= 1, "env.names: give at least one env"),
-        (s.episodes >= len(e.names), f"sft.episodes must be >= the number of envs ({len(e.names)}), got {s.episodes}"),
-        (0.0 <= s.noise <= 1.0, f"sft.noise must lie in [0, 1], got {s.noise}"),
-        (s.steps >= 1, f"sft.steps must be >= 1, got {s.steps}"),
-        (s.lr > 0 and math.isfinite(s.lr), f"sft.lr must be a finite number > 0, got {s.lr}"),
-        (s.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {s.warmup_steps}"),
-        (s.weight_decay >= 0, f"sft.weight_decay must be >= 0, got {s.weight_decay}"),
-        (s.grad_clip > 0, f"sft.grad_clip must be > 0, got {s.grad_clip}"),
-        (s.batch_size >= 1, f"sft.batch_size must be >= 1, got {s.batch_size}"),
-        (s.micro_batch_size >= 0, f"sft.micro_batch_size must be >= 0 (0 = batch_size), got {s.micro_batch_size}"),
-        (s.seed >= 0, f"sft.seed must be >= 0, got {s.seed}"),
-        (s.save_every >= 0, f"sft.save_every must be >= 0 (0: save only at the end), got {s.save_every}"),
-        (s.log_every >= 1, f"sft.log_every must be >= 1, got {s.log_every}"),
-        (e.max_turns >= 1, f"env.max_turns must be >= 1, got {e.max_turns}"),
-        (e.max_actions_per_turn >= 1, f"env.max_actions_per_turn must be >= 1, got {e.max_actions_per_turn}"),
-    ]
-    errors = [msg for ok, msg in checks if not ok]
+    """Range checks of every field (:meth:`SFTArgs.check`), before anything is built; ConfigError naming each bad
+    one."""
+    errors = args.check()
     if errors:
         raise ConfigError("\n".join(errors))
     return args
@@ -133,8 +144,6 @@ def validate_args(args: SFTArgs) -> SFTArgs:
 
 def parse_args(argv: Sequence[str] | None = None) -> SFTArgs:
     """``SFTArgs`` from the command line (``fastpo.cli``: ``--config FILE`` < flags), validated."""
-    from .config import is_field
-
     description = describe("Supervised fine-tuning on solver trajectories, in RAGEN's multi-turn chat format.",
                            "Settings: --config FILE.yaml < --section.field VALUE flags; a run's config.json works.")
     return validate_args(parse(SFTArgs, argv, prog="python -m fastpo.sft", description=description, known=is_field))
@@ -145,7 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     2)."""
     from fastpo.envs.text import TextEnvError
 
-    from .config import ConfigError
     from .log import console
 
     console()  # the library's messages on the console

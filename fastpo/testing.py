@@ -187,11 +187,11 @@ class ScriptedEngine:
 
     ``script[i][t]`` is instance i's answer at turn t: a str (tokenized with `tokenizer`, then the EOS id
     appended, finish "stop"), or ``("length", text)`` (the first ``max_new_tokens`` tokens, finish "length").
-    The instance and turn are recovered from the request seed ``request_seeds[i] * 1_000_003 + turn`` that
-    ``fastpo.rollout.run_rollout`` passes, so call it with ``request_seeds = range(N)``. Every sampled token gets
-    logprob ``logprob``. ``prompts`` records ``(instance, turn, context_ids)`` of each request. ``params.stop``
-    strings cut the answer at the token that first completes one (finish "stop", ``stop_string`` set), as the real
-    engines do.
+    The instance and turn are recovered from the request seed ``request_seeds[i] * SEED_MIX + turn`` that
+    ``fastpo.rollout.run_rollout`` passes (``fastpo.rollout.mix_seed``), so call it with
+    ``request_seeds = range(N)``. Every sampled token gets logprob ``logprob``. ``prompts`` records
+    ``(instance, turn, context_ids)`` of each request. ``params.stop`` strings cut the answer at the token that
+    first completes one (finish "stop", ``stop_string`` set), as the real engines do.
     """
 
     def __init__(self, tokenizer: Any, script: list[list[Any]], logprob: float = -1.0):
@@ -208,8 +208,9 @@ class ScriptedEngine:
 
     def _sample(self, seed: int, context: list[int], params: Any) -> Any:
         from .engine.base import GenerationResult, stop_matcher
+        from .rollout import SEED_MIX
 
-        instance, turn = divmod(int(seed), 1_000_003)
+        instance, turn = divmod(int(seed), SEED_MIX)
         self.prompts.append((instance, turn, list(context)))
         entry = self.script[instance][turn]
         if isinstance(entry, tuple):
