@@ -77,9 +77,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_rows, device_name, print_table, quantiles  # noqa: E402
 
 import fastpo.envs as E  # noqa: E402
-from fastpo.config import RolloutConfig, get_preset  # noqa: E402
+from fastpo.config import RolloutConfig  # noqa: E402
 from fastpo.engine import HFEngine, SamplingParams  # noqa: E402
 from fastpo.model import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from fastpo.presets import get_preset  # noqa: E402
 from fastpo.prompts import prompt_spec  # noqa: E402
 from fastpo.rollout import RolloutPart, run_rollouts  # noqa: E402
 from fastpo.rollout_pool import NewGroup, RolloutPool  # noqa: E402

@@ -189,7 +189,7 @@ def fastpo_argv(s: Settings, run_dir: str, engine: str = "hf") -> list[str]:
 
 
 def fastpo_config(s: Settings, run_dir: str, engine: str = "hf"):
-    from fastpo.config import parse_args
+    from fastpo.config_load import parse_args
 
     return parse_args(fastpo_argv(s, run_dir, engine))
 

@@ -27,13 +27,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from fastpo import algorithms, envs, update  # noqa: E402
 from fastpo.cli import describe, parse  # noqa: E402
-from fastpo.config import PRESETS, AlgorithmConfig, Config, validate  # noqa: E402
+from fastpo.config import AlgorithmConfig, Config  # noqa: E402
 from fastpo.engine.base import SamplingParams  # noqa: E402
 from fastpo.engine.hf import HFEngine  # noqa: E402
 from fastpo.env_mix import build_parts, resolve_mix  # noqa: E402
 from fastpo.model import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from fastpo.preflight import validate  # noqa: E402
+from fastpo.presets import PRESETS  # noqa: E402
 from fastpo.rollout import RolloutPart, run_rollouts  # noqa: E402
-from fastpo.trainer import request_seed  # noqa: E402
+from fastpo.trainer import RequestKind, request_seed  # noqa: E402
 
 ESTIMATORS = {"grpo": {"adv_estimator": "grpo"}, "grpo-mean": {"adv_estimator": "grpo", "norm_adv_by_std": False},
               "gigpo": {"adv_estimator": "gigpo"}}
@@ -71,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             size = p.entry.group_size
             index = [first + j for first in p.first_index for j in range(size)]
             jobs.append(RolloutPart(p.env, p.spec, np.repeat([seed_base + g for g in p.groups], size),
-                                    np.repeat(p.groups, size), [request_seed(cfg.trainer.seed, 0, it + 1, i)
-                                                                 for i in index],
+                                    np.repeat(p.groups, size),
+                                    [request_seed(cfg.trainer.seed, RequestKind.TRAIN, it + 1, i) for i in index],
                                     max_turns=p.entry.max_turns, max_actions_per_turn=p.entry.max_actions_per_turn,
                                     label=p.entry.label))
         batches = run_rollouts(jobs, engine, tok, sampling, r)

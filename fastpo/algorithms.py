@@ -223,7 +223,7 @@ _FIXED_COUNT_FILTERS: set[str] = set()
 
 def register_rollout_filter(name: str, fixed_count: bool = True) -> Callable[[FilterFn], FilterFn]:
     """Decorator: register ``fn(group_std fp32 [G] in ascending group-id order, ratio) -> keep bool [G]``;
-    ``fixed_count`` filters keep exactly :func:`kept_group_count` groups (checked by config.validate)."""
+    ``fixed_count`` filters keep exactly :func:`kept_group_count` groups (checked by preflight.validate)."""
     def deco(fn: FilterFn) -> FilterFn:
         if name in ROLLOUT_FILTERS:
             raise ValueError(f"rollout filter {name!r} is already registered")

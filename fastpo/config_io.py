@@ -1,10 +1,9 @@
-"""Config text (YAML / JSON) read with bounds, and values shown in error messages with a bound: the one place every
-entry point (train, eval, sft, ragen_config, tiny_agent, report) reads a ``--config`` file, a mapping given on the
-command line or a run's ``config.json``.
+"""Config text (YAML / JSON) read with bounds: the one place every entry point (train, eval, sft, ragen_config,
+tiny_agent, report) reads a ``--config`` file, a mapping given on the command line or a run's ``config.json``.
+Values quoted in error messages are cut to a bounded length by ``fastpo.config.shown``.
 
     data = load_yaml(text_or_file, "--config 'my.yaml'")   # ValueError (one line) for bad, too deep or too big input
     data = load_json(text, "'runs/x/config.json'")
-    f"expected a float, got {shown(value)}"                 # at most ~SHOWN_LIMIT characters, whatever value is
 
 Why: YAML aliases let a 1 KB file stand for a structure of 10^9 nodes ("billion laughs"): loading it is cheap (the
 aliases are shared references), but every later walk of it (a type check, a deep copy, the ``repr`` in an error
@@ -17,18 +16,16 @@ alias expanded. A real config is a few levels deep and has hundreds of nodes.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
-import reprlib
 from typing import IO, Any
+
+from .config import shown_text
 
 #: Deepest nesting of mappings / lists accepted (a fastpo config is at most ~5 deep: section, field, env.train
 #: entry, its kwargs, a value list).
 MAX_DEPTH = 32
 #: Most nodes (scalars, lists, mappings; each alias counted as the nodes it stands for) in one document.
 MAX_NODES = 100_000
-#: Characters of a value echoed in an error message, at most (about: reprlib's "..." markers included).
-SHOWN_LIMIT = 200
 
 
 @functools.cache
@@ -145,41 +142,3 @@ def shape_problem(data: Any) -> str | None:
             items = [x for kv in value.items() for x in kv] if isinstance(value, dict) else value
             stack.extend((x, depth + 1) for x in items)
     return None
-
-
-class _BoundedRepr(reprlib.Repr):
-    def __init__(self, limit: int):
-        super().__init__()
-        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 8, 8, 8
-        self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 8
-        self.maxstring = self.maxother = self.maxlong = limit
-
-    def repr_dict(self, x: dict, level: int) -> str:
-        # in insertion order, as repr() (reprlib sorts the keys)
-        if not x:
-            return "{}"
-        if level <= 0:
-            return "{...}"
-        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
-                 for k, v in itertools.islice(x.items(), self.maxdict)]
-        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
-
-    def repr_int(self, x: int, level: int) -> str:
-        # repr() of an int past 4300 digits raises ValueError (sys.set_int_max_str_digits): say its size instead
-        if x.bit_length() > 4000:
-            return f"<an int of about {int(x.bit_length() * 0.30103)} digits>"
-        return super().repr_int(x, level)
-
-
-def shown(value: Any, limit: int = SHOWN_LIMIT) -> str:
-    """``repr(value)`` for an error message, at most about `limit` characters whatever `value` is (a huge string,
-    a deep or aliased structure, a 10^5-digit int): long strings keep their start and end, long lists / mappings
-    their first items, deep ones their first levels (``...`` marks what was left out). Short values read exactly as
-    ``repr``. Costs O(limit), never a walk of the whole value."""
-    text = _BoundedRepr(limit).repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def shown_text(text: str, limit: int = SHOWN_LIMIT) -> str:
-    """`text` itself (no quotes) cut to about `limit` characters, for messages that quote a parser's own text."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."

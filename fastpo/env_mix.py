@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any
 
 from fastpo import envs
-from fastpo.config_io import shown
+from fastpo.config import shown
 
 #: Keys an ``env.train`` / ``env.val`` entry may have.
 ENTRY_KEYS = ("name", "label", "groups", "group_size", "kwargs", "max_turns", "max_actions_per_turn",
@@ -62,9 +62,9 @@ class EnvEntry:
 
 def own_budget(name: str, kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None) -> int:
     """The env's own per-episode action budget (the number its prompt shows by default); a plug-in's is read from
-    one instance built with ``kwargs``, in at most ``time_limit_s`` (``preflight.call_with_time_limit``)."""
-    from .preflight import call_with_time_limit
+    one instance built with ``kwargs``, in at most ``time_limit_s`` (``time_limit.call_with_time_limit``)."""
     from .prompts import env_prompt_spec
+    from .time_limit import call_with_time_limit
 
     if envs.is_builtin(name):
         return env_prompt_spec(name).max_actions_per_traj
@@ -222,7 +222,7 @@ def check_mix(env_cfg: Any, world_size: int = 1, backend: str = "default") -> li
     """Config-time checks of both splits (before any model loads): the entries themselves, each env built once
     with its kwargs (bad kwargs for that env are reported with the entry), and per-entry group sizes. Returns the
     error lines (empty when fine)."""
-    from .preflight import PreflightTimeout, call_with_time_limit
+    from .time_limit import PreflightTimeout, call_with_time_limit
 
     errors, built = [], set()
     if env_cfg.train and env_cfg.val_names:

@@ -1,31 +1,35 @@
-"""Checks of a config against the world outside it (files, env constructors, the tokenizer), run before any model
-loads so that bad input ends in one ``ConfigError`` line and exit status 2, never a traceback mid-run.
+"""Checks of a config before any model loads, so that bad input ends in one ``ConfigError`` line and exit status 2,
+never a traceback mid-run: :func:`validate` composes the sections' own checks (``fastpo.config``) with those that
+need another module (the env and algorithm registries, ``fastpo.cli``'s type conversion) and the world outside the
+config (files, env constructors, the tokenizer).
 
-    errors = check_inputs(cfg)             # list of one-line problems (config.validate calls it)
+    validate(cfg, world_size=8)            # raises ConfigError naming every bad field; returns cfg
+    errors = check_inputs(cfg)             # list of one-line problems with paths, env kwargs, the resume hash
     check_prompt_fits(cfg, tokenizer)      # ConfigError when no episode could take a single turn
     first_prompt_len(tokenizer, "sokoban", seed=123, max_model_len=...)   # token count of turn 1's prompt
-    call_with_time_limit(fn, 60.0, "env 'guess': reset (seed 5)")       # fn(), or PreflightTimeout after 60 s
 
-``config.validate`` covers what the config alone decides (ranges, types, cross-field rules); this module covers
-what needs the file system or building an env of one instance (cheap: no model, no tokenizer). The prompt check
-needs the tokenizer, so the trainer runs it right after loading the tokenizer and before the models.
+Building an env of one instance is cheap (no model, no tokenizer); each construction and reset is bounded by
+``env.preflight_timeout_s`` (``fastpo.time_limit``). The prompt check needs the tokenizer, so the trainer runs it
+right after loading the tokenizer and before the models.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import threading
-from collections.abc import Callable
+import typing
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from .config import Config, ConfigError, config_hash
-from .config_io import shown
+from fastpo import envs
+
+from . import cli
+from .config import SECTIONS, Config, ConfigError, config_hash, field_types, shown
+from .env_mix import check_mix, resolve_mix
+from .time_limit import PreflightTimeout, call_with_time_limit
 
 #: Failures an env raises for bad keyword arguments or for levels it cannot generate.
 _ENV_ERRORS = (ValueError, TypeError, RuntimeError, OSError, KeyError)
@@ -33,38 +37,118 @@ _ENV_ERRORS = (ValueError, TypeError, RuntimeError, OSError, KeyError)
 _TINY = "tiny"
 
 
-class PreflightTimeout(ConfigError):
-    """A call into an env during the checks did not return within ``env.preflight_timeout_s``."""
+def validate(cfg: Config, world_size: int = 1) -> Config:
+    """Every check before any model loads, each section's next to its own: field types, non-finite floats, then
+    per section its ``check()`` and the checks that need a registry, the rules between sections, and last (on a
+    config sound in itself) :func:`check_inputs`. Raises one ConfigError listing every problem, each line naming
+    its field(s); returns cfg."""
+    errors = field_type_errors(cfg)
+    errors += [] if errors else cfg.nonfinite_errors()
+    _raise(errors)
+    errors = [] if isinstance(world_size, int) and world_size >= 1 else [
+        f"world_size must be an int >= 1, got {world_size!r}"]
+    world_size = max(int(world_size), 1) if isinstance(world_size, int) else 1
+    errors += cfg.model.check()
+    errors += _env_name_errors(cfg.env)
+    errors += cfg.env.check(world_size)
+    errors += check_mix(cfg.env, world_size, cfg.env.backend)
+    errors += cfg.rollout.check()
+    errors += _algorithm_registry_errors(cfg)
+    errors += cfg.algorithm.check()
+    errors += cfg.optim.check(world_size)
+    errors += cfg.trainer.check()
+    errors += cfg.cross_checks(world_size)
+    if not errors:  # the checks that touch files and build envs, only on a config that is sound in itself
+        errors += check_inputs(cfg)
+    _raise(errors)
+    return cfg
 
 
-def call_with_time_limit(fn: Callable[[], Any], limit_s: float | None, what: str) -> Any:
-    """``fn()``, given at most ``limit_s`` seconds (None or inf: no limit); ``what`` names the call in the error, e.g.
-    ``"env 'guess': reset (seed 5)"``. Exceptions of ``fn`` (SystemExit included) are raised here.
+def _raise(errors: list[str]) -> None:
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
-    Python cannot stop a function from outside, so ``fn`` runs in a daemon thread that the caller stops waiting for:
-    :class:`PreflightTimeout` says which call hung and the command then exits (status 2). Limitations: the stuck call
-    goes on in the background until the process ends (do not reuse the object it works on); a call that never
-    releases the GIL (a C extension's busy loop) cannot be waited out; and ``fn`` runs outside the main thread, so
-    an env that installs signal handlers there fails."""
-    if limit_s is None or not math.isfinite(limit_s):
-        return fn()
-    outcome: dict[str, Any] = {}
 
-    def run() -> None:
+def field_type_errors(cfg: Config) -> list[str]:
+    """One line per field whose value is not of its declared type or Literal choices (a config built in code
+    rather than parsed), converted as the command line converts it (``fastpo.cli.coerce``)."""
+    errors = []
+    for section in SECTIONS:
+        for key, tp in field_types(section).items():
+            value = getattr(getattr(cfg, section), key)
+            try:
+                cli.coerce(value, tp, f"{section}.{key}")
+                if isinstance(value, str) and not (tp is str or typing.get_origin(tp) is Literal):
+                    raise ConfigError(f"{section}.{key}: expected {cli.type_name(tp)}, got {shown(value)}")
+            except ConfigError as err:
+                errors.append(str(err))
+    return errors
+
+
+def _env_name_errors(e: Any) -> list[str]:
+    """env.plugins import (they add env names), then env.names / env.val_names against the env registry."""
+    errors = []
+    try:
+        envs.load_plugins(e.plugins)
+    except ValueError as err:
+        errors.append(f"env.plugins: {err}")
+    known = envs.available()
+    for field_name, names in (("env.names", e.names), ("env.val_names", e.val_names)):
+        errors += [f"{field_name}: unknown env {shown(n)}; choose from {known}{cli.did_you_mean(n.lower(), known)}"
+                   for n in names if n.lower() not in known]
+    return errors
+
+
+def _algorithm_registry_errors(cfg: Config) -> list[str]:
+    """The estimator, filter and loss names against their registries (``fastpo.algorithms``), RAGEN-2's filter
+    arguments (``fastpo.rollout_filter``), and what the estimator and the legacy filter imply for the other sections:
+    the critic's settings, the kept groups against optim.mini_batch_size."""
+    from . import algorithms, rollout_filter
+
+    a, e, o, m = cfg.algorithm, cfg.env, cfg.optim, cfg.model
+    errors = []
+    estimators, filters, losses = algorithms.ADV_ESTIMATORS, algorithms.ROLLOUT_FILTERS, algorithms.POLICY_LOSSES
+    if a.adv_estimator not in estimators:
+        errors.append(f"algorithm.adv_estimator: unknown {a.adv_estimator!r}; choose from {sorted(estimators)}"
+                      f"{cli.did_you_mean(a.adv_estimator, estimators)}")
+    if a.rollout_filter_type not in filters:
+        errors.append(f"algorithm.rollout_filter_type: unknown {a.rollout_filter_type!r}; choose from "
+                      f"{sorted(filters)}{cli.did_you_mean(a.rollout_filter_type, filters)}")
+    if a.policy_loss not in losses:
+        errors.append(f"algorithm.policy_loss: unknown {a.policy_loss!r}; choose from {sorted(losses)}")
+    if a.rollout_filter_strategy != "legacy":
         try:
-            outcome["value"] = fn()
-        except BaseException as err:  # handed over to the caller's thread, which raises it
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, name=f"fastpo-preflight {what}", daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    if thread.is_alive():
-        raise PreflightTimeout(f"{what} did not return within env.preflight_timeout_s ({limit_s:g} s); fix the env, "
-                               f"or raise env.preflight_timeout_s if it needs longer (inf = no limit)")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+            metric = rollout_filter.check_filter_args(
+                a.rollout_filter_strategy, a.rollout_filter_value, a.rollout_filter_metric,
+                a.rollout_filter_direction, a.rollout_filter_top_p_prob_mode, a.rollout_filter_selection_eps,
+                a.rollout_filter_include_zero)
+        except ValueError as err:
+            errors.append(f"algorithm.{err}" if str(err).startswith("rollout_filter") else str(err))
+        else:
+            if rollout_filter.FILTER_METRICS[metric][1] == "entropies":
+                errors.append(f"algorithm.rollout_filter_metric={a.rollout_filter_metric!r}: the trainer does not "
+                              f"compute entropies before the filter yet; choose reward_variance, reward, reward_sum "
+                              f"or length")
+    kept = (algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
+            if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
+    if kept is not None and 0 < a.rollout_filter_ratio <= 1 and e.env_groups >= 1:
+        group_size = e.smallest_group_size()
+        if kept < 1:
+            errors.append(f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
+                          f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
+        elif kept * group_size < o.mini_batch_size:
+            errors.append(f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps {kept} groups x "
+                          f"env.group_size {group_size} = {kept * group_size} trajectories, fewer than "
+                          f"optim.mini_batch_size ({o.mini_batch_size})")
+    if a.adv_estimator in estimators:
+        if algorithms.needs_critic(a):
+            if o.critic_lr <= 0:
+                errors.append(f"optim.critic_lr must be > 0: algorithm.adv_estimator={a.adv_estimator!r} trains a "
+                              f"critic, got {o.critic_lr}")
+        elif m.critic_path:
+            errors.append(f"model.critic_path is set ({m.critic_path!r}) but algorithm.adv_estimator="
+                          f"{a.adv_estimator!r} uses no critic")
+    return errors
 
 
 def check_inputs(cfg: Config) -> list[str]:
@@ -159,9 +243,7 @@ def _mix_entries(cfg: Config) -> list[tuple[str, Any, int]]:
     """(where, entry, first env seed) of every training and validation env as the trainer will build it
     (``fastpo.env_mix``: legacy ``env.names`` or ``env.train`` / ``env.val`` entries, each with its own kwargs and
     budgets). ``where`` names the field a problem should be reported under. A split whose entries do not resolve
-    is left out (``config.validate`` reports those already)."""
-    from .env_mix import resolve_mix
-
+    is left out (:func:`validate` reports those already)."""
     e, out = cfg.env, []
     for split, base in (("train", e.train_seed), ("val", e.val_seed)):
         try:
@@ -179,8 +261,6 @@ def _env_kwargs(cfg: Config) -> list[str]:
     """Each env of both splits built with one instance from its own kwargs and reset at its first seeds (a level
     that cannot be generated, e.g. Sokoban ``dim_room [4, 4]``, fails here and not mid-run); one line per env
     configuration."""
-    from fastpo import envs
-
     configs: dict[tuple, tuple[str, Any, list[int]]] = {}
     for where, entry, seed in _mix_entries(cfg):
         key = (where, entry.name.lower(), repr(sorted(entry.kwargs.items())))
@@ -267,9 +347,7 @@ def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: 
     """Token count of the first turn's prompt of env `env_name` at env seed `seed`, rendered as the rollout
     renders it (``prompts.build_messages`` + ``render_chat``, no special tokens added). A plug-in env's prompt
     comes from the env itself (``prompts.env_prompt_spec``). ``time_limit_s`` bounds the env's construction and
-    reset (:func:`call_with_time_limit`)."""
-    from fastpo import envs
-
+    reset (``fastpo.time_limit.call_with_time_limit``)."""
     from .prompts import Turn, build_messages, env_prompt_spec, render_chat
 
     overrides: dict[str, Any] = {"enable_think": enable_think, "action_sep": action_sep}
@@ -320,47 +398,3 @@ def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
             errors.append(msg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def train_seed_errors(cfg: Config, int64_max: int) -> list[str]:
-    """The last training group's env seed, train_seed + (iterations + 1) * env_groups - 1, must fit in int64 (env
-    seeds reach numpy and C++ as int64). The message leads with the larger of the two terms: a huge trainer.iterations
-    was blamed on env.train_seed, with a negative bound. [] when it fits."""
-    e, iterations = cfg.env, max(cfg.trainer.iterations, 0)
-    groups, seed = max(e.env_groups, 1), max(e.train_seed, 0)
-    span = (iterations + 1) * groups  # seeds the run draws from train_seed on
-    if seed + span - 1 <= int64_max:
-        return []
-    why = f"the seed counter advances by env.env_groups ({e.env_groups}) per iteration and env seeds are int64"
-    most_iterations = (int64_max - seed + 1) // groups - 1
-    if span > seed and most_iterations >= 0:
-        return [f"trainer.iterations ({cfg.trainer.iterations}) must be <= {most_iterations} with env.train_seed "
-                f"({e.train_seed}): {why}"]
-    if span <= seed:
-        return [f"env.train_seed ({e.train_seed}) must be <= {int64_max - span + 1} with trainer.iterations "
-                f"({cfg.trainer.iterations}): {why}"]
-    return [f"env.train_seed ({e.train_seed}) must be <= {int64_max - groups + 1} (room for one iteration) and "
-            f"trainer.iterations ({cfg.trainer.iterations}) far lower: {why}"]
-
-
-def finite_float_errors(cfg: Config, inf_ok: frozenset[str]) -> list[str]:
-    """NaN in any float field, or +-inf in one not listed in `inf_ok` (``section.field`` names that document
-    "inf disables")."""
-    import dataclasses
-
-    errors = []
-    for section in dataclasses.fields(cfg):
-        obj = getattr(cfg, section.name)
-        if not dataclasses.is_dataclass(obj):  # a tool's own option beside the sections (bench/diagnose_groups.py)
-            continue
-        for f in dataclasses.fields(obj):
-            value, name = getattr(obj, f.name), f"{section.name}.{f.name}"
-            values = value if isinstance(value, tuple) else (value,)
-            for v in values:
-                if not isinstance(v, float) or math.isfinite(v):
-                    continue
-                if math.isnan(v) or name not in inf_ok:
-                    allowed = "a finite number or inf" if name in inf_ok else "a finite number"
-                    errors.append(f"{name} must be {allowed}, got {shown(value)}")
-                    break
-    return errors

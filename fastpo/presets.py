@@ -1,10 +1,39 @@
 """The named presets (``--preset NAME``): RAGEN's settings per env and the embedded CPU default, each a function
-returning a fresh Config. Registered in ``fastpo.config.PRESETS`` when fastpo.config is imported (it imports this
-module at its end); add one with ``@register_preset("name")``."""
+returning a fresh Config, registered in :data:`PRESETS` with ``@register_preset("name")``.
+
+    cfg = get_preset("tiny")      # ConfigError listing the presets for an unknown name
+
+The registry is defined here, beside the presets themselves, so it is complete whenever it can be read
+(``fastpo.config`` stays a leaf that imports nothing of fastpo).
+"""
 
 from __future__ import annotations
 
-from .config import Config, register_preset
+from collections.abc import Callable
+
+from .cli import did_you_mean
+from .config import Config, ConfigError
+
+#: Preset name -> a zero-argument function returning a fresh Config.
+PRESETS: dict[str, Callable[[], Config]] = {}
+
+
+def register_preset(name: str) -> Callable[[Callable[[], Config]], Callable[[], Config]]:
+    """Decorator: register a zero-argument function returning a Config under ``name`` (``--preset name``)."""
+    def deco(fn: Callable[[], Config]) -> Callable[[], Config]:
+        if name in PRESETS:
+            raise ValueError(f"preset {name!r} is already registered")
+        PRESETS[name] = fn
+        return fn
+    return deco
+
+
+def get_preset(name: str) -> Config:
+    """A fresh Config of the named preset; unknown names raise ConfigError listing the presets."""
+    if name not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {name!r}; choose from {sorted(PRESETS)}"
+                          f"{did_you_mean(name, PRESETS)}")
+    return PRESETS[name]()
 
 
 @register_preset("sokoban")

@@ -71,7 +71,7 @@ def load_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     skipped, and so is a line that is not a JSON object with a ``step``). Raises FileNotFoundError naming the path
     when the run folder has no metrics file, MetricsFileError (one line naming the file and the line) for a line
     that is not UTF-8 text or a ``step`` that is not an integer."""
-    from .config_io import shown
+    from .config import shown
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():

@@ -361,11 +361,14 @@ class RolloutPart:
 
 def mix_seed(request_seed: int, turn: int) -> int:
     """The sampling seed of turn `turn` of the instance whose request seed is `request_seed` (int63)."""
-    return (int(request_seed) * _SEED_MIX + turn) % (1 << 63)
+    return (int(request_seed) * SEED_MIX + turn) % (1 << 63)
 
 
-#: A prime multiplier that spreads (request seed, turn) pairs over distinct engine seeds.
-_SEED_MIX = 1_000_003
+#: The multiplier of :func:`mix_seed`: a prime above any turn count (turns are few, max_turns is small), so
+#: request_seed * SEED_MIX + turn is a different engine seed for every (request seed, turn) pair (below 2**63 the
+#: pair is recovered by divmod, as ``fastpo.testing.ScriptedEngine`` does), and neighbouring request seeds land far
+#: apart. Every sampling seed of every run depends on it: never change it.
+SEED_MIX = 1_000_003
 
 
 def run_rollouts(

@@ -167,7 +167,7 @@ def min_p(score: Tensor, *, value: float, largest: bool, **_) -> Tensor:
 # ------------------------------------------------------------------------------------------------ checks
 def check_filter_args(strategy: str, value: float, metric: str, filter_type: str = "largest",
                       prob_mode: str = "linear", selection_eps: float = 0.01, include_zero: bool = True) -> str:
-    """Validate a filter configuration without data (config.validate can call it); returns the canonical metric
+    """Validate a filter configuration without data (preflight.validate calls it); returns the canonical metric
     name (aliases resolved). Raises ValueError with one line naming the bad value and what is accepted."""
     if strategy not in FILTER_STRATEGIES:
         raise ValueError(f"rollout_filter_strategy: unknown {strategy!r}; choose from {sorted(FILTER_STRATEGIES)}")

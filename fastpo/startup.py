@@ -10,8 +10,8 @@ the first writes: what ``trainer.overwrite`` deletes, the temporary folders of k
 
 from __future__ import annotations
 
-from .config import Config, ConfigError, config_hash, validate
-from .preflight import check_prompt_fits, lora_rank_error
+from .config import Config, ConfigError, config_hash
+from .preflight import check_prompt_fits, lora_rank_error, validate
 from .storage import RunDirLock, claim_run_dir, lock_run_dir
 
 
@@ -56,7 +56,7 @@ def prepare_run_dir(cfg: Config) -> RunDirLock | None:
 
 
 def prepare_run(cfg: Config, world_size: int) -> RunDirLock | None:
-    """The one start-up both paths take (``main`` and a library user's ``Trainer(cfg)``): ``config.validate``, then
+    """The one start-up both paths take (``main`` and a library user's ``Trainer(cfg)``): ``preflight.validate``, then
     :func:`prepare_run_dir`. Collective; raises ConfigError (nothing written or deleted). Returns the run
     directory's lock (rank 0; None elsewhere)."""
     validate(cfg, world_size)

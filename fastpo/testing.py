@@ -187,11 +187,11 @@ class ScriptedEngine:
 
     ``script[i][t]`` is instance i's answer at turn t: a str (tokenized with `tokenizer`, then the EOS id
     appended, finish "stop"), or ``("length", text)`` (the first ``max_new_tokens`` tokens, finish "length").
-    The instance and turn are recovered from the request seed ``request_seeds[i] * 1_000_003 + turn`` that
-    ``fastpo.rollout.run_rollout`` passes, so call it with ``request_seeds = range(N)``. Every sampled token gets
-    logprob ``logprob``. ``prompts`` records ``(instance, turn, context_ids)`` of each request. ``params.stop``
-    strings cut the answer at the token that first completes one (finish "stop", ``stop_string`` set), as the real
-    engines do.
+    The instance and turn are recovered from the request seed ``request_seeds[i] * SEED_MIX + turn`` that
+    ``fastpo.rollout.run_rollout`` passes (``fastpo.rollout.mix_seed``), so call it with
+    ``request_seeds = range(N)``. Every sampled token gets logprob ``logprob``. ``prompts`` records
+    ``(instance, turn, context_ids)`` of each request. ``params.stop`` strings cut the answer at the token that
+    first completes one (finish "stop", ``stop_string`` set), as the real engines do.
     """
 
     def __init__(self, tokenizer: Any, script: list[list[Any]], logprob: float = -1.0):
@@ -208,8 +208,9 @@ class ScriptedEngine:
 
     def _sample(self, seed: int, context: list[int], params: Any) -> Any:
         from .engine.base import GenerationResult, stop_matcher
+        from .rollout import SEED_MIX
 
-        instance, turn = divmod(int(seed), 1_000_003)
+        instance, turn = divmod(int(seed), SEED_MIX)
         self.prompts.append((instance, turn, list(context)))
         entry = self.script[instance][turn]
         if isinstance(entry, tuple):
@@ -302,22 +303,3 @@ def run_killable(cmd: list[str], cwd: Any, env: dict[str, str], timeout: float) 
         out, err = proc.communicate()
         raise TimeoutError(f"{cmd[:6]} timed out after {timeout}s:\n{(out + err).decode()[-3000:]}") from None
     return proc.returncode, out.decode(), err.decode()
-
-
-def train_iterations(cfg: Any, iterations: int = 1) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Run iterations 1..`iterations` of a ``Trainer`` built from the validated `cfg` in this process, without
-    validation, checkpoints or an export; returns (each iteration's metrics, the actor's weights after the last:
-    detached clones by state-dict name)."""
-    from .trainer import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        rows = []
-        for step in range(1, iterations + 1):
-            trainer.step = step
-            rows.append(trainer.iteration())
-        weights = {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
-    finally:
-        trainer.close(export=False)
-    return rows, weights
-

@@ -20,7 +20,7 @@ Recipe (docs/TINY_AGENT.md has the measurements it follows):
    a. *state reading*: the first-turn prompt of ``read_episodes`` solver instances, the loss on the first action
       of the shortest path only (one clean label per sequence); first-action accuracy jumps from chance to
       ~65% after ~300 steps;
-   b. *multi-turn*: ``fastpo.sft`` on whole solver trajectories (``turn_length="max"``: every trained token is a
+   b. *multi-turn*: ``fastpo.sft_core`` on whole solver trajectories (``turn_length="max"``: every trained token is a
       function of the state) with a share of random actions, so the agent also sees recovery states.
    The result succeeds sometimes but not always, so RL has room and a signal (in-group reward variance).
 
@@ -35,6 +35,7 @@ copy makes that the exception).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -43,6 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .config import ConfigError, failed, shown
 
 #: The folder shipped inside the package.
 SHIPPED_DIR = Path(__file__).resolve().parent / "assets" / "tiny-agent"
@@ -93,6 +96,38 @@ class TinyAgentRecipe:
     read_loss_target: float = 1.2
     """Phase a goes on past read_steps (up to 3x) while the mean loss of the last 50 steps is above this: when the
     model starts reading the grid is a sudden, seed-dependent event (chance is ln 4 = 1.39)."""
+
+    def check(self) -> list[str]:
+        """One line per bad field (naming the field, the value and what is accepted); [] when the recipe can be
+        built. Builds the env once (one instance, reset at ``data_seed``), so bad env kwargs fail here, before any
+        work."""
+        heads_ok = self.hidden >= 1 and self.heads >= 1 and self.kv_heads >= 1
+        head_dim = self.hidden // self.heads if heads_ok else 0
+        checks = [(getattr(self, name) >= 1, f"recipe.{name} must be >= 1, got {getattr(self, name)}")
+                  for name in ("hidden", "layers", "heads", "kv_heads", "episodes", "sft_steps", "batch_size",
+                               "max_turns", "max_actions_per_turn")]
+        checks += [
+            (not heads_ok or self.hidden % self.heads == 0,
+             f"recipe.hidden ({self.hidden}) must be divisible by recipe.heads ({self.heads})"),
+            (not heads_ok or self.hidden % self.heads != 0 or head_dim % 2 == 0,  # rotary embeddings rotate pairs
+             f"recipe.hidden ({self.hidden}) / recipe.heads ({self.heads}) = {head_dim} must be even (the head "
+             f"dimension; rotary embeddings pair its dimensions)"),
+            (not heads_ok or self.heads % self.kv_heads == 0,
+             f"recipe.heads ({self.heads}) must be divisible by recipe.kv_heads ({self.kv_heads})"),
+            (self.read_steps >= 0, f"recipe.read_steps must be >= 0, got {self.read_steps}"),
+            (self.read_episodes >= 1 or self.read_steps <= 0,
+             f"recipe.read_episodes must be >= 1 while recipe.read_steps > 0, got {self.read_episodes}"),
+            (0.0 <= self.noise <= 1.0, f"recipe.noise must lie in [0, 1], got {self.noise}"),
+            (math.isfinite(self.lr) and self.lr > 0,  # inf / nan train to NaN weights
+             f"recipe.lr must be a finite number > 0, got {self.lr}"),
+            (math.isfinite(self.read_loss_target),
+             f"recipe.read_loss_target must be a finite number, got {self.read_loss_target}"),
+        ]
+        checks += [(0 <= getattr(self, name) <= _SEED_MAX,
+                    f"recipe.{name} must lie in [0, {_SEED_MAX}], got {getattr(self, name)}")
+                   for name in ("init_seed", "data_seed", "shuffle_seed")]
+        errors = failed(checks)
+        return errors or _env_errors(self)
 
 
 def read_dataset(tok: Any, r: TinyAgentRecipe) -> list[tuple[list[int], int]]:
@@ -162,48 +197,11 @@ def train_reading(model: Any, rows: list[tuple[list[int], int]], steps: int, lr:
 _SEED_MAX = 2**63 - 1 - 200_000 - 2**31
 
 
-def recipe_errors(r: TinyAgentRecipe) -> list[str]:
-    """One line per bad field of `r` (naming the field, the value and what is accepted); [] when the recipe can be
-    built. Builds the env once (one instance, reset at ``data_seed``), so bad env kwargs fail here, before any work."""
-    import math
-
-    errors = []
-    for name in ("hidden", "layers", "heads", "kv_heads", "episodes", "sft_steps", "batch_size", "max_turns",
-                 "max_actions_per_turn"):
-        if getattr(r, name) < 1:
-            errors.append(f"recipe.{name} must be >= 1, got {getattr(r, name)}")
-    if r.hidden >= 1 and r.heads >= 1 and r.kv_heads >= 1:
-        if r.hidden % r.heads:
-            errors.append(f"recipe.hidden ({r.hidden}) must be divisible by recipe.heads ({r.heads})")
-        elif (r.hidden // r.heads) % 2:  # rotary embeddings rotate pairs of dimensions
-            errors.append(f"recipe.hidden ({r.hidden}) / recipe.heads ({r.heads}) = {r.hidden // r.heads} must be "
-                          f"even (the head dimension; rotary embeddings pair its dimensions)")
-        if r.heads % r.kv_heads:
-            errors.append(f"recipe.heads ({r.heads}) must be divisible by recipe.kv_heads ({r.kv_heads})")
-    if r.read_steps < 0:
-        errors.append(f"recipe.read_steps must be >= 0, got {r.read_steps}")
-    if r.read_episodes < 1 and r.read_steps > 0:
-        errors.append(f"recipe.read_episodes must be >= 1 while recipe.read_steps > 0, got {r.read_episodes}")
-    if not 0.0 <= r.noise <= 1.0:
-        errors.append(f"recipe.noise must lie in [0, 1], got {r.noise}")
-    if not (math.isfinite(r.lr) and r.lr > 0):  # inf / nan train to NaN weights
-        errors.append(f"recipe.lr must be a finite number > 0, got {r.lr}")
-    if not math.isfinite(r.read_loss_target):
-        errors.append(f"recipe.read_loss_target must be a finite number, got {r.read_loss_target}")
-    for name in ("init_seed", "data_seed", "shuffle_seed"):
-        if not 0 <= getattr(r, name) <= _SEED_MAX:
-            errors.append(f"recipe.{name} must lie in [0, {_SEED_MAX}], got {getattr(r, name)}")
-    if not errors:
-        errors += _env_errors(r)
-    return errors
-
-
 def _env_errors(r: TinyAgentRecipe) -> list[str]:
     """The SFT env: a known env with a solver (the data are its shortest paths), built from env_kwargs."""
     import numpy as np
 
     from . import envs
-    from .config_io import shown
 
     if r.env.lower() not in envs.available():
         return [f"recipe.env: unknown env {shown(r.env)}; choose from {envs.available()}"]
@@ -243,12 +241,12 @@ def build_tiny_agent(out: str | os.PathLike, recipe: TinyAgentRecipe | None = No
     ``load_tokenizer(out)`` load it.
 
     Raises:
-        ValueError: before any work, one line per bad recipe field (:func:`recipe_errors`), or `out` is a file or a
+        ValueError: before any work, one line per bad recipe field (``TinyAgentRecipe.check``), or `out` is a file or a
             non-empty folder that is not a tiny-agent build (unless `overwrite`).
         FloatingPointError: training diverged (non-finite weights); nothing is saved.
     """
     r = recipe or TinyAgentRecipe()
-    errors = recipe_errors(r) + [e for e in [out_dir_error(out, overwrite)] if e]
+    errors = r.check() + [e for e in [out_dir_error(out, overwrite)] if e]
     if errors:
         raise ValueError("\n".join(errors))
     out = Path(out)
@@ -263,13 +261,12 @@ def build_tiny_agent(out: str | os.PathLike, recipe: TinyAgentRecipe | None = No
 def _build(out: Path, tmp: Path, r: TinyAgentRecipe, log: Callable[[str], None]) -> Path:
     import torch
 
-    from .model import load_tokenizer
-    from .sft import build_sft_dataset, train_sft
+    from .sft_core import build_sft_dataset, train_sft
     from .testing import build_tiny_model, build_tiny_tokenizer
 
     t0 = time.perf_counter()
-    build_tiny_tokenizer(tmp)
-    tok = load_tokenizer(str(tmp), padding_side="right")
+    tok = build_tiny_tokenizer(tmp)  # as reloaded from tmp; it has its pad token and chat template
+    tok.padding_side = "right"
     model = build_tiny_model(tmp, tok, hidden=r.hidden, layers=r.layers, heads=r.heads, kv_heads=r.kv_heads,
                              seed=r.init_seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -350,19 +347,22 @@ class TinyAgentArgs:
     recipe: TinyAgentRecipe = field(default_factory=TinyAgentRecipe)
     """How the agent is built (saved as tiny_agent.json next to the weights)."""
 
+    def check(self) -> list[str]:
+        """One line per bad argument, the recipe's included (:meth:`TinyAgentRecipe.check`); [] when all is well."""
+        errors = failed([(bool(self.out), "out: required (the output folder)"),
+                         (self.threads >= 1, f"threads must be >= 1, got {self.threads}")]) + self.recipe.check()
+        if self.out:
+            errors += [e for e in [out_dir_error(self.out, self.overwrite)] if e]
+        return errors
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .cli import describe, parse
-    from .config import ConfigError
 
     try:
         args = parse(TinyAgentArgs, argv, prog="python -m fastpo.tiny_agent",
                      description=describe(__doc__.split("\n\n")[0]))
-        checks = [(bool(args.out), "out: required (the output folder)"),
-                  (args.threads >= 1, f"threads must be >= 1, got {args.threads}")]
-        errors = [msg for ok, msg in checks if not ok] + recipe_errors(args.recipe)  # before any work
-        if args.out:
-            errors += [e for e in [out_dir_error(args.out, args.overwrite)] if e]
+        errors = args.check()  # before any work
         if errors:
             raise ConfigError("\n".join(errors))
     except ConfigError as err:

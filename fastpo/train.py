@@ -34,7 +34,8 @@ import sys
 
 from . import distributed as du
 from . import log
-from .config import Config, ConfigError, parse_args
+from .config import Config, ConfigError
+from .config_load import parse_args
 from .startup import prepare_run
 from .storage import DiskFullError, RankFailedError
 

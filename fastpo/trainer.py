@@ -77,11 +77,12 @@ class RequestKind(enum.IntEnum):
     VALIDATION = 1
 
 
-#: A micro-batch token budget no trajectory reaches: ``pack`` then puts a filler trajectory in one micro-batch.
+#: A micro-batch token budget no trajectory reaches (a trajectory is at most rollout.max_model_len tokens, a few
+#: thousand; 10**9 is beyond any context a model has): ``pack`` then puts a filler trajectory in one micro-batch.
 WHOLE = 10**9
 
 
-def request_seed(seed: int, kind: int, step: int, index: int, round: int = 0) -> int:
+def request_seed(seed: int, kind: RequestKind, step: int, index: int, round: int = 0) -> int:
     """Sampling seed of trajectory `index` (global) at `step`: a function of these numbers only (not of the world
     size). ``kind``: a :class:`RequestKind`; ``round`` > 0: a refill round of dynamic sampling."""
     key = [seed, kind, step, index] + ([round] if round else [])
@@ -257,7 +258,7 @@ class Trainer:
         return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.response_length,
                               stop=tuple(r.stop))
 
-    def _rollout(self, parts: list[env_mix.EnvPart], seed_base: int, kind: int, temperature: float, step: int,
+    def _rollout(self, parts: list[env_mix.EnvPart], seed_base: int, kind: RequestKind, temperature: float, step: int,
                  prefix: str = "env", records: list | None = None,
                  round: int = 0) -> tuple[list[Trajectory], list[tuple[dict, dict]]]:
         """Every env part's episodes in one rollout (one engine call per turn for all of them); returns (this rank's

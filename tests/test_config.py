@@ -9,7 +9,10 @@ import pytest
 
 from fastpo import cli
 from fastpo import config as C
-from fastpo.config import Config, ConfigError, parse_args, validate
+from fastpo.config import Config, ConfigError
+from fastpo.config_load import from_json, parse_args
+from fastpo.preflight import validate
+from fastpo.presets import PRESETS, get_preset
 
 
 def test_defaults_are_ragen_starpo_s():
@@ -29,7 +32,7 @@ def test_defaults_are_ragen_starpo_s():
     assert (o.actor_lr, o.critic_lr, o.betas, o.weight_decay, o.grad_clip, o.ppo_epochs) == (1e-6, 1e-5, (0.9, 0.999),
                                                                                           0.01, 1.0, 1)
     assert (cfg.trainer.iterations, cfg.trainer.val_every, cfg.trainer.val_before_train) == (200, 10, True)
-    assert C.get_preset("sokoban") == cfg
+    assert get_preset("sokoban") == cfg
 
 
 def test_every_field_has_a_docstring():
@@ -40,9 +43,9 @@ def test_every_field_has_a_docstring():
             assert len(docs.get(f.name, "")) > 10, f"{section}.{f.name} has no docstring"
 
 
-@pytest.mark.parametrize("name", sorted(C.PRESETS))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_validate_and_round_trip(name, tmp_path):
-    cfg = C.get_preset(name)
+    cfg = get_preset(name)
     if name == "metamathqa":  # the preset names no data file (fastpo downloads nothing): the user adds one
         with pytest.raises(ConfigError, match="env 'metamathqa'.*data_path"):
             validate(cfg, world_size=1)
@@ -50,29 +53,29 @@ def test_presets_validate_and_round_trip(name, tmp_path):
         data.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "5"}) + "\n")
         cfg.env.kwargs = {"data_path": str(data)}
     validate(cfg, world_size=1)
-    assert C.from_json(C.to_json(cfg)) == cfg
+    assert from_json(C.to_json(cfg)) == cfg
 
 
 def test_preset_contents():
-    v = C.get_preset("starpo-vanilla").algorithm
+    v = get_preset("starpo-vanilla").algorithm
     assert (v.rollout_filter_ratio, v.kl_coef, v.kl_type, v.eps_low, v.eps_high) == (1.0, 0.001, "k1", 0.2, 0.2)
-    assert C.get_preset("grpo").algorithm.adv_estimator == "grpo"
-    assert C.get_preset("bandit").env.max_turns == 1
-    tiny = C.get_preset("tiny")
+    assert get_preset("grpo").algorithm.adv_estimator == "grpo"
+    assert get_preset("bandit").env.max_turns == 1
+    tiny = get_preset("tiny")
     assert tiny.model.path == "tiny" and tiny.env.names == ("frozenlake",) and tiny.env.kwargs == {"is_slippery": False}
     assert not tiny.rollout.enable_think and tiny.env.max_actions_per_turn == 2  # what the shipped agent was taught
     assert tiny.algorithm.adv_estimator == "gigpo" and tiny.algorithm.rollout_filter_ratio < 1  # StarPO-S + GiGPO
     assert tiny.env.val_groups == 256 and tiny.trainer.val_before_train
     validate(tiny, world_size=2)
-    validate(C.get_preset("sokoban"), world_size=8)
+    validate(get_preset("sokoban"), world_size=8)
     with pytest.raises(ConfigError, match="--preset.*'sokobn'.*did you mean sokoban"):
         parse_args(["--preset", "sokobn"])
 
 
 def test_presets_are_fresh_objects():
-    a = C.get_preset("sokoban")
+    a = get_preset("sokoban")
     a.env.names = ("bandit",)
-    assert C.get_preset("sokoban").env.names == ("sokoban",)
+    assert get_preset("sokoban").env.names == ("sokoban",)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -89,7 +92,7 @@ def test_cli_overrides_every_type():
     assert cfg.algorithm.kl_type == "k3" and cfg.env.kwargs == {"dim_room": [8, 8]}
     assert cfg.rollout.format_penalty == -0.2 and math.isinf(cfg.algorithm.clip_c)
     assert cfg.trainer.run_dir == "runs/x"
-    assert C.from_json(C.to_json(cfg)) == cfg  # inf survives JSON
+    assert from_json(C.to_json(cfg)) == cfg  # inf survives JSON
 
 
 @pytest.mark.parametrize("argv,pieces", [
@@ -153,17 +156,17 @@ def test_yaml_errors(tmp_path, text, pieces):
 def test_json_round_trip_and_partial_json():
     cfg = parse_args(["--preset", "bandit", "--env.kwargs", "{a: 1}"])
     text = C.to_json(cfg)
-    assert C.from_json(text) == cfg
+    assert from_json(text) == cfg
     assert json.loads(text)["env"]["val_names"] == ["bandit", "bandit_test"]
-    assert C.from_json('{"algorithm": {"eps_high": 0.3}}').algorithm.eps_high == 0.3
+    assert from_json('{"algorithm": {"eps_high": 0.3}}').algorithm.eps_high == 0.3
     with pytest.raises(ConfigError, match="model.nope"):
-        C.from_json('{"model": {"nope": 1}}')
+        from_json('{"model": {"nope": 1}}')
 
 
 def test_config_hash_covers_math_only():
     base = Config()
     h = C.config_hash(base)
-    assert len(h) == 16 and h == C.config_hash(Config()) == C.config_hash(C.from_json(C.to_json(base)))
+    assert len(h) == 16 and h == C.config_hash(Config()) == C.config_hash(from_json(C.to_json(base)))
     same = parse_args(["--trainer.run_dir", "elsewhere", "--trainer.log_wandb", "--trainer.iterations", "400",
                        "--trainer.val_every", "5", "--trainer.resume", "never", "--trainer.keep_last", "9"])
     assert C.config_hash(same) == h
@@ -276,7 +279,8 @@ def test_command_line_without_tyro(tmp_path):
         import sys
         sys.modules["tyro"] = sys.modules["tyro.conf"] = None  # import tyro -> ModuleNotFoundError
         import fastpo.report, fastpo.ragen_config, fastpo.train  # noqa: F401  (import without tyro)
-        from fastpo.config import ConfigError, parse_args
+        from fastpo.config import ConfigError
+        from fastpo.config_load import parse_args
         cfg = parse_args(["--preset", "tiny", "--rollout.mode", "async", "--algorithm.eps_high=0.3",
                           "--rollout.stop", "</answer>,</think>", "--optim.defer_grad_sync", "--env.train_seed", "-5"])
         assert (cfg.rollout.mode, cfg.algorithm.eps_high, cfg.rollout.stop) == ("async", 0.3, ("</answer>", "</think>"))
@@ -295,6 +299,6 @@ def test_command_line_without_tyro(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
     helped = subprocess.run([sys.executable, "-c", "import sys; sys.modules['tyro'] = sys.modules['tyro.conf'] = "
-                             "None; from fastpo.config import parse_args; parse_args(['--help'])"],
+                             "None; from fastpo.config_load import parse_args; parse_args(['--help'])"],
                             capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "--rollout.max_staleness int (default 1)" in helped.stdout, helped.stderr[-2000:]

@@ -8,10 +8,12 @@ import time
 
 import pytest
 
-from fastpo import config_io, ragen_config, sft
+from fastpo import config, ragen_config, sft
 from fastpo import eval as fastpo_eval
-from fastpo.config import ConfigError, from_json, parse_args, validate
-from fastpo.config_io import MAX_DEPTH, MAX_NODES, load_json, load_yaml, shown
+from fastpo.config import ConfigError, shown
+from fastpo.config_io import MAX_DEPTH, MAX_NODES, load_json, load_yaml
+from fastpo.config_load import from_json, parse_args
+from fastpo.preflight import validate
 
 
 def _bomb(levels: int = 7, indent: str = "    ") -> str:
@@ -116,7 +118,7 @@ def test_shown_bounds_any_value_and_keeps_short_ones_exact():
     start = time.perf_counter()
     for value in ("z" * 10**6, x, 10**50_000, {str(i): i for i in range(10**5)}, b"\x00" * 10**6):
         text = shown(value)
-        assert len(text) <= config_io.SHOWN_LIMIT + 10, text
+        assert len(text) <= config.SHOWN_LIMIT + 10, text
     assert time.perf_counter() - start < 1
 
 

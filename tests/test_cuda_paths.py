@@ -86,7 +86,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_adam_states(tmp_path):
     """One process without torchrun, model.dtype bfloat16, GAE (actor + critic), lr 1e-6: the models hold fp32
     parameters, AdamW fp32 states, the forward computes in bf16, and the update moves nearly every weight. Before the
     fix the parameters were bf16 and ~99% of the updates rounded away (bf16's ulp at 0.02 is 1.2e-4)."""
-    from fastpo.config import get_preset
+    from fastpo.presets import get_preset
     from fastpo.trainer import Trainer
 
     cfg = get_preset("tiny")

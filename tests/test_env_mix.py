@@ -10,8 +10,11 @@ import torch
 
 from fastpo import distributed as du
 from fastpo import envs
-from fastpo.config import Config, ConfigError, from_json, get_preset, parse_args, to_json, validate
+from fastpo.config import Config, ConfigError, to_json
+from fastpo.config_load import from_json, parse_args
 from fastpo.env_mix import resolve_mix, trajectory_offsets
+from fastpo.preflight import validate
+from fastpo.presets import get_preset
 from fastpo.prompts import Turn, build_messages
 
 MIX = [{"name": "sokoban", "groups": 6, "max_actions_per_traj": 12},

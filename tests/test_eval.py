@@ -192,8 +192,9 @@ def test_cli_on_a_run_dir_and_a_prompt_that_cannot_fit(tiny, tmp_path, capsys):
     no export yet, or a --max-model-len that leaves no room for a turn, is refused in one line (exit 2)."""
     import shutil
 
-    from fastpo.config import get_preset, to_json
+    from fastpo.config import to_json
     from fastpo.eval import main
+    from fastpo.presets import get_preset
 
     path, _ = tiny
     run = tmp_path / "runs" / "demo"

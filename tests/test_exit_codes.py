@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fastpo.config import INT64_MAX, ConfigError, all_fields, parse_args, validate
+from fastpo.config import INT64_MAX, ConfigError, all_fields
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
 
 TINY = ["--preset", "tiny"]
 

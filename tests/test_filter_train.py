@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 from test_trainer import SMALL
 
-from fastpo.config import ConfigError, get_preset, parse_args, validate
+from fastpo.config import ConfigError
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
+from fastpo.presets import get_preset
 
 BASE = [*SMALL, "--trainer.val_before_train", "false", "--trainer.val_every", "0", "--trainer.save_every", "0",
         "--algorithm.adv_estimator", "grpo", "--optim.mini_batch_size", "4"]

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastpo.config import get_preset, to_json
+from fastpo.config import to_json
+from fastpo.presets import get_preset
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

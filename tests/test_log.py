@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from fastpo import log
-from fastpo.config import ConfigError, parse_args
+from fastpo.config import ConfigError
+from fastpo.config_load import parse_args
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastpo.config import Config, ConfigError, validate
+from fastpo.config import Config, ConfigError
 from fastpo.metrics import (
     GENERATION_FIELDS,
     MetricsLogger,
@@ -21,6 +21,7 @@ from fastpo.metrics import (
     ragen_metric_name,
     rename_metrics,
 )
+from fastpo.preflight import validate
 
 
 # ----------------------------------------------------------------------------------------------- data metrics
@@ -247,7 +248,8 @@ def test_data_metrics_and_generations_equal_on_one_and_two_ranks(tmp_path):
 def test_trainer_wandb_gets_config_name_and_resumes_its_run(tmp_path, fake_wandb):
     from test_trainer import SMALL
 
-    from fastpo.config import parse_args, to_dict
+    from fastpo.config import to_dict
+    from fastpo.config_load import parse_args
     from fastpo.trainer import Trainer
 
     def trainer(iterations: int, *extra: str) -> Trainer:

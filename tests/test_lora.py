@@ -17,8 +17,10 @@ from test_trainer import GAE, SMALL, _metrics, _ok, _weights
 
 from fastpo import distributed as du
 from fastpo import update
-from fastpo.config import ConfigError, parse_args, validate
+from fastpo.config import ConfigError
+from fastpo.config_load import parse_args
 from fastpo.model import is_lora, load_policy, merged_state_dict
+from fastpo.preflight import validate
 from fastpo.tiny_agent import tiny_agent_path
 
 LORA = ["--model.lora_rank", "8", "--model.lora_alpha", "16"]

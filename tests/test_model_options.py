@@ -16,8 +16,10 @@ import torch
 from test_trainer import GAE, SMALL, _metrics, _ok, _weights
 
 import fastpo.model as fm
-from fastpo.config import ConfigError, parse_args, validate
+from fastpo.config import ConfigError
+from fastpo.config_load import parse_args
 from fastpo.fsdp import non_persistent_buffers
+from fastpo.preflight import validate
 from fastpo.testing import run_killable
 
 torch.set_num_threads(1)

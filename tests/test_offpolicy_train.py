@@ -15,9 +15,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from test_trainer import train_iterations
 
-from fastpo import algorithms, testing
-from fastpo.config import AlgorithmConfig, ConfigError, config_hash, parse_args, validate
+from fastpo import algorithms
+from fastpo.config import AlgorithmConfig, ConfigError, config_hash
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
 from fastpo.trainer import Trainer
 
 SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
@@ -103,7 +106,7 @@ def _shift_sample_logprobs(monkeypatch, shift: float):
 
 def _iteration(tmp_path, run: str, *extra: str):
     """One iteration: (its metrics, the actor's weights after it)."""
-    rows, weights = testing.train_iterations(
+    rows, weights = train_iterations(
         validate(parse_args([*SMALL, *extra, "--trainer.run_dir", str(tmp_path / run)]), 1))
     return rows[0], weights
 

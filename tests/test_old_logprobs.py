@@ -6,9 +6,11 @@ trajectories (2 optimiser steps per iteration, so the update is not on-policy an
 import numpy as np
 import pytest
 import torch
+from test_trainer import train_iterations
 
-from fastpo import testing, update
-from fastpo.config import parse_args, validate
+from fastpo import update
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
 from fastpo.rollout import Trajectory
 from fastpo.trainer import Trainer, TrainingAborted
 
@@ -54,7 +56,7 @@ def _first_update(tmp_path, monkeypatch, run: str, *extra: str):
         return _SCORE(self, trajs, kept, actor, extras)
 
     monkeypatch.setattr(Trainer, "_score", spy)
-    rows, weights = testing.train_iterations(
+    rows, weights = train_iterations(
         validate(parse_args([*SMALL, *extra, "--trainer.run_dir", str(tmp_path / run)]), 1))
     return rows[0], weights, calls
 

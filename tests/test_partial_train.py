@@ -10,7 +10,10 @@ import pytest
 import torch
 from test_trainer import GAE, SMALL, _metrics, _ok, _weights
 
-from fastpo.config import ConfigError, get_preset, parse_args, validate
+from fastpo.config import ConfigError
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
+from fastpo.presets import get_preset
 
 PARTIAL = ["--rollout.mode", "async", "--rollout.partial", "true", "--algorithm.offpolicy_correction", "tis",
            "--algorithm.old_logprobs", "trainer"]

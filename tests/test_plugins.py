@@ -165,7 +165,9 @@ def test_entry_point_group_is_loaded_on_first_use(tmp_path, monkeypatch):
 
 
 def test_bad_plugin_module_is_one_config_error(tmp_path):
-    from fastpo.config import ConfigError, parse_args, validate
+    from fastpo.config import ConfigError
+    from fastpo.config_load import parse_args
+    from fastpo.preflight import validate
 
     with pytest.raises(ConfigError, match="env.plugins: env plug-in module 'no_such_envs' could not be imported"):
         validate(parse_args(["--env.plugins", "no_such_envs", "--env.names", "guess"]))
@@ -173,7 +175,9 @@ def test_bad_plugin_module_is_one_config_error(tmp_path):
 
 def test_a_plugin_module_calling_sys_exit_is_one_config_error(tmp_path, monkeypatch):
     """sys.exit(0) while the module is imported used to end `fastpo.train` with status 0 before anything ran."""
-    from fastpo.config import ConfigError, parse_args, validate
+    from fastpo.config import ConfigError
+    from fastpo.config_load import parse_args
+    from fastpo.preflight import validate
 
     (tmp_path / "quits_envs.py").write_text("import sys\nsys.exit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -287,7 +291,8 @@ def evil_dir(tmp_path, monkeypatch):
 
 def _run_folder(tmp_path: Path) -> Path:
     """A run folder whose config.json (the trainer's full config) names the plug-in ``evil_envs``."""
-    from fastpo.config import get_preset, to_json
+    from fastpo.config import to_json
+    from fastpo.presets import get_preset
 
     cfg = get_preset("tiny")
     cfg.env.plugins = ("evil_envs",)
@@ -307,7 +312,9 @@ def _assert_refusal(message: str, config_path: Path) -> None:
 def test_a_config_file_cannot_import_a_plugin(evil_dir):
     """--config FILE naming env.plugins: refused in one line naming the module, the file and the two ways to allow
     it, and nothing imported; --trust_plugins or naming the module with --env.plugins allows it."""
-    from fastpo.config import ConfigError, parse_args, validate
+    from fastpo.config import ConfigError
+    from fastpo.config_load import parse_args
+    from fastpo.preflight import validate
 
     path = _run_folder(evil_dir) / "config.json"
     with pytest.raises(ConfigError) as err:
@@ -480,7 +487,9 @@ def test_a_blocking_plugin_is_stopped_by_the_preflight_time_limit(where, method,
     entry is built by the mix's own checks first: limited the same way."""
     import time
 
-    from fastpo.config import ConfigError, parse_args, validate
+    from fastpo.config import ConfigError
+    from fastpo.config_load import parse_args
+    from fastpo.preflight import validate
 
     module, name = _blocking_plugin(tmp_path, monkeypatch, where, "_mix" if mix else "")
     envs_args = (["--env.train", json.dumps([{"name": name, "max_actions_per_traj": 2}])] if mix else
@@ -521,7 +530,9 @@ def test_a_blocking_plugin_stops_the_evaluations_prompt_check(tmp_path, monkeypa
                                         ("nan", "must be a finite number or inf, got nan")])
 def test_preflight_timeout_is_checked(value, says, tmp_path):
     import fastpo.eval
-    from fastpo.config import ConfigError, parse_args, validate
+    from fastpo.config import ConfigError
+    from fastpo.config_load import parse_args
+    from fastpo.preflight import validate
 
     with pytest.raises(ConfigError) as err:
         validate(parse_args(["--preset", "tiny", "--env.preflight_timeout_s", value]))
@@ -557,9 +568,10 @@ fastpo.envs.register("NAME", Closing, max_steps=2)
 def test_a_plugin_failing_in_close_during_the_checks_is_one_config_line(reset_fails, tmp_path, monkeypatch):
     """close() failing after the checks' reset used to escape them (a traceback, or 'a collective timed out' for its
     words); after a failed reset it replaced that first error. Now: one config error line naming the first failure."""
-    from fastpo.config import ConfigError, parse_args, validate
+    from fastpo.config import ConfigError
+    from fastpo.config_load import parse_args
     from fastpo.envs.text import TextEnvError
-    from fastpo.preflight import first_prompt_len
+    from fastpo.preflight import first_prompt_len, validate
 
     module, name = f"closing_{reset_fails}_envs".lower(), f"closing_{reset_fails}".lower()
     (tmp_path / f"{module}.py").write_text(CLOSING.replace("RESET_FAILS", str(reset_fails)).replace("NAME", name))

@@ -109,7 +109,7 @@ def test_when_a_bar_is_drawn(monkeypatch):
 def test_sft_and_eval_bars(monkeypatch, capsys):
     from fastpo.eval import evaluate
     from fastpo.model import load_policy, load_tokenizer
-    from fastpo.sft import build_sft_dataset, train_sft
+    from fastpo.sft_core import build_sft_dataset, train_sft
 
     path = Path(fastpo.__file__).parent / "assets" / "tiny-agent"  # the shipped agent: nothing to build
     tok = load_tokenizer(path)

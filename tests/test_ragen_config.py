@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastpo.config import Config, merge, validate
+from fastpo.config import Config
+from fastpo.config_load import merge
 from fastpo.env_mix import resolve_mix
+from fastpo.preflight import validate
 from fastpo.ragen_config import PortError, load_ragen_yaml, port
 
 BASE = """
@@ -157,7 +159,7 @@ def test_cli_prints_yaml_that_fastpo_train_reads(ragen_dir):
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("# fastpo config ported from RAGEN's")
     (ragen_dir / "ported.yaml").write_text(res.stdout)
-    from fastpo.config import parse_args
+    from fastpo.config_load import parse_args
 
     cfg = parse_args(["--config", str(ragen_dir / "ported.yaml")])
     assert cfg.env.train[1]["label"] == "SlipperyLake" and validate(cfg) is cfg
@@ -169,7 +171,7 @@ def test_cli_prints_yaml_that_fastpo_train_reads(ragen_dir):
 
 def test_docs_map_every_key():
     """docs/RAGEN.md's tables name every key the porter maps or lists as inert."""
-    from fastpo.ragen_config import INERT, KEY_MAP
+    from fastpo.ragen_keys import INERT, KEY_MAP
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "RAGEN.md").read_text()
     missing = [k for k in [*KEY_MAP, *INERT] if f"| `{k}` |" not in doc]
@@ -180,7 +182,9 @@ def test_ragen2_filter_keys_port():
     """RAGEN-2's filter keys (its base.yaml at 20daedc: top_p, value 1, reward_variance, include_zero, linear, eps
     0.01, empty stop 5, no loss scaling) port onto the filter family; a pre-2 largest / smallest filter becomes
     top_k with value = its ratio; an explicit value wins over the ratio (noted)."""
-    from fastpo.config import Config, merge, validate
+    from fastpo.config import Config
+    from fastpo.config_load import merge
+    from fastpo.preflight import validate
     from fastpo.ragen_config import port
 
     rollout = {"rollout_filter_strategy": "top_p", "rollout_filter_value": 1.0, "rollout_filter_ratio": 0.25,
@@ -204,8 +208,9 @@ def test_ragen2_filter_keys_port():
 
 def test_ragen_names_on_the_command_line_or_in_a_config_point_to_ours(tmp_path):
     """RAGEN's --algorithm.clip_ratio_low got no hint to eps_low: unknown names are looked up in the port's key
-    table (fastpo.ragen_config.KEY_MAP), among the fields of the entry point that was run."""
-    from fastpo.config import ConfigError, parse_args
+    table (fastpo.ragen_keys.KEY_MAP), among the fields of the entry point that was run."""
+    from fastpo.config import ConfigError
+    from fastpo.config_load import parse_args
     from fastpo.eval import parse_args as eval_parse_args
 
     for flag, hint in (("--algorithm.clip_ratio_low", "RAGEN's clip_ratio_low is --algorithm.eps_low"),

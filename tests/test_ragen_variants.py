@@ -8,7 +8,8 @@ import torch
 
 from fastpo import algorithms as alg
 from fastpo import kernels
-from fastpo.config import AlgorithmConfig, Config, ConfigError, validate
+from fastpo.config import AlgorithmConfig, Config, ConfigError
+from fastpo.preflight import validate
 
 
 def batch(lengths, mask, rewards=None, values=None, turn_end=None, scores=None, group_ids=None):
@@ -238,7 +239,7 @@ def test_trainer_feeds_verl_gae_the_observation_values(tmp_path, monkeypatch):
     recursion reads them), and the update's advantages are verl's loop over those values."""
     from test_trainer import SMALL
 
-    from fastpo.config import parse_args
+    from fastpo.config_load import parse_args
     from fastpo.trainer import Trainer
 
     seen = []

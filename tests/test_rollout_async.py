@@ -9,12 +9,15 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from test_trainer import train_iterations
 
 import fastpo.envs as E
 from fastpo import testing
-from fastpo.config import ConfigError, RolloutConfig, get_preset, validate
+from fastpo.config import ConfigError, RolloutConfig
 from fastpo.engine import HFEngine, SamplingParams
 from fastpo.model import load_policy, load_tokenizer, resolve_model_path
+from fastpo.preflight import validate
+from fastpo.presets import get_preset
 from fastpo.prompts import prompt_spec
 from fastpo.rollout import RolloutPart, run_rollouts
 
@@ -135,7 +138,7 @@ def test_trainer_with_async_rollout_trains_like_lockstep(tmp_path):
     """Two training iterations of the shrunk tiny preset with each driver: the same rollout trajectories (tokens,
     rewards) and weights equal up to the float differences of the sample logprobs (the preset takes PPO's old
     logprobs from the sampler)."""
-    from fastpo.config import parse_args
+    from fastpo.config_load import parse_args
 
     small = ["--preset", "tiny", "--env.max_turns", "2", "--env.val_groups", "4", "--env.env_groups", "4",
              "--env.group_size", "4", "--optim.mini_batch_size", "4", "--optim.micro_batch_tokens", "800",
@@ -144,7 +147,7 @@ def test_trainer_with_async_rollout_trains_like_lockstep(tmp_path):
     out = {}
     for mode in ("lockstep", "async"):
         cfg = validate(parse_args([*small, "--rollout.mode", mode, "--trainer.run_dir", str(tmp_path / mode)]), 1)
-        out[mode] = testing.train_iterations(cfg, 2)
+        out[mode] = train_iterations(cfg, 2)
     (lock_rows, lock_w), (fast_rows, fast_w) = out["lockstep"], out["async"]
     for a, b in zip(lock_rows, fast_rows, strict=True):
         for key in ("rollout/reward", "rollout/response_length", "rollout/num_turns", "rollout/trained_tokens"):

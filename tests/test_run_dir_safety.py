@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from fastpo import storage
-from fastpo.config import ConfigError, parse_args, validate
+from fastpo.config import ConfigError
+from fastpo.config_load import parse_args
+from fastpo.preflight import validate
 from fastpo.storage import LOCK_FILE, claim_run_dir, lock_run_dir
 from fastpo.testing import run_killable
 from fastpo.tiny_agent import tiny_agent_path

@@ -11,7 +11,7 @@ import torch
 
 from fastpo import envs, testing
 from fastpo.prompts import render_chat
-from fastpo.sft import build_sft_dataset, generate_episodes, lr_at, tokenize_episode, train_sft
+from fastpo.sft_core import build_sft_dataset, generate_episodes, lr_at, tokenize_episode, train_sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NON_SLIPPERY = {"is_slippery": False}

@@ -18,12 +18,29 @@ import pytest
 import torch
 
 from fastpo.tiny_agent import tiny_agent_path
+from fastpo.trainer import Trainer
 
 SMALL = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16", "--env.val_groups", "4",
          "--env.env_groups", "4", "--env.group_size", "4", "--optim.mini_batch_size", "8",
          "--optim.micro_batch_tokens", "800", "--rollout.max_model_len", "800", "--trainer.iterations", "3",
          "--trainer.val_every", "3"]
 GAE = ["--algorithm.adv_estimator", "gae", "--trainer.val_before_train", "false", "--trainer.val_every", "0"]
+
+
+def train_iterations(cfg, iterations: int = 1) -> tuple[list[dict[str, float]], dict]:
+    """Run iterations 1..`iterations` of a ``Trainer`` built from the validated `cfg` in this process, without
+    validation, checkpoints or an export; returns (each iteration's metrics, the actor's weights after the last:
+    detached clones by state-dict name)."""
+    trainer = Trainer(cfg)
+    try:
+        rows = []
+        for step in range(1, iterations + 1):
+            trainer.step = step
+            rows.append(trainer.iteration())
+        weights = {k: v.detach().clone() for k, v in trainer.actor.state_dict().items()}
+    finally:
+        trainer.close(export=False)
+    return rows, weights
 
 
 def _run(args: list[str], run_dir: Path, nproc: int = 1, timeout: float = 180, env: dict | None = None):
@@ -156,8 +173,8 @@ def test_micro_batch_gradients_add_up_to_one_mini_batch_loss(tmp_path, mode):
     """Accumulated over micro-batches (with their loss scales), the actor gradient equals the gradient of the same
     loss over the whole mini-batch in one micro-batch, for every aggregation mode."""
     from fastpo import algorithms
-    from fastpo.config import get_preset
     from fastpo.microbatch import cat_tokens, pack, token_cost
+    from fastpo.presets import get_preset
     from fastpo.rollout import Trajectory
     from fastpo.testing import build_tiny_model, build_tiny_tokenizer
     from fastpo.update import loss_scales, norm_len, token_logp
@@ -403,7 +420,8 @@ def test_on_policy_update_equals_the_scored_path(tmp_path, monkeypatch):
     """One epoch over one mini-batch skips the separate old-logprob pass (the update's detached logp is the old
     logp); the first update must equal the path that scores first, and the parity guard still measures the gap."""
     from fastpo import update
-    from fastpo.config import parse_args, validate
+    from fastpo.config_load import parse_args
+    from fastpo.preflight import validate
     from fastpo.trainer import Trainer
 
     def first_update(run: str, on_policy: bool):

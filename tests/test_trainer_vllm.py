@@ -22,14 +22,12 @@ pytest.importorskip("vllm")
 from test_trainer import SMALL, _metrics, _ok, _weights  # noqa: E402
 
 from fastpo import envs, testing, update  # noqa: E402
-from fastpo.config import (  # noqa: E402
-    RolloutConfig,  # noqa: E402
-    parse_args,
-    validate,
-)
+from fastpo.config import RolloutConfig  # noqa: E402
+from fastpo.config_load import parse_args  # noqa: E402
 from fastpo.engine import HFEngine, SamplingParams  # noqa: E402
 from fastpo.engine.vllm import VLLMEngine  # noqa: E402
 from fastpo.model import load_policy, load_tokenizer  # noqa: E402
+from fastpo.preflight import validate  # noqa: E402
 from fastpo.prompts import Turn, build_messages, prompt_spec, render_chat  # noqa: E402
 from fastpo.rollout import run_rollout  # noqa: E402
 

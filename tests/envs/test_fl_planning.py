@@ -7,7 +7,7 @@ import pytest
 from fastpo import envs
 from fastpo.envs.fl_planning import TurnPlanner, move_distribution, success_probability
 from fastpo.envs.py_frozenlake import PyFrozenLakeEnv
-from fastpo.sft import generate_episodes
+from fastpo.sft_core import generate_episodes
 
 
 def _desc(rows):
