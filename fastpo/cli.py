@@ -111,28 +111,23 @@ def describe(*paragraphs: str, items: dict[str, str] | None = None, items_title:
 # ------------------------------------------------------------------------------- --preset, --config, trust
 def _take(argv: list[str], flag: str, switch: bool = False) -> tuple[Any, list[str]]:
     """Remove ``--flag VALUE`` / ``--flag=VALUE`` (the last one wins) from argv: (the value or None, the rest). A
-    ``switch`` is a bool: the bare flag, or with ``true`` / ``false``; (False when absent, the rest)."""
-    value, rest, i = False if switch else None, [], 0
+    ``switch`` is a bool, given as the bare flag or followed by ``true`` / ``false``: (its value, the rest)."""
+    value, rest, i = None, [], 0
     while i < len(argv):
-        arg, word = argv[i], None
-        if arg == flag:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if switch:
-                word, i = (nxt, i + 1) if nxt is not None and nxt.lower() in values.TRUE | values.FALSE else ("true", i)
-            elif nxt is None or nxt.startswith("--"):
+        arg, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        if arg == flag and switch:  # the bare switch, or the switch and a bool word
+            taken = nxt is not None and nxt.lower() in values.TRUE | values.FALSE
+            value, i = nxt if taken else "true", i + taken
+        elif arg == flag:
+            if nxt is None or nxt.startswith("--"):
                 raise error(f"{flag} needs a value")
-            else:
-                word, i = nxt, i + 1
+            value, i = nxt, i + 1
         elif arg.startswith(flag + "="):
-            word = arg[len(flag) + 1:]
+            value = arg[len(flag) + 1:]
         else:
             rest.append(arg)
-        if word is not None and switch and word.lower() not in values.TRUE | values.FALSE:
-            raise error(f"{flag}: expected a bool (true/false) or nothing, got {word!r}")
-        if word is not None:
-            value = word.lower() in values.TRUE if switch else word
         i += 1
-    return value, rest
+    return coerce("false" if value is None else value, bool, flag) if switch else value, rest
 
 
 def _takes_plugins(cls: type) -> bool:
@@ -188,9 +183,10 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
     if "-h" in argv or "--help" in argv:  # to the terminal, wrapped to its width; exits 0
         return tyro.cli(cls, **options)
     captured = io.StringIO()  # tyro's own text, for a failure the hook does not know
+    errors = getattr(tyro, "_errors", None)  # the hook is private in tyro 1.0 (requirements pin the version)
     try:
-        with tyro._errors.on_parse_error(_OneLine(base)), contextlib.redirect_stdout(captured), \
-                contextlib.redirect_stderr(captured):
+        with errors.on_parse_error(_OneLine(base)) if errors else contextlib.nullcontext(), \
+                contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             return tyro.cli(cls, **options)
     except SystemExit:
         raise error(re.sub(r"[\s│╭╮╰╯─]+", " ", captured.getvalue()).strip() or f"bad arguments: {argv}") from None
@@ -220,6 +216,7 @@ def _registry() -> Any:
 
 
 def _is(value: Any, tp: Any) -> bool:
+    """Whether `value` already is a `tp` (coerce gives it back unchanged)."""
     with contextlib.suppress(ValueError):
         return not isinstance(value, str) and coerce(value, tp, "") == value
     return False
