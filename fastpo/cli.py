@@ -185,7 +185,7 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
     captured = io.StringIO()  # tyro's own text, for a failure the hook does not know
     errors = getattr(tyro, "_errors", None)  # the hook is private in tyro 1.0 (requirements pin the version)
     try:
-        with errors.on_parse_error(_OneLine(base)) if errors else contextlib.nullcontext(), \
+        with errors.on_parse_error(_one_line(base)) if errors else contextlib.nullcontext(), \
                 contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             return tyro.cli(cls, **options)
     except SystemExit:
@@ -231,21 +231,18 @@ def _words(value: Any, tp: Any) -> list[str]:
     return [json.dumps(value) if isinstance(value, (list, dict)) else str(value)]
 
 
-class _OneLine:
-    """tyro's parse-error hook: the failures a user makes as one ConfigError line (the flag, the value, what is
-    accepted, close matches; an unknown flag spelled RAGEN's way names ours)."""
+def _one_line(base: Any) -> Callable[[Any], None]:
+    """tyro's parse-error hook for ``base``'s flags: the failures a user makes become one ConfigError line (the flag,
+    the value, what is accepted, close matches; an unknown flag spelled RAGEN's way names ours)."""
+    names = field_names(base)
+    flags = ["--" + n for n in names if not any(m.startswith(n + ".") for m in names)]  # fields, not sections
 
-    def __init__(self, base: Any):
-        names = field_names(base)
-        self.flags = ["--" + n for n in names if not any(m.startswith(n + ".") for m in names)]  # not sections
-
-    def __call__(self, event: Any) -> None:
-        errors = tyro._errors
-        flag = lambda arg: "/".join(arg.lowered.name_or_flags)  # noqa: E731
+    def hook(event: Any) -> None:
+        errors, flag = tyro._errors, lambda arg: "/".join(arg.lowered.name_or_flags)
         if isinstance(event, errors.UnrecognizedArgs):
             given = [t.split("=")[0] for t in event.tokens if t.startswith("--")]
-            hints = [did_you_mean(f, self.flags, cutoff=0.8) for f in given]
-            hints += [ragen_hint(f, {f[2:] for f in self.flags}, flag=True) for f in given]
+            hints = [did_you_mean(f, flags, cutoff=0.8) for f in given]
+            hints += [ragen_hint(f, {f[2:] for f in flags}, flag=True) for f in given]
             raise error(f"Unrecognized options: {', '.join(map(_cut, event.tokens))}{''.join(hints)}")
         if isinstance(event, errors.InvalidChoice):
             raise error(f"invalid choice {_cut(event.value)!r} for argument {flag(event.argument)!r}. Expected one of "
@@ -256,6 +253,8 @@ class _OneLine:
         if isinstance(event, errors.InstantiationFailure):
             where = "" if event.argument is None else flag(event.argument) + ("" if event.message[:1] == "[" else ": ")
             raise error(where + event.message)  # coerce's message; "[i]" starts one about an item of a tuple
+
+    return hook
 
 
 def _cut(text: str) -> str:
