@@ -189,7 +189,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, *, prog: str, descrip
                 contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             return tyro.cli(cls, **options)
     except SystemExit:
-        raise error(re.sub(r"[\s│╭╮╰╯─]+", " ", captured.getvalue()).strip() or f"bad arguments: {argv}") from None
+        text = " ".join(re.sub(r"-{4,}|[│╭╮╰╯─]", " ", captured.getvalue()).split())  # its frame and rules dropped
+        raise error(text or f"bad arguments: {argv}") from None
 
 
 def _registry() -> Any:
