@@ -375,14 +375,15 @@ def prepare(args: EvalArgs) -> tuple[list[Any], Any, Any, str]:
     from fastpo import envs
 
     from .env_mix import resolve_mix
-    from .model import load_policy, load_tokenizer, resolve_model_path, resolve_pretrained
+    from .model import load_policy, load_tokenizer
+    from .model_path import resolve_model_path
 
     e, r = args.env, args.rollout
     envs.load_plugins(list(e.plugins))
     env_cfg = config.EnvConfig(**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
     entries = resolve_mix(env_cfg, "val")  # the trainer's validation set, entry by entry
     _make_engine(r.engine, None, None, 1, check_only=True)  # a bad name fails before any model loads
-    path = resolve_pretrained(resolve_model_path(args.model.path), ("config.json",), "model")  # says what to pass
+    path = resolve_model_path(args.model.path)  # "tiny", a run folder (its hf/), a model folder, a hub id
     tokenizer = load_tokenizer(path)
     for entry in entries:  # before the model loads
         check_prompt_room(tokenizer, entry.name, e.val_seed + min(entry.groups), r.response_length, r.max_model_len,

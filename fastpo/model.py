@@ -11,17 +11,14 @@
     policy = load_policy(path, liger_kernel=True)               # Liger RMSNorm / RoPE / SwiGLU (CUDA only)
     skeleton = load_policy(path, meta=True)                     # parameters on the meta device, nothing read
 
-Offline: a local directory is used as is; a hub id with ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``) must
-already be in the Hugging Face cache, or loading fails at once with a one-line ValueError (transformers would
-otherwise fail with a generic connection message, or spend ~23 s retrying when the variable is unset). Online, an id
-that is not cached is looked up once on the hub first: not found or an unreachable hub is the same kind of one line.
+Every loader finds its model with ``fastpo.model_path.resolve_model_path`` ("tiny", a run folder, a model folder or
+a hub id; offline, a hub id must be in the Hugging Face cache): a bad path or id is one ValueError line at once.
 
 transformers 5.x: ``dtype=`` (not ``torch_dtype=``); fast tokenizers reload as ``TokenizersBackend``.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import sys
@@ -30,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from .model_path import resolve_model_path
 
 _DTYPES = {
     "float32": torch.float32,
@@ -48,98 +47,6 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 #: fused-linear-CE forward would replace the causal LM's forward that the trainer hooks.
 LIGER_PATCHES = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": False,
                  "fused_linear_cross_entropy": False}
-
-
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
-    return constants.HF_HUB_OFFLINE or any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
-
-
-def _looks_like_path(name: str) -> bool:
-    return (
-        os.path.isabs(name)
-        or name.startswith((".", "~"))
-        or name.count("/") > 1
-        or (os.sep != "/" and os.sep in name)
-        or os.path.exists(name)
-    )
-
-
-def resolve_pretrained(path_or_id: str | os.PathLike, required: tuple[str, ...], what: str) -> str:
-    """Check where `path_or_id` will load from, before transformers tries.
-
-    Args:
-        path_or_id: a directory written by ``save_pretrained`` or a hub id such as ``Qwen/Qwen2.5-0.5B-Instruct``.
-        required: file names of which at least one must exist (e.g. ``("config.json",)``).
-        what: "model" or "tokenizer", for the messages.
-
-    Returns:
-        the string to pass to ``from_pretrained``.
-
-    Raises:
-        ValueError: a missing directory, a directory without any of `required`, or (offline) a hub id that is not
-            in the local cache; one line that says what to pass.
-    """
-    if not isinstance(path_or_id, (str, os.PathLike)) or not str(path_or_id):
-        raise ValueError(f"{what} must be a directory path or a hub id (str), got {path_or_id!r}")
-    name = os.path.expanduser(str(path_or_id))
-    if os.path.isdir(name):
-        if not any(os.path.exists(os.path.join(name, f)) for f in required):
-            raise ValueError(
-                f"{what} directory {name!r} has none of {list(required)}; pass a directory written by save_pretrained"
-            )
-        return name
-    if os.path.exists(name):
-        raise ValueError(f"{what} path {name!r} is a file, not a directory; pass the directory written by "
-                         "save_pretrained (the folder holding config.json) or a hub id")
-    if _looks_like_path(name):
-        raise ValueError(
-            f"{what} path {name!r} does not exist; pass a directory written by save_pretrained or a hub id such as"
-            " Qwen/Qwen2.5-0.5B-Instruct"
-        )
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = any(isinstance(try_to_load_from_cache(name, f), str) for f in required)
-    if _offline() and not cached:
-        raise ValueError(
-            f"{what} {name!r} is not a local directory and not in the Hugging Face cache while HF_HUB_OFFLINE=1;"
-            f" pass a local directory, or download it first (`hf download {name}`)"
-        )
-    problem = None if cached or _offline() else _hub_problem(name)
-    if problem:
-        raise ValueError(f"{what} {name!r} {problem}; accepted: a local model folder, a fastpo run folder, 'tiny' "
-                         f"(the tiny CPU agent), or a hub id with the hub reachable (offline: HF_HUB_OFFLINE=1 and the "
-                         f"id in the Hugging Face cache)")
-    return name
-
-
-#: Seconds the one hub lookup of :func:`_hub_problem` may take.
-HUB_LOOKUP_TIMEOUT_S = 10.0
-
-
-@functools.lru_cache(maxsize=64)
-def _hub_problem(name: str) -> str | None:
-    """Why hub id `name` (not a folder, not cached) cannot load, from one lookup without retries, or None when it
-    exists or the hub answers something else (transformers then reports it). Without this, transformers retries
-    each file for ~50 s when the hub cannot be reached and ends in a multi-line OSError."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
-
-    try:
-        HfApi().repo_info(name, timeout=HUB_LOOKUP_TIMEOUT_S)
-    except GatedRepoError:  # exists; access is transformers' to report
-        return None
-    except RepositoryNotFoundError:
-        return "was not found on the Hugging Face hub (or is private: log in with `hf auth login`)"
-    except HFValidationError:
-        return "is not a local directory and not a valid hub id (owner/name)"
-    except HfHubHTTPError:
-        return None
-    except Exception as err:  # DNS, connection refused, timeout: the hub cannot be reached from here
-        return f"is not a local directory and the Hugging Face hub cannot be reached ({type(err).__name__})"
-    return None
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -169,81 +76,6 @@ def _flash_attn_imports() -> bool:
 
 #: Compute dtypes flash-attn kernels take (it rejects fp32 inputs).
 FLASH_ATTN_DTYPES = (torch.bfloat16, torch.float16)
-
-
-#: ``model.path`` placeholder of the tiny CPU agent (the ``tiny`` preset).
-TINY_MODEL = "tiny"
-
-
-def resolve_model_path(path: str | os.PathLike) -> str:
-    """The one resolver of ``model.path`` for every entry point (train, eval, sft):
-
-    - ``"tiny"``: the tiny CPU agent's folder (``fastpo.tiny_agent.tiny_agent_path``: the one shipped in the package,
-      else built once into the user cache by rank 0 while the other ranks wait; collective under a process group);
-    - a fastpo run folder (its own config.json is the run's config, not a model's): its export, ``<run>/hf``, which
-      must hold the export's COMPLETE marker (so must a ``<run>/hf`` given directly);
-    - anything else (a model folder, a hub id) as is: ``resolve_pretrained`` checks it when it loads.
-
-    Raises ValueError for a run folder without an ``hf/`` export, and for a checkpoint folder
-    (``<run>/checkpoints/step-N``: sharded training state, not a model), each with what to pass instead."""
-    if str(path) == TINY_MODEL:
-        from . import distributed as du
-        from .tiny_agent import tiny_agent_path
-
-        resolved = str(tiny_agent_path()) if du.is_main() else ""
-        du.barrier()
-        return str(tiny_agent_path(build_if_missing=False)) if not du.is_main() else resolved
-    name = os.path.expanduser(str(path))
-    if not os.path.isdir(name):
-        return str(path)
-    own = os.path.join(name, "config.json")
-    if os.path.exists(os.path.join(name, "hf", "config.json")) and not _is_model_config(own):
-        return _finished_export(os.path.join(name, "hf"))  # the trainer's export: <run_dir>/hf
-    parent = os.path.dirname(os.path.abspath(name))
-    if os.path.basename(os.path.abspath(name)) == "hf" and _is_run_config(os.path.join(parent, "config.json")):
-        return _finished_export(str(path))  # <run_dir>/hf given directly
-    if os.path.exists(own) and not _is_model_config(own):
-        raise ValueError(f"{name!r} is a fastpo run folder without an hf/ export (the run has not finished, or "
-                         f"stopped before exporting); pass a finished run, or a model directory")
-    if os.path.exists(os.path.join(name, "COMPLETE")) and os.path.exists(os.path.join(name, ".metadata")):
-        run = os.path.dirname(os.path.dirname(os.path.abspath(name)))
-        raise ValueError(f"{name!r} is a training checkpoint (sharded optimiser and model state), not a model; pass "
-                         f"the run folder {run!r} (its hf/ export), or resume the run with --trainer.resume {name}")
-    return str(path)
-
-
-def _finished_export(hf: str) -> str:
-    """`hf` when the trainer's export there finished (``fastpo.checkpoint.export_hf`` writes its COMPLETE marker
-    last); ValueError naming the folder otherwise."""
-    if not os.path.isfile(os.path.join(os.path.expanduser(hf), "COMPLETE")):
-        raise ValueError(f"{hf!r} has no COMPLETE marker: an interrupted export (the trainer writes the marker last); "
-                         f"pass a run whose export finished, or a model directory")
-    return hf
-
-
-def _is_run_config(path: str) -> bool:
-    """True for a fastpo run's config.json (its sections env / rollout / trainer)."""
-    from .config_io import load_json
-
-    try:
-        with open(path, "rb") as f:
-            data = load_json(f.read(), path)
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and {"env", "rollout", "trainer"} <= set(data)
-
-
-def _is_model_config(path: str) -> bool:
-    """True for a transformers config.json (it names its ``model_type``); false for a missing file or a fastpo
-    run config (sections such as ``trainer``)."""
-    from .config_io import load_json
-
-    try:
-        with open(path, "rb") as f:
-            data = load_json(f.read(), path)  # bounded: a deep file (RecursionError in json) is no model config
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "model_type" in data
 
 
 def resolve_attn_implementation(requested: str, device: torch.device | str | None = None,
@@ -330,7 +162,7 @@ def apply_liger_kernel(path_or_id: str | os.PathLike, device: torch.device | str
     if device.type != "cuda":
         raise ValueError(f"model.liger_kernel=true needs a CUDA GPU (Liger-Kernel's Triton kernels), but this run "
                          f"uses {device}; set model.liger_kernel false")
-    name = resolve_pretrained(path_or_id, ("config.json",), "model")
+    name = resolve_model_path(path_or_id)
     model_type = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code).model_type
     fn = liger_patch_function(model_type)
     accepted = inspect.signature(fn).parameters
@@ -359,7 +191,7 @@ def load_tokenizer(
 
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    name = resolve_pretrained(path_or_id, ("tokenizer_config.json", "tokenizer.json"), "tokenizer")
+    name = resolve_model_path(path_or_id, "tokenizer")
     tok = AutoTokenizer.from_pretrained(name, padding_side=padding_side, trust_remote_code=trust_remote_code)
     tok.padding_side = padding_side
     if tok.pad_token is None:
@@ -626,7 +458,7 @@ def _load(auto_cls: Any, path_or_id: str | os.PathLike, dtype: torch.dtype | str
     model, checkpointing, LoRA (arguments as ``load_policy``). Returns (model, the resolved folder or hub id)."""
     _check_meta(meta, lora_rank)
     peft = _require_peft(lora_rank)
-    name = resolve_pretrained(path_or_id, ("config.json",), "model")
+    name = resolve_model_path(path_or_id)
     if liger_kernel:
         apply_liger_kernel(name, trust_remote_code=trust_remote_code)
     model = _build(auto_cls, name, _load_kwargs(dtype, attn_implementation, trust_remote_code), meta)

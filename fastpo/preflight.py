@@ -26,7 +26,7 @@ import numpy as np
 
 from fastpo import envs
 
-from . import cli
+from . import config_values as cli  # the converter the command line and --config files share
 from .config import SECTIONS, Config, ConfigError, config_hash, field_types, shown
 from .env_mix import check_mix, resolve_mix
 from .time_limit import PreflightTimeout, call_with_time_limit
@@ -162,7 +162,7 @@ def check_inputs(cfg: Config) -> list[str]:
 
 
 def _model_paths(cfg: Config) -> list[str]:
-    from .model import _looks_like_path, resolve_pretrained
+    from .model_path import _looks_like_path, resolve_model_path
 
     errors = []
     for field, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path)):
@@ -170,9 +170,9 @@ def _model_paths(cfg: Config) -> list[str]:
         if not path or path == _TINY or not _looks_like_path(os.path.expanduser(path)):
             continue
         try:
-            resolve_pretrained(path, ("config.json",), "model")
+            resolve_model_path(path, "model")
             if field == "model.path" and os.path.isdir(os.path.expanduser(path)):
-                resolve_pretrained(path, ("tokenizer_config.json", "tokenizer.json"), "tokenizer")
+                resolve_model_path(path, "tokenizer")
         except ValueError as err:
             errors.append(f"{field}: {err}")
     return errors

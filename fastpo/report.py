@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import Positional
+from .model_path import resolve_model_path
 
 #: (title, metric keys tried in order) of the PNG panels after the success panel.
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -244,11 +245,11 @@ def format_report(run_dir: str | os.PathLike, png: Path | None, rows: Sequence[d
     lines = [format_table(success_table(rows), _n_val(run_dir))]
     if png is not None:
         lines.append(f"training curves: {png}")
-    export = run_dir / "hf"
-    if (export / "COMPLETE").is_file():  # fastpo.checkpoint.EXPORT_MARKER: written last, then the folder renamed
-        lines.append(f"Hugging Face export: {export}   (python -m fastpo.eval --model.path {export.parent})")
-    else:
-        lines.append(f"Hugging Face export: none under {export} (the run did not finish)")
+    try:  # what eval / sft would load from the run folder: its finished export
+        export = resolve_model_path(run_dir)
+        lines.append(f"Hugging Face export: {export}   (python -m fastpo.eval --model.path {run_dir})")
+    except ValueError:
+        lines.append(f"Hugging Face export: none under {run_dir / 'hf'} (the run did not finish)")
     return "\n".join(lines)
 
 

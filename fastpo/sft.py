@@ -177,7 +177,8 @@ def _save(model: Any, tokenizer: Any, out: str) -> None:
 
 def _run(args: SFTArgs) -> int:
     from fastpo import envs
-    from fastpo.model import load_policy, load_tokenizer, resolve_model_path
+    from fastpo.model import load_policy, load_tokenizer
+    from fastpo.model_path import resolve_model_path
 
     s, e = args.sft, args.env
     if dist_utils.is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) > 1:

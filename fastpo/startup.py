@@ -20,11 +20,16 @@ def _prompt_problem(cfg: Config) -> str | None:
     (``preflight.check_prompt_fits``; this module's name is the patch point for tests) with the run's tokenizer, and
     ``model.lora_rank`` against the model's layers (``preflight.lora_rank_error``, on a meta-device skeleton). The
     problem or None (every rank calls it: resolving ``tiny`` is collective)."""
-    from .model import load_tokenizer, resolve_model_path
+    from .model import load_tokenizer
+    from .model_path import resolve_model_path
 
-    path = resolve_model_path(cfg.model.path)
     try:
-        check_prompt_fits(cfg, load_tokenizer(path))
+        path = resolve_model_path(cfg.model.path)
+        tokenizer = load_tokenizer(path)
+    except ValueError as err:  # e.g. a hub id that is not cached while offline: one line, exit 2
+        return f"model.path: {err}"
+    try:
+        check_prompt_fits(cfg, tokenizer)
     except ConfigError as err:
         return str(err)
     return lora_rank_error(cfg, path)

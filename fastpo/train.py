@@ -22,8 +22,8 @@ Exit status (also in ``--help``; docs/OPERATIONS.md):
        be used (it holds a run that would be lost, or another trainer holds its lock); nothing is deleted.
 Anything else (a traceback) is a bug.
 
-Start-up (``fastpo.startup.prepare_run``): every check first, then the run directory's lock, then the first
-writes; a library user's ``Trainer(cfg)`` takes the same path.
+Start-up (``fastpo.startup.prepare_run``, called by ``Trainer.__init__``): every check first, then the run directory's
+lock, then the first writes; a library user's ``Trainer(cfg)`` takes the same path.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from . import distributed as du
 from . import log
 from .config import Config, ConfigError
 from .config_load import parse_args
-from .startup import prepare_run
 from .storage import DiskFullError, RankFailedError
 
 #: The longest collective timeout handed to the process group: 2**31 - 1 ms (24.9 days), the largest that fits the
@@ -76,14 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     one place (:func:`_exit_status`) that maps what stopped it to a status."""
     from .trainer import Trainer
 
-    info, lock, trainer, timeout = None, None, None, du.DEFAULT_TIMEOUT_S
+    info, trainer, timeout = None, None, du.DEFAULT_TIMEOUT_S
     try:
         log.console()  # the library's messages on the console from the start (config errors included)
         cfg = parse_args(argv)
         log.console(cfg.trainer.log_level)
         info, timeout = _init(cfg)
-        lock = prepare_run(cfg, info.world_size)
-        trainer = Trainer(cfg, info, prepared=True)
+        trainer = Trainer(cfg, info)  # validates, checks, locks and claims the run directory, then builds
         trainer.train()
         trainer.close()  # the final checkpoint and the export, once (a full disk there is exit 1)
         if info.is_main:
@@ -94,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         return _exit_status(err, info, trainer, timeout)
     finally:
-        if lock is not None:
-            lock.release()
+        if trainer is not None:
+            trainer.unlock()  # closed or not (a failed run is not exported); a failed Trainer() released it itself
         if info is not None:
             du.shutdown()
 

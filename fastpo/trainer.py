@@ -52,7 +52,8 @@ from .metrics import (
     pick_generations,
 )
 from .microbatch import MicroBatch, cat_tokens, pack, split_tokens, token_cost
-from .model import is_lora, load_policy, load_tokenizer, merged_state_dict, resolve_model_path
+from .model import is_lora, load_policy, load_tokenizer, merged_state_dict
+from .model_path import resolve_model_path
 from .objectives import ActorObjective, CriticObjective
 from .rollout import RolloutPart, Trajectory, run_rollouts
 from .rollout_metrics import combine_metric_sums, metric_sums
@@ -102,19 +103,24 @@ class Trainer:
     """StarPO / StarPO-S trainer. Its checkpointed state: models, optimisers, schedulers and :meth:`state_dict`
     (step, env seed counter, non-finite counters, echo-trap history) plus per-rank RNG states."""
 
-    def __init__(self, cfg: Config, info: du.DistInfo | None = None, prepared: bool = False):
-        """``prepared``: the caller ran ``fastpo.startup.prepare_run`` (train.py's ``main``); otherwise this runs it
-        (a library user's Trainer: the same checks, and the run directory's lock, released by :meth:`close`)."""
+    def __init__(self, cfg: Config, info: du.DistInfo | None = None):
+        """The run's start-up first, the one both ``python -m fastpo.train`` and a library user take
+        (``fastpo.startup.prepare_run``: the config validated, the run directory checked, then locked and claimed;
+        ConfigError before anything is written), then :meth:`_setup`. The lock is released by :meth:`close` (or
+        :meth:`unlock`), and here when the set-up fails."""
         self.cfg, self.info = cfg, info or du.init()
-        self._lock = None
-        if not prepared:
-            self._lock = prepare_run(cfg, self.info.world_size)
+        self._lock = prepare_run(cfg, self.info.world_size)
         try:
             self._setup(cfg)
         except BaseException:
-            if self._lock is not None:
-                self._lock.release()
+            self.unlock()
             raise
+
+    def unlock(self) -> None:
+        """Release the run directory's lock (rank 0's; idempotent): :meth:`close` does it, and ``fastpo.train``'s
+        ``main`` when training failed before the close."""
+        if self._lock is not None:
+            self._lock.release()
 
     def _setup(self, cfg: Config) -> None:
         """Everything ``__init__`` builds once the run is prepared: models, engine, envs, logger, resume."""
@@ -612,5 +618,4 @@ class Trainer:
             self.pool.close()
         self.logger.close()
         self.engine.close()
-        if self._lock is not None:
-            self._lock.release()
+        self.unlock()

@@ -178,13 +178,13 @@ def _online(monkeypatch, repo_info):
     import huggingface_hub
     from huggingface_hub import constants
 
-    from fastpo import model
+    from fastpo import model_path
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", repo_info)
-    model._hub_problem.cache_clear()
+    model_path._hub_problem.cache_clear()
 
 
 def test_unknown_or_unreachable_hub_id_fails_fast_in_one_line(monkeypatch):

@@ -1,0 +1,49 @@
+"""fastpo.cli: flags and --config files read values with one converter (config_values.coerce), and every parse
+failure is one ConfigError line, with tyro's parse-error hook or without it."""
+
+import pytest
+
+from fastpo.config import ConfigError, parse_args
+
+
+@pytest.mark.parametrize("field,text", [
+    ("optim.betas", "0.8,0.95"), ("optim.betas", "[0.5, 0.6]"), ("env.names", "sokoban,frozenlake"),
+    ("trainer.log_wandb", "yes"), ("trainer.log_wandb", "off"), ("env.group_size", "4"), ("algorithm.clip_c", "inf"),
+    ("env.kwargs", "{dim_room: [8, 8]}"), ("env.train", "[{name: sokoban, groups: 6}]"), ("rollout.stop", "[]"),
+])
+def test_a_flag_and_a_config_file_read_the_same_text_alike(tmp_path, field, text):
+    section, name = field.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: '{text}'\n")  # the same text, as a YAML string
+    from_flag = getattr(getattr(parse_args([f"--{field}", text]), section), name)
+    from_file = getattr(getattr(parse_args(["--config", str(path)]), section), name)
+    assert from_flag == from_file
+
+
+@pytest.mark.parametrize("field,text,words", [
+    ("optim.betas", "0.9", "expected 2 values"), ("env.group_size", "2.5", "expected int, got '2.5'"),
+    ("trainer.log_wandb", "maybe", "expected a bool (true/false), got 'maybe'"),
+    ("env.kwargs", "[1, 2]", "expected a YAML / JSON mapping"),
+])
+def test_a_flag_and_a_config_file_refuse_a_value_alike(tmp_path, field, text, words):
+    section, name = field.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: '{text}'\n")
+    for argv, start in (([f"--{field}", text], f"--{field}: "), (["--config", str(path)], f"{field}: ")):
+        with pytest.raises(ConfigError) as err:
+            parse_args(argv)
+        assert str(err.value).startswith(start) and words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_without_the_parse_error_hook_a_failure_is_still_one_line(monkeypatch):
+    """tyro's hook is private (tyro 1.0): where it is missing, tyro's own message comes back, its frame dropped."""
+    import tyro
+
+    monkeypatch.delattr(tyro, "_errors")
+    for argv, words in ((["--algorithm.eps_hgh", "0.3"], "--algorithm.eps_hgh"),
+                        (["--rollout.engine", "vlm"], "invalid choice 'vlm' for argument '--rollout.engine'"),
+                        (["--env.group_size", "x"], "expected int, got 'x'")):
+        with pytest.raises(ConfigError) as err:
+            parse_args(argv)
+        text = str(err.value)
+        assert words in text and "\n" not in text and "╭" not in text and "----" not in text, text
