@@ -18,7 +18,7 @@ Exit status (also in ``--help``; docs/OPERATIONS.md):
        line says why; nothing is exported; or a plug-in env failed mid-run (raised, broke its protocol or
        called ``sys.exit()``: one ``env error:`` line naming the env, the method and the seed).
     2  bad input, refused before any model loads: one ``config error:`` line per problem naming the field, the
-       value and what is accepted (``config.validate``, ``fastpo.preflight``), or a run directory that may not
+       value and what is accepted (``fastpo.preflight.validate``), or a run directory that may not
        be used (it holds a run that would be lost, or another trainer holds its lock); nothing is deleted.
 Anything else (a traceback) is a bug.
 
@@ -48,7 +48,7 @@ MAX_COLLECTIVE_TIMEOUT_S = (2**31 - 1) / 1000
 def process_group_timeout(value: float) -> float | None:
     """``trainer.collective_timeout_s`` as the process group takes it, before the config is validated: a value
     above :data:`MAX_COLLECTIVE_TIMEOUT_S` (inf included) is clamped to it; NaN, 0 and negatives give None (the
-    default; ``config.validate`` then refuses the value with its range)."""
+    default; ``preflight.validate`` then refuses the value with its range)."""
     try:
         value = float(value)
     except (TypeError, ValueError, OverflowError):

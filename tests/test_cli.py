@@ -3,7 +3,8 @@ failure is one ConfigError line, with tyro's parse-error hook or without it."""
 
 import pytest
 
-from fastpo.config import ConfigError, parse_args
+from fastpo.config import ConfigError
+from fastpo.config_load import parse_args
 
 
 @pytest.mark.parametrize("field,text", [
