@@ -43,6 +43,33 @@ def tiny(tmp_path_factory):
     return path
 
 
+# ------------------------------------------------------------------------------------- device and mesh choice
+@pytest.mark.parametrize("backend", [None, "gloo", "nccl"])
+def test_mesh_and_device_follow_the_backend_on_a_cuda_machine(backend, monkeypatch):
+    """On a machine where CUDA is available (stood in), rank 1 of 2 on a 1-GPU box: gloo (pinned, as the CPU-rank
+    tests do) gets a cpu device, never set_device(1), and a CPU mesh; nccl (the default there) gets cuda:1 and a
+    CUDA mesh. Only a CUDA machine would show a regression otherwise."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(du, "is_distributed", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.append(("group", backend)))
+    for key, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(key, value)
+    info = du.init(backend=backend)
+    chosen = backend or "nccl"
+    assert ("group", chosen) in calls
+    assert (("set_device", 1) in calls) == (chosen == "nccl")
+    assert info.device == (torch.device("cuda", 1) if chosen == "nccl" else torch.device("cpu"))
+
+    import torch.distributed.device_mesh as device_mesh
+
+    monkeypatch.setattr(dist, "get_backend", lambda: chosen)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda device_type, shape: (device_type, shape))
+    assert fsdp._mesh() == ("cuda" if chosen == "nccl" else "cpu", (2,))
+
+
 # ------------------------------------------------------------------------------------------------- T1: critic
 @pytest.mark.parametrize("cuda_visible", [False, True], ids=["cpu_machine", "cuda_machine"])
 def test_critic_value_head_runs_in_fp32_under_bf16_mixed_precision(world1, tiny, cuda_visible, monkeypatch):
