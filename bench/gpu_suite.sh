@@ -212,9 +212,11 @@ imports tyro && HAS_TYRO=1
 if selected build; then
     stage build "fastpo._C with the machine's compilers" bash -c '
         py=$1 scratch=$2 shim=$3
-        echo "cmake: $(cmake --version 2>/dev/null | head -n 1 || echo MISSING)"
-        echo "c++:   $(c++ --version 2>/dev/null | head -n 1 || echo MISSING)"
-        echo "nvcc:  $(nvcc --version 2>/dev/null | tail -n 1 || echo absent)"
+        echo "cmake: $(command -v cmake > /dev/null && cmake --version | head -n 1 || echo MISSING)"
+        echo "C++ compilers: $(command -v c++ g++ clang++ | tr "\n" " ")$(command -v c++ g++ clang++ > /dev/null \
+            || echo MISSING)"
+        echo "nvcc:  $(command -v nvcc > /dev/null && nvcc --version | tail -n 1 || echo "absent (not needed)")"
+        "$py" -c "import setuptools; print(\"setuptools\", setuptools.__version__)" || echo "setuptools: MISSING"
         "$py" -c "import pybind11; print(\"pybind11\", pybind11.__version__, pybind11.get_cmake_dir())" \
             || echo "pybind11: MISSING"
         "$py" -c "import os, sysconfig; h = sysconfig.get_paths()[\"include\"]; \
