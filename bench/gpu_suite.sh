@@ -22,7 +22,8 @@
 #          bench_kernels.fused_logprob_variants() vs naive eager vs torch.compile of it vs the same-shape cuBLAS
 #          GEMMs (% of their time, % of the device's spec peak)
 #   train  the tiny preset on FrozenLake (Bandit when fastpo._C did not build) under torchrun, 1 GPU, bf16 mixed
-#          precision under FSDP2, validation before and after; fails when validation success did not rise
+#          precision under FSDP2, 40 iterations, validation at 0, 20 and 40; fails when validation success (first
+#          vs last validation) did not rise
 #   gap    the logprob gap between the engine's sampling logprobs and the trainer's, in bf16, from the train run
 # OUTDIR receives exactly these 7 files, created at the start so that a failed stage leaves the same set:
 #   summary.txt  env.txt  stages.csv (one row per stage)  results.csv (every stage's rows, bench/common.py columns)
@@ -78,7 +79,7 @@ MODE=$([ "$DRY" = 1 ] && echo "dry run on CPU" || echo "CUDA")
 
 # Stage budgets in seconds on the GPU machine (a timeout per stage); their sum, 480, bounds the suite. A dry run
 # multiplies them by SUITE_BUDGET_SCALE (default 4: a shared 2-core CI machine takes ~15 s to import torch).
-declare -A BUDGET=([env]=30 [build]=60 [tests]=150 [bench]=120 [train]=110 [gap]=10)
+declare -A BUDGET=([env]=20 [build]=50 [tests]=140 [bench]=120 [train]=140 [gap]=10)
 SCALE=${SUITE_BUDGET_SCALE:-$([ "$DRY" = 1 ] && echo 4 || echo 1)}
 TOTAL=0
 for s in "${STAGES[@]}"; do BUDGET[$s]=$((BUDGET[$s] * SCALE)); TOTAL=$((TOTAL + BUDGET[$s])); done
@@ -286,7 +287,8 @@ elif selected train; then
         TRAIN_SIZE=(--env.env_groups 4 --env.group_size 4 --env.val_groups 8 --optim.mini_batch_size 8
                     --trainer.iterations 2 --trainer.val_every 2)
     else
-        TRAIN_SIZE=(--trainer.iterations 40 --trainer.val_every 40)
+        # validation at 0, 20 and 40: a run cut by the stage's timeout after step 20 still shows before and after
+        TRAIN_SIZE=(--trainer.iterations 40 --trainer.val_every 20)
     fi
     # run from the scratch folder (never the checkout root), so nothing but the shim can provide `fastpo`
     stage train "tiny preset ${TRAIN_ENV[1]:-[frozenlake]}; bf16 under FSDP2" bash -c 'cd "$0" && exec "$@"' \
