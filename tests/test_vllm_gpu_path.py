@@ -133,6 +133,7 @@ def test_engine_pushes_through_ipc_when_chosen(monkeypatch):
     engine = object.__new__(ev.VLLMEngine)
     engine.llm = SimpleNamespace(reset_prefix_cache=lambda: pushed.append("reset"))
     engine.bucket_bytes, engine._engine_dtype, engine.weight_transfer = 1, torch.bfloat16, "ipc"
+    engine._inplace_reload, engine._weightless_layers = False, set()  # ipc does not depend on the reload probe
     engine.push_weights({"model.layers.0.a": torch.ones(2), "model.layers.1.a": torch.ones(2)})
     assert pushed == [[["model.layers.0.a"], ["model.layers.1.a"]], "reset"]
 

@@ -685,17 +685,19 @@ class VLLMEngine(SessionEngine):
         self._check_idle("push_weights")
         buckets = iter_buckets(state, self.bucket_bytes, self._engine_dtype)
         stream = (item for bucket in buckets for item in bucket)
-        if self.__dict__.get("weight_transfer") == "ipc":  # (absent on tests' stand-ins built without __init__)
-            push_ipc(self.llm, buckets)
-        elif self._inplace_reload:
+        ipc = self.__dict__.get("weight_transfer") == "ipc"  # (absent on tests' stand-ins built without __init__)
+        if not (ipc or self._inplace_reload):
+            self.llm.collective_rpc(worker_load_weights, args=(stream,))
+        else:  # both run vLLM's layer-wise reload, and its warning for weightless layers
             reload_log, quiet = logging.getLogger(_RELOAD_LOG), _DropWeightlessReloadWarning(self._weightless_layers)
             reload_log.addFilter(quiet)
             try:
-                self.llm.collective_rpc(worker_reload_weights, args=(stream,))
+                if ipc:
+                    push_ipc(self.llm, buckets)
+                else:
+                    self.llm.collective_rpc(worker_reload_weights, args=(stream,))
             finally:
                 reload_log.removeFilter(quiet)
-        else:
-            self.llm.collective_rpc(worker_load_weights, args=(stream,))
         self.llm.reset_prefix_cache()
 
     def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
