@@ -263,7 +263,7 @@ fi
 if selected bench; then
     # --allow-dirty: a copied tree may differ from its commit; its rows are then stamped <hash>+dirty, not refused
     if [ "$DRY" = 1 ]; then TOKENS=64,128; else TOKENS=8192,32768; fi
-    stage bench "fused logprob at $TOKENS tokens" "$PY" bench/bench_kernels.py --gpu --only fused --tokens "$TOKENS" \
+    stage bench "fused logprob at ${TOKENS//,/ and } tokens" "$PY" bench/bench_kernels.py --gpu --only fused --tokens "$TOKENS" \
         --allow-dirty --results-dir "$SCRATCH/bench" $([ "$DRY" = 1 ] && echo --dry)
     RC[bench]=$?
     merge_rows "$SCRATCH/bench/kernels.csv"

@@ -123,6 +123,8 @@ def test_dry_run_passes_every_stage_through_the_shim(tmp_path):
     stages = _stages(outdir)
     assert list(stages) == STAGES
     assert all(r["status"] == "ok" for r in stages.values()), stages
+    assert all(None not in r for r in stages.values())  # no stray column (a comma in a note)
+    assert stages["bench"]["note"] == "fused logprob at 64 and 128 tokens"
     assert all(int(r["seconds"]) <= int(r["budget_s"]) for r in stages.values())
 
     env = (outdir / "env.txt").read_text()
