@@ -11,7 +11,8 @@ PYTEST_ARGS ?= --durations=25
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 XDIST := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
-.PHONY: setup setup-flash-attn build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean
+.PHONY: setup setup-flash-attn build test test-fast lint bench-envs bench-vs-trl bench-vs-trl-learning demo clean \
+	gpu-carry
 
 # The machine decides the torch build: GPU=1 where `nvidia-smi -L` lists a GPU, else GPU=0 (override: make test
 # GPU=0). requirements/setup_venv.py does the install (its docstring and docs/PLATFORM.md say how); in short:
@@ -48,7 +49,7 @@ build: setup
 # FASTPO_REQUIRE_VLLM=1: the vLLM tests must run here, not skip (tests/conftest.py checks it).
 # On a GPU machine the `gpu`-marked tests run as well.
 TEST_MARK := $(if $(filter 1,$(GPU)),,not gpu)
-test: build
+test: build gpu-carry
 	FASTPO_REQUIRE_VLLM=1 $(BIN)/python -m pytest -m "$(TEST_MARK)" $(XDIST) $(PYTEST_ARGS)
 
 test-fast: build
@@ -97,6 +98,20 @@ $(VENV)/.installed-peers: $(STAMP) Makefile
 	$(BIN)/python -c "import trl, verl.trainer.ppo.core_algos; print('trl', trl.__version__, 'verl', verl.__version__)"
 	touch $@
 test test-fast: $(VENV)/.installed-peers
+
+# What the GPU machine's image lacks for the trainer's command line (docs/PLATFORM.md): tyro and its pure-Python
+# dependencies as wheels at the lock's pins, in an ignored folder that the device command carries and
+# bench/gpu_suite.sh puts on PYTHONPATH (--carry). `make test` needs them: tests/test_gpu_suite.py runs the suite's
+# import and CLI stages from them with the installed copies blocked.
+GPU_CARRY ?= .gpu-carry
+GPU_CARRY_PKGS := tyro docstring-parser typeguard typing-extensions
+GPU_CARRY_PIP := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m pip
+$(GPU_CARRY)/.done: $(LOCK) Makefile
+	rm -rf $(GPU_CARRY) && mkdir -p $(GPU_CARRY)
+	$(GPU_CARRY_PIP) download --quiet --no-deps --only-binary=:all: --dest $(GPU_CARRY) \
+	  $$(for p in $(GPU_CARRY_PKGS); do grep -iE "^$$p==" $(LOCK) || { echo "$$p: no pin in $(LOCK)" >&2; exit 1; }; done)
+	touch $@
+gpu-carry: $(GPU_CARRY)/.done
 
 bench-envs: build
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_envs.py

@@ -47,7 +47,14 @@ from common import (  # noqa: E402
 import fastpo.kernels as K  # noqa: E402
 
 HIDDEN, VOCAB = 896, 151_936  # Qwen2.5-0.5B
-PEAK_TFLOPS = 989.0  # H200 dense bf16
+#: Dense bf16 tensor-core peaks from the vendors' spec sheets (TFLOP/s), by a substring of the device name; a device
+#: not listed gets no "% of spec peak" (NaN) rather than a guessed figure.
+SPEC_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def spec_peak_tflops(device_name: str) -> float:
+    """Dense bf16 peak of the named device (TFLOP/s, first matching substring of SPEC_PEAK_TFLOPS), NaN if unknown."""
+    return next((v for k, v in SPEC_PEAK_TFLOPS.items() if k in device_name), float("nan"))
 
 
 # ------------------------------------------------------------------------------------------------ baselines
@@ -319,10 +326,53 @@ def _liger_loss():
     return lambda x, w, ids: -loss(w, x, ids)  # sum of logp (Liger's cross entropy, negated)
 
 
+def fused_logprob_variants() -> dict[str, object]:
+    """The A/B hook of the fused-logprob benchmark: {provider name: fn(x [N, H], weight [V, H], ids [N]) -> logp [N]}
+    timed side by side with the baselines. The shipped kernel is "fastpo"; an alternative implementation of the same
+    function (a persistent Hopper kernel, say) is added here under its own name, so one GPU run times old and new
+    on the same inputs and the rows decide the default."""
+    return {"fastpo": K.fused_linear_logprob}
+
+
+def gemm_reference(mode: str, x, weight, grad_logits):
+    """The same-shape cuBLAS work a fused logprob cannot beat: the logits GEMM [N, H] x [H, V] (forward), plus the
+    two gradient GEMMs dX = G W and dW = G^T X (full) with a ready [N, V] gradient G, all in the inputs' dtype."""
+    if mode == "forward":
+        return lambda: x @ weight.t()
+    return lambda: (x @ weight.t(), grad_logits @ weight, grad_logits.t() @ x)
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
 def _gpu_fused(n, providers, hidden, vocab, dtype, device, timer) -> list[dict]:
+    """Rows for one token count: time and peak memory of each provider (forward, forward + backward), the cuBLAS
+    GEMM reference, each provider's time as % of the GEMM's and its TFLOP/s as % of the device's spec peak. A
+    provider that runs out of memory gets a NaN row saying so (the next one still runs)."""
     x, weight, ids, grad = logprob_inputs(n, hidden, vocab, dtype, device)
     flops = {"forward": 2 * n * hidden * vocab, "full": 8 * n * hidden * vocab}
-    rows = []
+    peak = spec_peak_tflops(torch.cuda.get_device_name(0)) if device == "cuda" else float("nan")
+    shape = f"H={hidden} V={vocab} {dtype}"
+    rows, gemm_ms = [], {}
+    for mode in ("forward", "full"):
+        try:
+            g = torch.randn(n, vocab, device=device, dtype=dtype) if mode == "full" else None
+            t = timer(gemm_reference(mode, x, weight, g))
+            del g
+            gemm_ms[mode] = t[0] * 1e3
+            gemm_flops = 2 * n * hidden * vocab * (1 if mode == "forward" else 3)
+            rows.append(_row("fused_linear_logprob", "cublas-gemm", mode, "time", "ms", "tokens", n,
+                             tuple(v * 1e3 for v in t), f"{shape} {'1 GEMM' if mode == 'forward' else '3 GEMMs'} "
+                             f"{gemm_flops / t[0] / 1e12:.1f} TFLOP/s = {100 * gemm_flops / t[0] / 1e12 / peak:.1f}% "
+                             f"of spec peak {peak:g}"))
+        except RuntimeError as err:
+            if not _is_oom(err):
+                raise
+            rows.append(_row("fused_linear_logprob", "cublas-gemm", mode, "time", "ms", "tokens", n,
+                             (float("nan"),) * 3, f"{shape} out of memory"))
+        if device == "cuda":
+            torch.cuda.empty_cache()
     for name, fn in providers.items():
         def fwd(fn=fn):
             with torch.no_grad():
@@ -335,14 +385,30 @@ def _gpu_fused(n, providers, hidden, vocab, dtype, device, timer) -> list[dict]:
         for mode, work in (("forward", fwd), ("full", full)):
             if name == "liger-flce" and mode == "forward":
                 continue  # Liger computes its gradients inside the forward
-            t = timer(work)
+            try:
+                t = timer(work)
+                mem = _peak_mib(work, device)
+            except RuntimeError as err:
+                if not _is_oom(err):
+                    raise
+                x.grad = weight.grad = None
+                rows.append(_row("fused_linear_logprob", name, mode, "time", "ms", "tokens", n, (float("nan"),) * 3,
+                                 f"{shape} out of memory"))
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             tflops = flops[mode] / t[0] / 1e12
-            config = f"H={hidden} V={vocab} {dtype} {tflops:.1f} TFLOP/s = {100 * tflops / PEAK_TFLOPS:.1f}% of 989"
+            ms = t[0] * 1e3
+            config = f"{shape} {tflops:.1f} TFLOP/s = {100 * tflops / peak:.1f}% of spec peak {peak:g}"
             rows.append(_row("fused_linear_logprob", name, mode, "time", "ms", "tokens", n,
                              tuple(v * 1e3 for v in t), config))
-            mem = _peak_mib(work, device)
+            rows.append(_row("fused_linear_logprob", name, mode, "pct_of_gemm", "%", "tokens", n,
+                             (100 * gemm_ms.get(mode, float("nan")) / ms,) * 3,
+                             f"{shape} cuBLAS GEMM time / this time (same shape, {mode})"))
+            rows.append(_row("fused_linear_logprob", name, mode, "pct_of_spec_peak", "%", "tokens", n,
+                             (100 * tflops / peak,) * 3, f"{shape} {flops[mode]:.3g} FLOP / time / {peak:g} TFLOP/s"))
             rows.append(_row("fused_linear_logprob", name, mode, "peak_memory", "MiB", "tokens", n, (mem,) * 3,
-                             f"H={hidden} V={vocab} {dtype} max_memory_allocated - allocated before"))
+                             f"{shape} max_memory_allocated - allocated before"))
     return rows
 
 
@@ -384,22 +450,27 @@ def _gpu_small_ops(dry, device, timer) -> list[dict]:
     return rows
 
 
-def bench_gpu(token_counts, dry: bool, emit) -> None:
-    """GPU mode (or its dry run on CPU): fused logprob per token count, then PPO / GAE / GRPO; ``emit(rows)``
-    is called after each section so a timeout keeps what finished."""
+def bench_gpu(token_counts, dry: bool, emit, sections: frozenset[str] = frozenset({"fused", "small"})) -> None:
+    """GPU mode (or its dry run on CPU): fused logprob per token count ("fused"), then PPO / GAE / GRPO ("small");
+    ``emit(rows)`` is called after each token count and section, so a timeout keeps what finished."""
     device = "cpu" if dry else "cuda"
     dtype = torch.float32 if dry else torch.bfloat16
     hidden, vocab = (32, 1000) if dry else (HIDDEN, VOCAB)
     timer = _timer(dry)
-    providers = {"fastpo": K.fused_linear_logprob, "eager": naive_logprob, "compile": torch.compile(naive_logprob)}
-    liger = None if dry else _liger_loss()
-    if liger is not None:
-        providers["liger-flce"] = liger
-    for n in token_counts:
-        emit(_gpu_fused(n, providers, hidden, vocab, dtype, device, timer))
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    emit(_gpu_small_ops(dry, device, timer))
+    if "fused" in sections:
+        # dynamic=True: one compiled graph per mode serves every token count (2 builds instead of 4 in the GPU
+        # suite's bench budget); the matmul is cuBLAS either way, the fused softmax + gather Triton
+        compiled = torch.compile(naive_logprob, dynamic=True)
+        providers = {**fused_logprob_variants(), "eager": naive_logprob, "compile": compiled}
+        liger = None if dry else _liger_loss()
+        if liger is not None:
+            providers["liger-flce"] = liger
+        for n in token_counts:
+            emit(_gpu_fused(n, providers, hidden, vocab, dtype, device, timer))
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    if "small" in sections:
+        emit(_gpu_small_ops(dry, device, timer))
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -502,7 +573,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="CPU: small shapes")
     ap.add_argument("--tokens", default=None, help="fused logprob token counts, comma separated")
     ap.add_argument("--repeats", type=int, default=4, help="CPU fused logprob repeats (interleaved)")
-    ap.add_argument("--only", default="fused,gae,grpo,ppo,gigpo", help="CPU sections to run")
+    ap.add_argument("--only", default=None,
+                    help="sections: CPU fused,gae,grpo,ppo,gigpo (default all); --gpu fused,small (default both)")
     ap.add_argument("--results-dir", default=None, help="where kernels.csv goes (default bench/results)")
     ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     add_allow_dirty(ap)
@@ -518,9 +590,12 @@ def main(argv: list[str] | None = None) -> None:
             print_table(rows)
             print(f"appended {len(rows)} rows to {append_rows('kernels', rows, args.results_dir)}", flush=True)
 
-        bench_gpu(tokens, args.dry, emit)
+        sections = frozenset((args.only or "fused,small").split(","))
+        if not sections <= {"fused", "small"}:
+            raise SystemExit(f"--only with --gpu takes fused and/or small, got {args.only!r}")
+        bench_gpu(tokens, args.dry, emit, sections)
         return
-    only = set(args.only.split(","))
+    only = set((args.only or "fused,gae,grpo,ppo,gigpo").split(","))
     rows = []
     if "fused" in only:
         n = int(args.tokens or (256 if args.quick else 4096))

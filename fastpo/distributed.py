@@ -82,7 +82,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
             hanging it. Under nccl torch enforces it through its watchdog (async error handling on by default).
 
     Returns:
-        DistInfo; ``device`` is ``cuda:<local_rank>`` (made current) when CUDA is available, else cpu.
+        DistInfo; ``device`` is ``cuda:<local_rank>`` (made current) under nccl, cpu under gloo (a CPU-rank run on a
+        CUDA machine, e.g. 2 ranks on 1 GPU, never touches a GPU); a single process gets cuda:0 when CUDA is
+        available, else cpu.
     """
     if _launched_by_torchrun():
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -90,7 +92,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if torch.cuda.is_available():
+        # the device follows the backend, as fastpo.fsdp's mesh does; a group that exists already decides itself
+        on_cuda = "nccl" in str(dist.get_backend() if is_distributed() else backend)
+        if on_cuda:
             torch.cuda.set_device(local_rank)
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         if not 0 < timeout_s < float("inf"):
@@ -98,8 +102,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         if not is_distributed():
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     else:
-        local_rank = 0
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        local_rank, on_cuda = 0, torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if on_cuda else torch.device("cpu")
     return DistInfo(rank=get_rank(), world_size=get_world_size(), local_rank=local_rank, device=device)
 
 

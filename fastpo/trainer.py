@@ -138,7 +138,6 @@ class Trainer:
         self.models = build_trained_models(cfg, self.model_path, self.device)
         self.actor, self.critic, self.ref = self.models.actor, self.models.critic, self.models.ref
         self.use_ref = algorithms.needs_reference(cfg.algorithm)
-        self.engine = self._build_engine()
         self._layout, self._token_cost = self.models.layout, token_cost(self.actor)
         e, r = cfg.env, cfg.rollout
         envs.load_plugins(e.plugins)  # every rank, before any env is built (validate did it on this rank)
@@ -148,6 +147,7 @@ class Trainer:
             capacity=r.max_staleness + 2 if r.partial else 1)
         self.val_parts = env_mix.build_parts(env_mix.resolve_mix(e, "val"), du.shard_groups(
             e.val_groups, self.world, self.rank), e.backend, r.enable_think, e.action_sep)
+        self.engine = self._build_engine()  # after the parts: vLLM sizes its KV cache from their batch
         self.step, self.train_seed = 0, e.train_seed
         self.pool: RolloutPool | None = None  # rollout.partial: built at the first iteration
         self.partial_next = [0] * self.world  # per rank: the next group its pool starts (see _pool_group)
@@ -175,17 +175,23 @@ class Trainer:
         """This rank's generation engine (rollout.engine), holding its own full copy of the policy; weights are
         pushed after every update. vLLM: one in-process instance per rank for the rank's own groups; under torchrun
         it joins the existing process group as an independent replica (``external_launcher``, tensor parallel 1).
-        The HF engine keeps transformers' default attention: its KV-cache slabs need masks with holes."""
+        The HF engine keeps transformers' default attention: its KV-cache slabs need masks with holes.
+        vLLM sleeps at level 2 (every wake is a full weight push: nothing to keep on the host), and on GPU sizes
+        its KV cache and step token budget from the rank's largest batch (train or validation sessions, at most
+        rollout.max_num_seqs) unless rollout.kv_cache_mb is set."""
         cfg, r = self.cfg, self.cfg.rollout
         if r.engine == "vllm":
             from .engine.vllm import VLLMEngine
 
+            sessions = max(sum(len(p.groups) * p.entry.group_size for p in parts)
+                           for parts in (self.train_parts, self.val_parts))
             return VLLMEngine(
                 self.model_path, self.tokenizer, seed=cfg.trainer.seed + self.rank, dtype=cfg.model.dtype,
                 kv_cache_bytes=r.kv_cache_mb * 2**20 if r.kv_cache_mb else None,
+                max_num_seqs=max(1, min(sessions, r.max_num_seqs or sessions)),
                 gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len,
                 distributed_executor_backend="external_launcher" if self.world > 1 else None,
-                tensor_parallel_size=1)
+                tensor_parallel_size=1, sleep_level=2)
         engine_model = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
         engine_model.requires_grad_(False)
         return HFEngine(engine_model, self.tokenizer, seed=cfg.trainer.seed + self.rank)

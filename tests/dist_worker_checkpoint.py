@@ -52,7 +52,7 @@ def export_sharded_hf(model_dir: str, out_dir: str) -> None:
 
 def main() -> None:
     mode, run_dir, out = sys.argv[1:4]
-    info = du.init()
+    info = du.init(backend="gloo")  # CPU ranks, pinned: cpu devices even where CUDA is visible
     du.seed_everything(0, info.rank)
     model, optim, sched = build()
     objects = {"model": model, "optim": optim, "sched": sched}

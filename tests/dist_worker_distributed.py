@@ -17,7 +17,7 @@ from fastpo import log
 
 def main() -> None:
     out_dir = sys.argv[1]
-    info = du.init()
+    info = du.init(backend="gloo")  # CPU ranks, pinned: cpu devices even where CUDA is visible
     du.seed_everything(5, info.rank)
     mean = du.all_reduce_mean(torch.tensor([float(info.rank), 10.0 * info.rank]))
     obj = du.broadcast_object({"pid": os.getpid(), "rank": info.rank})

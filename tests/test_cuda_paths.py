@@ -6,7 +6,8 @@
 - ``attn_implementation="auto"`` resolved by the compute dtype (flash-attn availability faked);
 - packed rows under flash_attention_2 carrying ``cu_seq_lens_q/k`` and ``max_length_q/k`` down to every layer;
 - the vLLM weight sync: the ``load_weights`` fallback for releases without in-place reload, buckets cast to the
-  engine dtype with tied weights gathered once, ``empty_cache`` before waking (vLLM faked: no vLLM needed).
+  engine dtype with tied weights gathered once, the probed reload being the one called, ``empty_cache`` before
+  each wake (vLLM faked: no vLLM needed; tests/test_vllm_gpu_path.py has the rest of vLLM's GPU path).
 """
 
 from __future__ import annotations
@@ -40,6 +41,33 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     build_tiny_model(path, build_tiny_tokenizer(path), hidden=32, layers=2, heads=2, kv_heads=1)
     return path
+
+
+# ------------------------------------------------------------------------------------- device and mesh choice
+@pytest.mark.parametrize("backend", [None, "gloo", "nccl"])
+def test_mesh_and_device_follow_the_backend_on_a_cuda_machine(backend, monkeypatch):
+    """On a machine where CUDA is available (stood in), rank 1 of 2 on a 1-GPU box: gloo (pinned, as the CPU-rank
+    tests do) gets a cpu device, never set_device(1), and a CPU mesh; nccl (the default there) gets cuda:1 and a
+    CUDA mesh. Only a CUDA machine would show a regression otherwise."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(du, "is_distributed", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.append(("group", backend)))
+    for key, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(key, value)
+    info = du.init(backend=backend)
+    chosen = backend or "nccl"
+    assert ("group", chosen) in calls
+    assert (("set_device", 1) in calls) == (chosen == "nccl")
+    assert info.device == (torch.device("cuda", 1) if chosen == "nccl" else torch.device("cpu"))
+
+    import torch.distributed.device_mesh as device_mesh
+
+    monkeypatch.setattr(dist, "get_backend", lambda: chosen)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda device_type, shape: (device_type, shape))
+    assert fsdp._mesh() == ("cuda" if chosen == "nccl" else "cpu", (2,))
 
 
 # ------------------------------------------------------------------------------------------------- T1: critic
@@ -205,8 +233,10 @@ class _Model:
 class _Runner:
     def __init__(self, inplace: bool):
         self.model = _Model()
+        self.reloaded = []  # the tensor names each in-place reload received
         if inplace:
-            self.reload_weights = lambda weights_iterator=None, weights_path=None: None
+            self.reload_weights = lambda weights_iterator=None, weights_path=None: self.reloaded.append(
+                [name for name, _ in weights_iterator])
 
     def get_model(self):
         return self.model
@@ -221,8 +251,8 @@ class _Worker:
     def __init__(self, runner):
         self.model_runner = runner
 
-    def reload_weights(self, **kwargs):  # like vLLM's worker: delegates to its model runner
-        return self.model_runner.reload_weights(**kwargs)
+    def reload_weights(self, weights_path=None):  # not what the probe reads: must never be called
+        raise AssertionError("the push must call the reload_weights the probe inspected (the model runner's)")
 
 
 class _LLM:
@@ -261,23 +291,24 @@ class _Gathered:
 
 
 def _engine(worker, log, dtype=torch.bfloat16):
-    from fastpo.engine.vllm import VLLMEngine, _worker_reload_takes_iterator
+    from fastpo.engine.vllm import VLLMEngine
+    from fastpo.engine.vllm_weights import worker_reload_takes_iterator
 
     engine = object.__new__(VLLMEngine)
     engine.llm, engine.bucket_bytes, engine._engine_dtype = _LLM(worker, log), 64, dtype
-    engine._inplace_reload = _worker_reload_takes_iterator(worker)
+    engine._inplace_reload = worker_reload_takes_iterator(worker)
     engine._checkpoint_names, engine._asleep, engine._version = None, None, 0
     engine._tied, engine._weightless_layers, engine._on_cpu = False, set(), False
     return engine
 
 
 def test_reload_support_is_read_from_the_worker():
-    from fastpo.engine.vllm import _worker_reload_takes_iterator
+    from fastpo.engine.vllm_weights import worker_reload_takes_iterator
 
-    assert _worker_reload_takes_iterator(_Worker(_Runner(inplace=True)))
-    assert not _worker_reload_takes_iterator(_Worker(_OldRunner(inplace=False)))
-    assert not _worker_reload_takes_iterator(_Worker(_Runner(inplace=False)))
-    assert not _worker_reload_takes_iterator(object())
+    assert worker_reload_takes_iterator(_Worker(_Runner(inplace=True)))
+    assert not worker_reload_takes_iterator(_Worker(_OldRunner(inplace=False)))
+    assert not worker_reload_takes_iterator(_Worker(_Runner(inplace=False)))
+    assert not worker_reload_takes_iterator(object())
 
 
 def test_old_vllm_gets_weights_through_load_weights_in_engine_dtype_tied_gathered_once():
@@ -287,7 +318,7 @@ def test_old_vllm_gets_weights_through_load_weights_in_engine_dtype_tied_gathere
     state = {"model.embed_tokens.weight": embed, "model.layers.0.mlp.weight": torch.randn(4, 4),
              "model.layers.0.step": torch.arange(3), "lm_head.weight": embed}
     engine.push_weights(state)
-    assert log == ["_worker_load_weights", "reset_prefix_cache"]
+    assert log == ["worker_load_weights", "reset_prefix_cache"]
     loaded = worker.model_runner.model.loaded
     assert [n for n, _, _ in loaded] == list(state)
     assert [d for _, d, _ in loaded] == [torch.bfloat16, torch.bfloat16, torch.int64, torch.bfloat16]
@@ -296,10 +327,13 @@ def test_old_vllm_gets_weights_through_load_weights_in_engine_dtype_tied_gathere
     assert torch.equal(loaded[2][2], torch.arange(3))
 
 
-def test_new_vllm_keeps_in_place_reload():
+def test_new_vllm_keeps_in_place_reload_through_the_probed_method():
+    # the worker's own reload_weights takes no weights_iterator (it raises if called): the probe read the model
+    # runner's, and the push calls that same one
     worker, log = _Worker(_Runner(inplace=True)), []
     _engine(worker, log).push_weights({"model.norm.weight": torch.ones(4)})
-    assert log == ["reload_weights", "reset_prefix_cache"]
+    assert log == ["worker_reload_weights", "reset_prefix_cache"]
+    assert worker.model_runner.reloaded == [["model.norm.weight"]]
 
 
 def test_cuda_cache_is_emptied_before_waking(monkeypatch):
@@ -312,8 +346,11 @@ def test_cuda_cache_is_emptied_before_waking(monkeypatch):
     engine = _engine(_Worker(_Runner(inplace=True)), log)
     engine._asleep = 1
     assert engine.sync_weights({"model.norm.weight": torch.ones(4)}) == 1
-    assert log[:4] == ["gc", "empty_cache", "wake_up:weights", "reload_weights"]
-    assert "wake_up:kv_cache" in log
+    # cached blocks go back before each wake: the weights', then (after the push freed its buckets) the KV cache's
+    assert log[:4] == ["gc", "empty_cache", "wake_up:weights", "worker_reload_weights"]
+    assert log[log.index("worker_reload_weights") + 1:] == ["reset_prefix_cache", "gc", "empty_cache",
+                                                            "wake_up:kv_cache", "reset_prefix_cache",
+                                                            "_worker_set_version"]
     log.clear()
     engine._asleep = 1
     engine.wake_up()

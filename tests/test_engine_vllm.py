@@ -37,7 +37,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny):
     path, tok = tiny
-    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", max_model_len=1024)
+    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", max_model_len=1024,
+                     enforce_eager=True)
     yield eng
     eng.close()
 
@@ -339,7 +340,8 @@ def test_close_keeps_an_existing_process_group(tiny, tmp_path):
     if created:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", max_model_len=256)
+        eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", max_model_len=256,
+                         enforce_eager=True)
         assert len(eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True), [0])[0].token_ids) == 3
         eng.close()
         assert dist.is_initialized()
@@ -368,7 +370,8 @@ def test_iter_buckets_keeps_layers_whole():
 def test_sync_weights(tiny):
     """After changing the HF model's weights, vLLM's logprobs match the new forward only once synced."""
     path, tok = tiny
-    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", bucket_bytes=64 * 1024)
+    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", bucket_bytes=64 * 1024,
+                     enforce_eager=True)
     try:
         model = load_policy(path).eval()
         prompts = _prompts(3, len(tok), seed=5)
@@ -421,10 +424,13 @@ def test_sync_weights(tiny):
 
 
 @pytest.mark.gpu
-def test_sleep_sync_wake_on_gpu(tiny):
-    """GPU only: sleep (level 1 and 2) releases memory; sync_weights wakes weights, pushes, wakes the KV cache."""
+@pytest.mark.parametrize("transfer", ["reload", "auto"])
+def test_sleep_sync_wake_on_gpu(tiny, transfer):
+    """GPU only: sleep (level 1 and 2) releases memory; sync_weights wakes weights, pushes, wakes the KV cache.
+    "auto" pushes through vLLM's ipc weight-transfer engine where the installed vLLM has it."""
     path, tok = tiny
-    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", enable_sleep_mode=True)
+    eng = VLLMEngine(path, tok, kv_cache_bytes=KV_BYTES, seed=0, dtype="float32", enable_sleep_mode=True,
+                     enforce_eager=True, weight_transfer=transfer)
     try:
         model = load_policy(path).eval()
         prompts = _prompts(3, len(tok), seed=6)

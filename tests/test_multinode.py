@@ -23,7 +23,10 @@ TINY = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length",
         "--env.env_groups", "4", "--env.group_size", "4", "--optim.mini_batch_size", "8",
         "--optim.micro_batch_tokens", "800", "--rollout.max_model_len", "800", "--trainer.val_every", "0",
         "--trainer.val_before_train", "false", "--trainer.save_every", "1"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# CPU ranks: built at import, before tests/conftest.py hides GPUs per test, so the pin is explicit here (2 ranks on a
+# 1-GPU machine would otherwise pick nccl and set_device(1))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _free_port() -> int:

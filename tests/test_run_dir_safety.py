@@ -28,7 +28,10 @@ SMALL = [*TINY, "--env.max_turns", "1", "--rollout.response_length", "8", "--env
          "--env.env_groups", "2", "--env.group_size", "2", "--optim.mini_batch_size", "2",
          "--optim.micro_batch_tokens", "800", "--rollout.max_model_len", "800", "--trainer.val_every", "0",
          "--trainer.val_before_train", "false", "--trainer.iterations", "1"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# CPU ranks: built at import, before tests/conftest.py hides GPUs per test, so the pin is explicit here (2 ranks on a
+# 1-GPU machine would otherwise pick nccl and set_device(1))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.fixture

