@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "coords.h"
 #include "frozenlake.h"
 #include "sokoban.h"
 
@@ -160,6 +161,33 @@ const SymbolTable& sokoban_symbols(const SokobanBatch& b) {
   return *table;
 }
 
+// RAGEN's coordinate formats on top of the symbol grids: "coord" is the coordinate text alone, "grid_coord"
+// is "Coordinates: \n" + coordinates + "\nGrid Map: \n" + grid (join_grid_coord).
+template <typename Batch>
+py::list with_coordinates(Batch& b, py::list grids) {
+  const int64_t n = b.num_envs();
+  std::vector<std::string> coords(static_cast<size_t>(n));
+  {
+    py::gil_scoped_release release;
+    b.coord_texts(coords.data());
+    if (b.obs_format() == fastpo::kObsGridCoord)
+      for (auto& c : coords) c = fastpo::join_grid_coord(c, "");  // the grid str is appended below
+  }
+  py::list out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* head = PyUnicode_FromStringAndSize(coords[i].data(), static_cast<Py_ssize_t>(coords[i].size()));
+    if (head == nullptr) throw py::error_already_set();
+    py::object text = py::reinterpret_steal<py::object>(head);
+    if (b.obs_format() == fastpo::kObsGridCoord) {
+      PyObject* joined = PyUnicode_Concat(text.ptr(), grids[static_cast<size_t>(i)].ptr());
+      if (joined == nullptr) throw py::error_already_set();
+      text = py::reinterpret_steal<py::object>(joined);
+    }
+    out[static_cast<size_t>(i)] = text;
+  }
+  return out;
+}
+
 // Render codes of every instance (GIL released), then the str objects (GIL held).
 py::list render_observations(FrozenLakeBatch& b) {
   const int s = b.size();
@@ -168,7 +196,8 @@ py::list render_observations(FrozenLakeBatch& b) {
     py::gil_scoped_release release;
     b.render_codes(codes.data());
   }
-  return build_observations(codes.data(), b.num_envs(), s, s, frozenlake_symbols());
+  py::list grids = build_observations(codes.data(), b.num_envs(), s, s, frozenlake_symbols());
+  return b.obs_format() == fastpo::kObsGrid ? grids : with_coordinates(b, grids);
 }
 
 py::list render_observations(SokobanBatch& b) {
@@ -178,7 +207,8 @@ py::list render_observations(SokobanBatch& b) {
     py::gil_scoped_release release;
     b.render_codes(codes.data());
   }
-  return build_observations(codes.data(), b.num_envs(), rows, cols, sokoban_symbols(b));
+  py::list grids = build_observations(codes.data(), b.num_envs(), rows, cols, sokoban_symbols(b));
+  return b.obs_format() == fastpo::kObsGrid ? grids : with_coordinates(b, grids);
 }
 
 template <typename T>
@@ -288,15 +318,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<SokobanBatch>(m, "SokobanBatch", "num_envs Sokoban instances (cell codes 0..5 as gym-sokoban).")
       .def(py::init([](int num_envs, int rows, int cols, int num_boxes, int search_depth, int max_steps,
                        std::vector<std::string> symbols, int num_threads, double p_change_directions,
-                       int num_gen_steps) {
+                       int num_gen_steps, int observation_format) {
              return new SokobanBatch(
                  num_envs, make_params(rows, cols, num_boxes, search_depth, p_change_directions, num_gen_steps),
-                 max_steps, std::move(symbols), num_threads);
+                 max_steps, std::move(symbols), num_threads, observation_format);
            }),
            py::arg("num_envs"), py::arg("rows"), py::arg("cols"), py::arg("num_boxes"), py::arg("search_depth"),
            py::arg("max_steps"), py::arg("symbols"), py::arg("num_threads") = 1,
-           py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1,
-           "symbols: 7 strings for codes 0..6; num_gen_steps < 0 means int(1.7 * (rows + cols)).")
+           py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1, py::arg("observation_format") = 0,
+           "symbols: 7 strings for codes 0..6; num_gen_steps < 0 means int(1.7 * (rows + cols)); "
+           "observation_format 0 grid, 1 coord, 2 grid_coord.")
       .def_property_readonly("num_envs", &SokobanBatch::num_envs)
       .def("reset", &reset_batch<SokobanBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
            "seeds int64[N], mask bool[N] or None -> list of N observations. Generates in parallel.")
@@ -350,8 +381,11 @@ PYBIND11_MODULE(_C, m) {
       "One level -> (room_fixed uint8[R, C], room_state uint8[R, C], attempt int).");
 
   py::class_<FrozenLakeBatch>(m, "FrozenLakeBatch", "num_envs FrozenLake instances (maps as ASCII S F H G).")
-      .def(py::init<int, int, double, bool, int, int>(), py::arg("num_envs"), py::arg("size"), py::arg("p"),
-           py::arg("is_slippery"), py::arg("max_steps"), py::arg("num_threads") = 1)
+      .def(py::init<int, int, double, bool, int, int, double, int>(), py::arg("num_envs"), py::arg("size"),
+           py::arg("p"), py::arg("is_slippery"), py::arg("max_steps"), py::arg("num_threads") = 1,
+           py::arg("success_rate") = -1.0, py::arg("observation_format") = 0,
+           "success_rate < 0: gym's 1/3 slip, else the intended move w.p. success_rate; observation_format 0 grid, "
+           "1 coord, 2 grid_coord.")
       .def_property_readonly("num_envs", &FrozenLakeBatch::num_envs)
       .def("reset", &reset_batch<FrozenLakeBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
            "seeds int64[N], mask bool[N] or None -> list of N observations.")
