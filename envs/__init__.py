@@ -46,6 +46,9 @@ _ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "sokoban_different_grid_vocab": ("sokoban", {"symbols": "different", "search_depth": 30}),
     "metamathqa": ("qa", {}),
     "bandit_test": ("bandit", {"names": "test"}),
+    # RAGEN-2 (April 2026): CoordSokoban is its default train tag; its FrozenLake tags slip with success_rate 0.8.
+    "coord_sokoban": ("sokoban", {"observation_format": "grid_coord"}),
+    "coord_frozenlake": ("frozenlake", {"observation_format": "grid_coord", "success_rate": 0.8}),
 }
 
 

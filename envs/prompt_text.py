@@ -1,0 +1,45 @@
+"""RAGEN-2's prompt text for the env tags it added (mll-lab-nu/RAGEN config/envs.yaml at commit 20daedc, April
+2026), as ``fastpo.prompts.EnvPromptSpec`` fields; ``fastpo.prompts`` merges ``PROMPT_PRESETS`` into its presets.
+
+Each ``env_instruction`` is the tag's YAML text as YAML reads it (trailing spaces and the final newline
+included). The legend and action list follow RAGEN's prefix rules: the env type's default config decides them,
+because RAGEN reads ``observation_format`` from the tag's top level, where the Coord tags do not set it; so the
+Coord tags keep the symbol legend although their observations carry coordinates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .layouts import FROZENLAKE_ACTIONS, FROZENLAKE_GRID_VOCAB, SOKOBAN_ACTIONS, sokoban_grid_vocab
+
+COORD_SOKOBAN_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n"
+    "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each "
+    "target. \n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). \n"
+    "When you are exactly next to a box, you can push it by moving in the same direction. \n"
+    "You cannot push a box through a wall, and you cannot pull a box.\n"
+    "The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n"
+)
+COORD_FROZENLAKE_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. The observation includes both a symbol grid and zero-indexed "
+    "coordinates for the start, goal, player, and any holes.\n"
+    "Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5).\n"
+    "Beware that the ice is slippery, so the agent might slide and end up in an unintended tile.\n"
+    "Respond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n"
+)
+
+#: fastpo preset name -> EnvPromptSpec fields (RAGEN tag in the comment).
+PROMPT_PRESETS: dict[str, dict[str, Any]] = {
+    "coord_sokoban": dict(  # CoordSokoban
+        env_instruction=COORD_SOKOBAN_INSTRUCTION, grid_vocab=sokoban_grid_vocab("default"),
+        action_lookup=SOKOBAN_ACTIONS, max_actions_per_traj=10, max_tokens=120,
+    ),
+    "coord_frozenlake": dict(  # CoordFrozenLake
+        env_instruction=COORD_FROZENLAKE_INSTRUCTION, grid_vocab=FROZENLAKE_GRID_VOCAB,
+        action_lookup=FROZENLAKE_ACTIONS, max_actions_per_traj=10, max_tokens=120,
+    ),
+}
+#: RAGEN's tag spellings (lowercased) -> preset name.
+PROMPT_ALIASES = {"coordsokoban": "coord_sokoban", "coordfrozenlake": "coord_frozenlake"}
