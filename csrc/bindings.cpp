@@ -12,10 +12,12 @@
 
 #include "coords.h"
 #include "frozenlake.h"
+#include "game2048.h"
 #include "sokoban.h"
 
 namespace py = pybind11;
 using fastpo::FrozenLakeBatch;
+using fastpo::Game2048Batch;
 using fastpo::SokobanBatch;
 using fastpo::SokobanParams;
 
@@ -211,6 +213,25 @@ py::list render_observations(SokobanBatch& b) {
   return b.obs_format() == fastpo::kObsGrid ? grids : with_coordinates(b, grids);
 }
 
+// Text observations built whole in C++ (2048): the strings (GIL released), then str objects (UTF-8 decoded).
+template <typename Batch>
+py::list render_observations_text(Batch& b) {
+  std::vector<std::string> texts(static_cast<size_t>(b.num_envs()));
+  {
+    py::gil_scoped_release release;
+    b.render_texts(texts.data());
+  }
+  py::list out(texts.size());
+  for (size_t i = 0; i < texts.size(); ++i) {
+    PyObject* str = PyUnicode_DecodeUTF8(texts[i].data(), static_cast<Py_ssize_t>(texts[i].size()), "strict");
+    if (str == nullptr) throw py::error_already_set();
+    out[i] = py::reinterpret_steal<py::object>(str);
+  }
+  return out;
+}
+
+py::list render_observations(Game2048Batch& b) { return render_observations_text(b); }
+
 template <typename T>
 py::array_t<T> copy_out(const std::vector<T>& v, const std::vector<py::ssize_t>& shape) {
   py::array_t<T> out(shape);
@@ -306,7 +327,7 @@ SokobanParams make_params(int rows, int cols, int num_boxes, int search_depth, d
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastpo C++ batch simulator: Sokoban and FrozenLake with RAGEN's rules (see envs/sokoban.py).";
+  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake and 2048 with RAGEN's rules (see envs/).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -416,6 +437,45 @@ PYBIND11_MODULE(_C, m) {
         d["num_steps"] = copy_out(b.num_steps, {n});
         std::vector<int64_t> draws(b.slip_counter.begin(), b.slip_counter.end());
         d["slip_draws"] = copy_out(draws, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+
+  py::class_<Game2048Batch>(m, "Game2048Batch", "num_envs 2048 boards (RAGEN-2's game_2048).")
+      .def(py::init<int, int, double, bool, int, int>(), py::arg("num_envs"), py::arg("size"), py::arg("two_prob"),
+           py::arg("use_log_reward"), py::arg("max_steps"), py::arg("num_threads") = 1)
+      .def_property_readonly("num_envs", &Game2048Batch::num_envs)
+      .def("reset", &reset_batch<Game2048Batch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations.")
+      .def(
+          "set_boards",
+          [](Game2048Batch& b, const py::handle& tiles_obj, const py::handle& seeds_obj) {
+            const py::ssize_t n = b.num_envs(), s = b.size();
+            auto tiles = strict_array<int64_t>(tiles_obj, {n, s, s}, "tiles");
+            auto seeds = strict_array<int64_t>(seeds_obj, {n}, "seeds");
+            b.set_boards(tiles.data(), seeds.data());
+            return render_batch(b);
+          },
+          py::arg("tiles"), py::arg("seeds"),
+          "tiles int64[N, S, S] (0 or powers of two), seeds int64[N] (spawn streams) -> observations.")
+      .def("step", &step_batch<Game2048Batch>, py::arg("actions"), py::arg("render") = true,
+           "int32[N] ids (1 Up, 2 Right, 3 Down, 4 Left) -> (obs, reward f32[N], terminated, truncated, success, "
+           "action_is_valid, action_is_effective bool[N]).")
+      .def("render", &render_batch<Game2048Batch>)
+      .def("state_keys", &state_keys_batch<Game2048Batch>,
+           "uint64[N]: FNV-1a 64 of the tile exponents then the score (int64 little-endian).")
+      .def("get_state", [](Game2048Batch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs(), s = b.size();
+        std::vector<int64_t> tiles(b.exps.size());
+        for (size_t c = 0; c < tiles.size(); ++c) tiles[c] = b.exps[c] == 0 ? 0 : int64_t{1} << b.exps[c];
+        py::dict d;
+        d["grid"] = copy_out(tiles, {n, s, s});
+        d["score"] = copy_out(b.score, {n});
+        d["num_steps"] = copy_out(b.num_steps, {n});
+        std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
+        d["spawn_draws"] = copy_out(draws, {n});
         d["terminated"] = copy_bool(b.terminated);
         d["truncated"] = copy_bool(b.truncated);
         return d;

@@ -30,6 +30,14 @@ COORD_FROZENLAKE_INSTRUCTION = (
     "Respond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n"
 )
 
+GAME2048_INSTRUCTION = (
+    "You are playing the 2048 game on a 4x4 grid. Merge equal tiles by sliding Up, Right, Down, or Left.\n"
+    "If a move is invalid (no tiles move), a small penalty is applied. Respond with a single action.\n"
+    "Example: <answer>Up</answer>\n"
+)
+#: RAGEN's action_lookup {0: Up, 1: Right, 2: Down, 3: Left}; fastpo's ids are these + 1.
+GAME2048_ACTIONS = ["Up", "Right", "Down", "Left"]
+
 #: fastpo preset name -> EnvPromptSpec fields (RAGEN tag in the comment).
 PROMPT_PRESETS: dict[str, dict[str, Any]] = {
     "coord_sokoban": dict(  # CoordSokoban
@@ -40,6 +48,12 @@ PROMPT_PRESETS: dict[str, dict[str, Any]] = {
         env_instruction=COORD_FROZENLAKE_INSTRUCTION, grid_vocab=FROZENLAKE_GRID_VOCAB,
         action_lookup=FROZENLAKE_ACTIONS, max_actions_per_traj=10, max_tokens=120,
     ),
+    # game_2048: no legend (its config has no grid_vocab); RAGEN's budget is 700 actions and "8192 words".
+    "game_2048": dict(
+        env_instruction=GAME2048_INSTRUCTION, action_lookup=GAME2048_ACTIONS, max_actions_per_traj=700,
+        max_tokens=8192,
+    ),
 }
 #: RAGEN's tag spellings (lowercased) -> preset name.
-PROMPT_ALIASES = {"coordsokoban": "coord_sokoban", "coordfrozenlake": "coord_frozenlake"}
+PROMPT_ALIASES = {"coordsokoban": "coord_sokoban", "coordfrozenlake": "coord_frozenlake", "game2048": "game_2048",
+                  "2048": "game_2048"}
