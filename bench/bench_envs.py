@@ -4,10 +4,10 @@
     python bench/bench_envs.py --quick                      # small sizes, for a smoke run
 
 Measured per (env, backend, N, threads): env steps/s without rendering, env steps/s with the text render
-of every observation, Sokoban level generations/s, and resets/s of the RAGEN-2 games (2048). Steps use
-random ids 1..4; instances that finish are re-generated between timed calls (untimed), so every timed step
-is a real step, never a no-op on a finished episode. Each figure is the median (p20, p80) over repeats.
-Rows go to bench/results/envs.csv.
+of every observation, Sokoban level generations/s, and resets/s of the RAGEN-2 games (2048, Sudoku). Steps
+use random ids 1..4 (Sudoku: random placements in RAGEN's text formats); instances that finish are
+re-generated between timed calls (untimed), so every timed step is a real step, never a no-op on a finished
+episode. Each figure is the median (p20, p80) over repeats. Rows go to bench/results/envs.csv.
 """
 
 from __future__ import annotations
@@ -34,9 +34,13 @@ CONFIGS = {
     "sokoban-6x6-coord": ("sokoban", {"dim_room": (6, 6), "num_boxes": 1, "observation_format": "grid_coord"}),
     "frozenlake-4x4-coord": ("frozenlake", {"size": 4, "success_rate": 0.8, "observation_format": "grid_coord"}),
     "game2048-4x4": ("game_2048", {"size": 4}),
+    "sudoku-9x9": ("sudoku", {"grid_size": 9, "difficulty": "easy", "render_format": "with_feedback"}),
 }
 #: Envs whose reset (a new episode) is timed as "reset" (Sokoban's is its level generation, "generate").
-RESET_TIMED = ("game2048-4x4",)
+RESET_TIMED = ("game2048-4x4", "sudoku-9x9")
+#: Text actions of the text envs (Sudoku): RAGEN's two formats over every cell and number, drawn at random.
+TEXT_ACTIONS = [f"{r},{c},{v}" for r in range(1, 10) for c in range(1, 10) for v in range(1, 10)] + [
+    f"place {v} at row {r} col {c}" for r in range(1, 10) for c in range(1, 10) for v in range(1, 10)]
 
 
 def make(env_key: str, backend: str, n: int, threads: int):
@@ -50,8 +54,12 @@ def time_steps(env, n: int, steps: int, render: bool, rng: np.random.Generator) 
     seed_base = 1_000_000
     env.reset(np.arange(seed_base, seed_base + n, dtype=np.int64))
     elapsed = 0.0
+    text = env.action_space == "text"
     for k in range(steps):
-        actions = rng.integers(1, 5, size=n, dtype=np.int32)
+        if text:
+            actions = [TEXT_ACTIONS[j] for j in rng.integers(0, len(TEXT_ACTIONS), size=n)]
+        else:
+            actions = rng.integers(1, 5, size=n, dtype=np.int32)
         t0 = time.perf_counter()
         _, _, terminated, truncated, _ = env.step(actions, render=render)
         elapsed += time.perf_counter() - t0

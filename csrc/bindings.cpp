@@ -14,12 +14,15 @@
 #include "frozenlake.h"
 #include "game2048.h"
 #include "sokoban.h"
+#include "sudoku.h"
 
 namespace py = pybind11;
 using fastpo::FrozenLakeBatch;
 using fastpo::Game2048Batch;
 using fastpo::SokobanBatch;
 using fastpo::SokobanParams;
+using fastpo::SudokuAction;
+using fastpo::SudokuBatch;
 
 namespace {
 
@@ -231,6 +234,7 @@ py::list render_observations_text(Batch& b) {
 }
 
 py::list render_observations(Game2048Batch& b) { return render_observations_text(b); }
+py::list render_observations(SudokuBatch& b) { return render_observations_text(b); }
 
 template <typename T>
 py::array_t<T> copy_out(const std::vector<T>& v, const std::vector<py::ssize_t>& shape) {
@@ -268,6 +272,54 @@ py::tuple step_batch(Batch& b, const py::handle& actions_obj, bool render) {
   {
     py::gil_scoped_release release;
     b.step(a, r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
+  }
+  auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
+  py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
+  return py::make_tuple(obs_out, reward, row(0), row(1), row(2), row(3), row(4));
+}
+
+// Sudoku's step: text actions parsed here (ASCII in C++; other text, or a number too long for int64, by the
+// Python callable `parse`, which returns (kind, row, col, num, error) as SudokuAction), then stepped without the GIL.
+py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::handle& active_obj, bool render,
+                      const py::handle& parse) {
+  const py::ssize_t n = b.num_envs();
+  if (!PyList_Check(actions_obj.ptr()) || PyList_GET_SIZE(actions_obj.ptr()) != n)
+    throw py::value_error("actions must be a list of " + std::to_string(n) + " str");
+  const uint8_t* active = nullptr;
+  CArray<bool> active_arr;
+  if (!active_obj.is_none()) {
+    active_arr = strict_array<bool>(active_obj, {n}, "active");
+    active = reinterpret_cast<const uint8_t*>(active_arr.data());
+  }
+  require_ready(b);
+  std::vector<SudokuAction> acts(static_cast<size_t>(n));
+  for (py::ssize_t i = 0; i < n; ++i) {
+    if (active != nullptr && !active[i]) continue;
+    PyObject* item = PyList_GET_ITEM(actions_obj.ptr(), i);
+    if (!PyUnicode_Check(item)) throw py::value_error("actions[" + std::to_string(i) + "] must be a str");
+    bool done = false;
+    if (PyUnicode_IS_ASCII(item)) {
+      Py_ssize_t len = 0;
+      const char* data = PyUnicode_AsUTF8AndSize(item, &len);
+      if (data == nullptr) throw py::error_already_set();
+      done = fastpo::parse_sudoku_action(data, static_cast<size_t>(len), b.grid_size(), acts[i]);
+    }
+    if (!done) {
+      auto t = parse(py::reinterpret_borrow<py::str>(item)).cast<py::tuple>();
+      acts[i].kind = t[0].cast<int>();
+      acts[i].row = t[1].cast<int>();
+      acts[i].col = t[2].cast<int>();
+      acts[i].num = t[3].cast<int>();
+      acts[i].error = t[4].cast<std::string>();
+    }
+  }
+  py::array_t<float> reward(n);
+  py::array_t<bool> block({py::ssize_t{5}, n});
+  uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());
+  float* r = reward.mutable_data();
+  {
+    py::gil_scoped_release release;
+    b.step(acts.data(), r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
   }
   auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
   py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
@@ -327,7 +379,7 @@ SokobanParams make_params(int rows, int cols, int num_boxes, int search_depth, d
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake and 2048 with RAGEN's rules (see envs/).";
+  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048 and Sudoku with RAGEN's rules (see envs/).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -476,6 +528,50 @@ PYBIND11_MODULE(_C, m) {
         d["num_steps"] = copy_out(b.num_steps, {n});
         std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
         d["spawn_draws"] = copy_out(draws, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+
+  py::class_<SudokuBatch>(m, "SudokuBatch", "num_envs Sudoku puzzles (RAGEN-2's sudoku env).")
+      .def(py::init([](int num_envs, int grid_size, int cells_to_remove, int max_steps, int render_format,
+                       bool show_conflicts, bool show_valid_numbers, double correct_score, double invalid_score,
+                       double completion_bonus, int num_threads) {
+             fastpo::SudokuRender render{render_format, show_conflicts, show_valid_numbers};
+             return new SudokuBatch(num_envs, grid_size, cells_to_remove, max_steps, render, correct_score,
+                                    invalid_score, completion_bonus, num_threads);
+           }),
+           py::arg("num_envs"), py::arg("grid_size"), py::arg("cells_to_remove"), py::arg("max_steps"),
+           py::arg("render_format"), py::arg("show_conflicts"), py::arg("show_valid_numbers"),
+           py::arg("correct_score"), py::arg("invalid_score"), py::arg("completion_bonus"), py::arg("num_threads") = 1,
+           "render_format 0 simple, 1 detailed, 2 with_feedback.")
+      .def_property_readonly("num_envs", &SudokuBatch::num_envs)
+      .def("reset", &reset_batch<SudokuBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations.")
+      .def(
+          "set_puzzles",
+          [](SudokuBatch& b, const py::handle& initial_obj, const py::handle& solution_obj) {
+            const py::ssize_t n = b.num_envs(), g = b.grid_size();
+            auto initial = strict_array<uint8_t>(initial_obj, {n, g, g}, "initial");
+            auto solution = strict_array<uint8_t>(solution_obj, {n, g, g}, "solution");
+            b.set_puzzles(initial.data(), solution.data());
+            return render_batch(b);
+          },
+          py::arg("initial"), py::arg("solution"), "uint8[N, G, G] each (validated by the caller) -> observations.")
+      .def("step", &sudoku_step, py::arg("actions"), py::arg("active"), py::arg("render"), py::arg("parse"),
+           "list of N str, active bool[N] or None, render, the Python parser for non-ASCII text -> (obs, reward "
+           "f32[N], terminated, truncated, success, action_is_valid, action_is_effective bool[N]).")
+      .def("render", &render_batch<SudokuBatch>)
+      .def("state_keys", &state_keys_batch<SudokuBatch>,
+           "uint64[N]: FNV-1a 64 of the puzzle then the current grid.")
+      .def("get_state", [](SudokuBatch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs(), g = b.grid_size();
+        py::dict d;
+        d["initial"] = copy_out(b.initial, {n, g, g});
+        d["current"] = copy_out(b.current, {n, g, g});
+        d["solution"] = copy_out(b.solution, {n, g, g});
+        d["num_steps"] = copy_out(b.num_steps, {n});
         d["terminated"] = copy_bool(b.terminated);
         d["truncated"] = copy_bool(b.truncated);
         return d;

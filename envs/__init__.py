@@ -4,7 +4,7 @@
     obs = env.reset(np.arange(64))
     obs, reward, terminated, truncated, info = env.step(np.full(64, 1, dtype=np.int32))
 
-Sokoban, FrozenLake and 2048 run in the C++ batch simulator (``fastpo._C``); ``backend="python"`` selects
+Sokoban, FrozenLake, 2048 and Sudoku run in the C++ batch simulator (``fastpo._C``); ``backend="python"`` selects
 their pure-Python twins (the test oracle and the speed baseline). Bandit, Countdown and the QA env
 are Python; users' own text environments plug in through ``fastpo.envs.text`` (see ``TextEnv``) and
 ``register(name, factory)``, which makes them available to ``make`` (docs/ENVS.md).
@@ -34,6 +34,7 @@ _REGISTRY: dict[str, dict[str, str | Callable[..., BatchEnv]]] = {
         "python": "fastpo.envs.py_frozenlake:PyFrozenLakeEnv",
     },
     "game_2048": {"cpp": "fastpo.envs.game2048:Game2048Env", "python": "fastpo.envs.py_game2048:PyGame2048Env"},
+    "sudoku": {"cpp": "fastpo.envs.sudoku:SudokuEnv", "python": "fastpo.envs.py_sudoku:PySudokuEnv"},
     "bandit": {"python": "fastpo.envs.bandit:BanditEnv"},
     "countdown": {"python": "fastpo.envs.countdown:CountdownEnv"},
     "qa": {"python": "fastpo.envs.qa:QAEnv"},
@@ -51,6 +52,9 @@ _ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "coord_sokoban": ("sokoban", {"observation_format": "grid_coord"}),
     "coord_frozenlake": ("frozenlake", {"observation_format": "grid_coord", "success_rate": 0.8}),
     "2048": ("game_2048", {}),
+    # RAGEN-2's Sudoku tags (their budgets, 20 and 30 actions, are in the prompt presets).
+    "simple_sudoku": ("sudoku", {"difficulty": "easy", "render_format": "with_feedback"}),
+    "medium_sudoku": ("sudoku", {"difficulty": "medium", "render_format": "with_feedback"}),
 }
 
 
@@ -59,9 +63,10 @@ ENTRY_POINT_GROUP = "fastpo.envs"
 _entry_points_loaded = False
 
 #: Config key holding each built-in env's per-episode step limit; Bandit and Countdown end after one action.
-STEP_LIMIT_KEYS = {"sokoban": "max_steps", "frozenlake": "max_steps", "game_2048": "max_steps", "qa": "max_attempts"}
+STEP_LIMIT_KEYS = {"sokoban": "max_steps", "frozenlake": "max_steps", "game_2048": "max_steps", "sudoku": "max_steps",
+                   "qa": "max_attempts"}
 #: Built-in envs whose ``max_steps`` is raised to the action budget when the config leaves it out.
-_STEP_LIMITED = ("sokoban", "frozenlake", "game_2048")
+_STEP_LIMITED = ("sokoban", "frozenlake", "game_2048", "sudoku")
 _ONE_ACTION_ENVS = frozenset({"bandit", "countdown"})
 
 
@@ -161,8 +166,10 @@ def _default_step_limit(name: str) -> int:
     preset = _ALIASES[key][1] if key in _ALIASES else {}
     from .game2048 import Game2048Config
     from .layouts import FrozenLakeConfig, SokobanConfig
+    from .sudoku import SudokuConfig
 
-    cls = {"sokoban": SokobanConfig, "frozenlake": FrozenLakeConfig, "game_2048": Game2048Config}[base_name(name)]
+    cls = {"sokoban": SokobanConfig, "frozenlake": FrozenLakeConfig, "game_2048": Game2048Config,
+           "sudoku": SudokuConfig}[base_name(name)]
     return int(preset.get("max_steps", cls.max_steps))
 
 

@@ -38,6 +38,15 @@ GAME2048_INSTRUCTION = (
 #: RAGEN's action_lookup {0: Up, 1: Right, 2: Down, 3: Left}; fastpo's ids are these + 1.
 GAME2048_ACTIONS = ["Up", "Right", "Down", "Left"]
 
+SUDOKU_INSTRUCTION = (
+    "You are solving a Sudoku puzzle. Fill in the grid so that every row, column, and 3x3 box contains the numbers "
+    "1-9 without repetition.\n"
+    "Initial cells are shown in [brackets] and cannot be modified. Empty cells are shown as dots (.).\n"
+    "Place numbers one at a time using the format: <answer>place 5 at row 2 col 3</answer> or "
+    "<answer>2,3,5</answer>\n"
+    "The environment will provide feedback on valid/invalid moves and show conflicts if any occur.\n"
+)
+
 #: fastpo preset name -> EnvPromptSpec fields (RAGEN tag in the comment).
 PROMPT_PRESETS: dict[str, dict[str, Any]] = {
     "coord_sokoban": dict(  # CoordSokoban
@@ -53,7 +62,11 @@ PROMPT_PRESETS: dict[str, dict[str, Any]] = {
         env_instruction=GAME2048_INSTRUCTION, action_lookup=GAME2048_ACTIONS, max_actions_per_traj=700,
         max_tokens=8192,
     ),
+    # SimpleSudoku / MediumSudoku: text actions, so no legend and no action list; 150 words.
+    "simple_sudoku": dict(env_instruction=SUDOKU_INSTRUCTION, max_actions_per_traj=20, max_tokens=150),
+    "medium_sudoku": dict(env_instruction=SUDOKU_INSTRUCTION, max_actions_per_traj=30, max_tokens=150),
 }
 #: RAGEN's tag spellings (lowercased) -> preset name.
 PROMPT_ALIASES = {"coordsokoban": "coord_sokoban", "coordfrozenlake": "coord_frozenlake", "game2048": "game_2048",
-                  "2048": "game_2048"}
+                  "2048": "game_2048", "simplesudoku": "simple_sudoku", "sudoku": "simple_sudoku",
+                  "mediumsudoku": "medium_sudoku"}
