@@ -4,8 +4,8 @@
     python bench/bench_envs.py --quick                      # small sizes, for a smoke run
 
 Measured per (env, backend, N, threads): env steps/s without rendering, env steps/s with the text render
-of every observation, Sokoban level generations/s, and resets/s of the RAGEN-2 games (2048, Sudoku). Steps
-use random ids 1..4 (Sudoku: random placements in RAGEN's text formats); instances that finish are
+of every observation, Sokoban level generations/s, and resets/s of the RAGEN-2 games (2048, Sudoku, the 2x2
+cube). Steps use random valid ids (Sudoku: random placements in RAGEN's text formats); instances that finish are
 re-generated between timed calls (untimed), so every timed step is a real step, never a no-op on a finished
 episode. Each figure is the median (p20, p80) over repeats. Rows go to bench/results/envs.csv.
 """
@@ -35,9 +35,10 @@ CONFIGS = {
     "frozenlake-4x4-coord": ("frozenlake", {"size": 4, "success_rate": 0.8, "observation_format": "grid_coord"}),
     "game2048-4x4": ("game_2048", {"size": 4}),
     "sudoku-9x9": ("sudoku", {"grid_size": 9, "difficulty": "easy", "render_format": "with_feedback"}),
+    "rubiks-2x2": ("rubikscube", {"scramble_depth": 5}),
 }
 #: Envs whose reset (a new episode) is timed as "reset" (Sokoban's is its level generation, "generate").
-RESET_TIMED = ("game2048-4x4", "sudoku-9x9")
+RESET_TIMED = ("game2048-4x4", "sudoku-9x9", "rubiks-2x2")
 #: Text actions of the text envs (Sudoku): RAGEN's two formats over every cell and number, drawn at random.
 TEXT_ACTIONS = [f"{r},{c},{v}" for r in range(1, 10) for c in range(1, 10) for v in range(1, 10)] + [
     f"place {v} at row {r} col {c}" for r in range(1, 10) for c in range(1, 10) for v in range(1, 10)]
@@ -55,11 +56,12 @@ def time_steps(env, n: int, steps: int, render: bool, rng: np.random.Generator) 
     env.reset(np.arange(seed_base, seed_base + n, dtype=np.int64))
     elapsed = 0.0
     text = env.action_space == "text"
+    top = len(env.action_names) + 1  # ids 1..number of actions (4 for the grid games, 12 for the cube)
     for k in range(steps):
         if text:
             actions = [TEXT_ACTIONS[j] for j in rng.integers(0, len(TEXT_ACTIONS), size=n)]
         else:
-            actions = rng.integers(1, 5, size=n, dtype=np.int32)
+            actions = rng.integers(1, top, size=n, dtype=np.int32)
         t0 = time.perf_counter()
         _, _, terminated, truncated, _ = env.step(actions, render=render)
         elapsed += time.perf_counter() - t0

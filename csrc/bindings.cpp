@@ -13,12 +13,14 @@
 #include "coords.h"
 #include "frozenlake.h"
 #include "game2048.h"
+#include "rubiks.h"
 #include "sokoban.h"
 #include "sudoku.h"
 
 namespace py = pybind11;
 using fastpo::FrozenLakeBatch;
 using fastpo::Game2048Batch;
+using fastpo::RubiksBatch;
 using fastpo::SokobanBatch;
 using fastpo::SokobanParams;
 using fastpo::SudokuAction;
@@ -235,6 +237,7 @@ py::list render_observations_text(Batch& b) {
 
 py::list render_observations(Game2048Batch& b) { return render_observations_text(b); }
 py::list render_observations(SudokuBatch& b) { return render_observations_text(b); }
+py::list render_observations(RubiksBatch& b) { return render_observations_text(b); }
 
 template <typename T>
 py::array_t<T> copy_out(const std::vector<T>& v, const std::vector<py::ssize_t>& shape) {
@@ -379,7 +382,7 @@ SokobanParams make_params(int rows, int cols, int num_boxes, int search_depth, d
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048 and Sudoku with RAGEN's rules (see envs/).";
+  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048, Sudoku and the 2x2 cube with RAGEN's rules (see envs/).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -571,6 +574,36 @@ PYBIND11_MODULE(_C, m) {
         d["initial"] = copy_out(b.initial, {n, g, g});
         d["current"] = copy_out(b.current, {n, g, g});
         d["solution"] = copy_out(b.solution, {n, g, g});
+        d["num_steps"] = copy_out(b.num_steps, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+
+  py::class_<RubiksBatch>(m, "RubiksBatch", "num_envs 2x2 Rubik's cubes (RAGEN-2's rubikscube).")
+      .def(py::init<int, int, int, int>(), py::arg("num_envs"), py::arg("scramble_depth"), py::arg("max_steps"),
+           py::arg("num_threads") = 1)
+      .def_property_readonly("num_envs", &RubiksBatch::num_envs)
+      .def("reset", &reset_batch<RubiksBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations.")
+      .def(
+          "set_cubes",
+          [](RubiksBatch& b, const py::handle& obj) {
+            auto stickers = strict_array<uint8_t>(obj, {b.num_envs(), 24}, "stickers");
+            b.set_cubes(stickers.data());
+            return render_batch(b);
+          },
+          py::arg("stickers"), "uint8[N, 24] colours 0..5 (checked by the caller) -> observations.")
+      .def("step", &step_batch<RubiksBatch>, py::arg("actions"), py::arg("render") = true,
+           "int32[N] ids 1..12 (U U' D D' L L' R R' F F' B B') -> (obs, reward f32[N], terminated, truncated, "
+           "success, action_is_valid, action_is_effective bool[N]).")
+      .def("render", &render_batch<RubiksBatch>)
+      .def("state_keys", &state_keys_batch<RubiksBatch>, "uint64[N]: FNV-1a 64 of the 24 stickers.")
+      .def("get_state", [](RubiksBatch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs();
+        py::dict d;
+        d["stickers"] = copy_out(b.stickers, {n, 24});
         d["num_steps"] = copy_out(b.num_steps, {n});
         d["terminated"] = copy_bool(b.terminated);
         d["truncated"] = copy_bool(b.truncated);

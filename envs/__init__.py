@@ -4,9 +4,9 @@
     obs = env.reset(np.arange(64))
     obs, reward, terminated, truncated, info = env.step(np.full(64, 1, dtype=np.int32))
 
-Sokoban, FrozenLake, 2048 and Sudoku run in the C++ batch simulator (``fastpo._C``); ``backend="python"`` selects
-their pure-Python twins (the test oracle and the speed baseline). Bandit, Countdown and the QA env
-are Python; users' own text environments plug in through ``fastpo.envs.text`` (see ``TextEnv``) and
+Sokoban, FrozenLake, 2048, Sudoku and the 2x2 Rubik's cube run in the C++ batch simulator (``fastpo._C``);
+``backend="python"`` selects their pure-Python twins (the test oracle and the speed baseline). Bandit, Countdown
+and the QA env are Python; users' own text environments plug in through ``fastpo.envs.text`` (see ``TextEnv``) and
 ``register(name, factory)``, which makes them available to ``make`` (docs/ENVS.md).
 
 Plug-ins: ``load_plugins(["my_envs"])`` imports modules that call ``register`` (the trainer, eval and SFT
@@ -35,6 +35,7 @@ _REGISTRY: dict[str, dict[str, str | Callable[..., BatchEnv]]] = {
     },
     "game_2048": {"cpp": "fastpo.envs.game2048:Game2048Env", "python": "fastpo.envs.py_game2048:PyGame2048Env"},
     "sudoku": {"cpp": "fastpo.envs.sudoku:SudokuEnv", "python": "fastpo.envs.py_sudoku:PySudokuEnv"},
+    "rubikscube": {"cpp": "fastpo.envs.rubiks:RubiksEnv", "python": "fastpo.envs.py_rubiks:PyRubiksEnv"},
     "bandit": {"python": "fastpo.envs.bandit:BanditEnv"},
     "countdown": {"python": "fastpo.envs.countdown:CountdownEnv"},
     "qa": {"python": "fastpo.envs.qa:QAEnv"},
@@ -64,9 +65,9 @@ _entry_points_loaded = False
 
 #: Config key holding each built-in env's per-episode step limit; Bandit and Countdown end after one action.
 STEP_LIMIT_KEYS = {"sokoban": "max_steps", "frozenlake": "max_steps", "game_2048": "max_steps", "sudoku": "max_steps",
-                   "qa": "max_attempts"}
+                   "rubikscube": "max_steps", "qa": "max_attempts"}
 #: Built-in envs whose ``max_steps`` is raised to the action budget when the config leaves it out.
-_STEP_LIMITED = ("sokoban", "frozenlake", "game_2048", "sudoku")
+_STEP_LIMITED = ("sokoban", "frozenlake", "game_2048", "sudoku", "rubikscube")
 _ONE_ACTION_ENVS = frozenset({"bandit", "countdown"})
 
 
@@ -166,10 +167,11 @@ def _default_step_limit(name: str) -> int:
     preset = _ALIASES[key][1] if key in _ALIASES else {}
     from .game2048 import Game2048Config
     from .layouts import FrozenLakeConfig, SokobanConfig
+    from .rubiks import RubiksConfig
     from .sudoku import SudokuConfig
 
     cls = {"sokoban": SokobanConfig, "frozenlake": FrozenLakeConfig, "game_2048": Game2048Config,
-           "sudoku": SudokuConfig}[base_name(name)]
+           "sudoku": SudokuConfig, "rubikscube": RubiksConfig}[base_name(name)]
     return int(preset.get("max_steps", cls.max_steps))
 
 

@@ -47,6 +47,20 @@ SUDOKU_INSTRUCTION = (
     "The environment will provide feedback on valid/invalid moves and show conflicts if any occur.\n"
 )
 
+RUBIKS_INSTRUCTION = (
+    "You are solving a 2x2 Rubik's Cube (Pocket Cube). The goal is to restore the cube so that each of the faces "
+    "consists of a single, unique color.\n"
+    "Available actions use standard Singmaster notation for face rotations: U, U', D, D', L, L', R, R', F, F', B, "
+    "B'.\n"
+    "- Faces: U (Up), D (Down), L (Left), R (Right), F (Front), B (Back).\n"
+    "- Modifiers: A letter alone means 90\u00b0 clockwise (e.g., 'R'). A letter with prime (') means 90\u00b0 "
+    "counter-clockwise (e.g., \"R'\").\n"
+    "Respond with a sequence of actions separated by \"||\".\n"
+    "Example: <answer>U</answer>\n"
+)
+#: RAGEN's action_lookup {1: U, 2: U', ..., 12: B'} (fastpo's ids are RAGEN's).
+RUBIKS_ACTIONS = ["U", "U'", "D", "D'", "L", "L'", "R", "R'", "F", "F'", "B", "B'"]
+
 #: fastpo preset name -> EnvPromptSpec fields (RAGEN tag in the comment).
 PROMPT_PRESETS: dict[str, dict[str, Any]] = {
     "coord_sokoban": dict(  # CoordSokoban
@@ -65,6 +79,9 @@ PROMPT_PRESETS: dict[str, dict[str, Any]] = {
     # SimpleSudoku / MediumSudoku: text actions, so no legend and no action list; 150 words.
     "simple_sudoku": dict(env_instruction=SUDOKU_INSTRUCTION, max_actions_per_traj=20, max_tokens=150),
     "medium_sudoku": dict(env_instruction=SUDOKU_INSTRUCTION, max_actions_per_traj=30, max_tokens=150),
+    "rubikscube": dict(  # rubikscube
+        env_instruction=RUBIKS_INSTRUCTION, action_lookup=RUBIKS_ACTIONS, max_actions_per_traj=20, max_tokens=96,
+    ),
 }
 #: RAGEN's tag spellings (lowercased) -> preset name.
 PROMPT_ALIASES = {"coordsokoban": "coord_sokoban", "coordfrozenlake": "coord_frozenlake", "game2048": "game_2048",
