@@ -4,9 +4,10 @@
     python bench/bench_envs.py --quick                      # small sizes, for a smoke run
 
 Measured per (env, backend, N, threads): env steps/s without rendering, env steps/s with the text render
-of every observation, and Sokoban level generations/s. Steps use random ids 1..4; instances that finish
-are re-generated between timed calls (untimed), so every timed step is a real step, never a no-op on a
-finished episode. Each figure is the median (p20, p80) over repeats. Rows go to bench/results/envs.csv.
+of every observation, Sokoban level generations/s, and resets/s of the RAGEN-2 games (2048, Sudoku, the 2x2
+cube). Steps use random valid ids (Sudoku: random placements in RAGEN's text formats); instances that finish are
+re-generated between timed calls (untimed), so every timed step is a real step, never a no-op on a finished
+episode. Each figure is the median (p20, p80) over repeats. Rows go to bench/results/envs.csv.
 """
 
 from __future__ import annotations
@@ -29,7 +30,18 @@ CONFIGS = {
     "sokoban-6x6": ("sokoban", {"dim_room": (6, 6), "num_boxes": 1, "search_depth": 300}),
     "sokoban-8x8": ("sokoban", {"dim_room": (8, 8), "num_boxes": 2, "search_depth": 10}),
     "frozenlake-4x4": ("frozenlake", {"size": 4, "p": 0.8, "is_slippery": True}),
+    # RAGEN-2: CoordSokoban's observations, FrozenLake's success_rate slip, 2048.
+    "sokoban-6x6-coord": ("sokoban", {"dim_room": (6, 6), "num_boxes": 1, "observation_format": "grid_coord"}),
+    "frozenlake-4x4-coord": ("frozenlake", {"size": 4, "success_rate": 0.8, "observation_format": "grid_coord"}),
+    "game2048-4x4": ("game_2048", {"size": 4}),
+    "sudoku-9x9": ("sudoku", {"grid_size": 9, "difficulty": "easy", "render_format": "with_feedback"}),
+    "rubiks-2x2": ("rubikscube", {"scramble_depth": 5}),
 }
+#: Envs whose reset (a new episode) is timed as "reset" (Sokoban's is its level generation, "generate").
+RESET_TIMED = ("game2048-4x4", "sudoku-9x9", "rubiks-2x2")
+#: Text actions of the text envs (Sudoku): RAGEN's two formats over every cell and number, drawn at random.
+TEXT_ACTIONS = [f"{r},{c},{v}" for r in range(1, 10) for c in range(1, 10) for v in range(1, 10)] + [
+    f"place {v} at row {r} col {c}" for r in range(1, 10) for c in range(1, 10) for v in range(1, 10)]
 
 
 def make(env_key: str, backend: str, n: int, threads: int):
@@ -43,8 +55,13 @@ def time_steps(env, n: int, steps: int, render: bool, rng: np.random.Generator) 
     seed_base = 1_000_000
     env.reset(np.arange(seed_base, seed_base + n, dtype=np.int64))
     elapsed = 0.0
+    text = env.action_space == "text"
+    top = len(env.action_names) + 1  # ids 1..number of actions (4 for the grid games, 12 for the cube)
     for k in range(steps):
-        actions = rng.integers(1, 5, size=n, dtype=np.int32)
+        if text:
+            actions = [TEXT_ACTIONS[j] for j in rng.integers(0, len(TEXT_ACTIONS), size=n)]
+        else:
+            actions = rng.integers(1, top, size=n, dtype=np.int32)
         t0 = time.perf_counter()
         _, _, terminated, truncated, _ = env.step(actions, render=render)
         elapsed += time.perf_counter() - t0
@@ -78,19 +95,20 @@ def run(args) -> list[dict]:
                 for mode, render in (("step", False), ("step+render", True)):
                     per_call = [time_steps(env, n, steps, render, rng) for _ in range(args.repeats)]
                     results[mode] = quantiles([n / t for t in per_call])
-                if env_key.startswith("sokoban"):
+                if env_key.startswith("sokoban") or env_key in RESET_TIMED:
                     gen_n = n if backend == "cpp" else min(n, args.max_python_gen)
                     gen_env = env if gen_n == n else make(env_key, backend, gen_n, threads)
                     per_call = [time_generation(gen_env, gen_n, r) for r in range(args.repeats)]
-                    results["generate"] = quantiles([gen_n / t for t in per_call])
+                    results["generate" if env_key.startswith("sokoban") else "reset"] = quantiles(
+                        [gen_n / t for t in per_call])
                 cfg = f"{CONFIGS[env_key][1]} threads={threads} steps/rep={steps} repeats={args.repeats}"
                 for mode, (p50, p20, p80) in results.items():
-                    metric = "levels_per_s" if mode == "generate" else "env_steps_per_s"
+                    metric = {"generate": "levels_per_s", "reset": "resets_per_s"}.get(mode, "env_steps_per_s")
                     rows.append(dict(name=env_key, provider=backend, mode=mode, metric=metric, unit="1/s",
                                      x_name="num_envs", x_value=n, p50=p50, p20=p20, p80=p80,
                                      config=cfg.replace(",", ";")))
                     table.append((env_key, backend, threads, n, mode, p50))
-                print(f"{env_key:15s} {backend:6s} threads={threads} N={n:5d} " +
+                print(f"{env_key:20s} {backend:6s} threads={threads} N={n:5d} " +
                       "  ".join(f"{m}={v[0]:,.0f}/s" for m, v in results.items()), flush=True)
     return rows, table
 
@@ -99,15 +117,15 @@ def print_speedups(table) -> None:
     """C++ (per thread count) over the Python twin at the same N and mode."""
     py = {(e, n, m): v for e, b, _, n, m, v in table if b == "python"}
     print("\nspeedup of C++ over the Python twin (median throughput ratio)")
-    print(f"{'env':15s} {'threads':>7s} {'N':>6s} {'step':>9s} {'step+render':>12s} {'generate':>9s}")
+    print(f"{'env':20s} {'threads':>7s} {'N':>6s} {'step':>9s} {'step+render':>12s} {'generate':>9s} {'reset':>9s}")
     keys = sorted({(e, t, n) for e, b, t, n, _, _ in table if b == "cpp"})
     for e, t, n in keys:
         cells = []
-        for m in ("step", "step+render", "generate"):
+        for m in ("step", "step+render", "generate", "reset"):
             c = next((v for e2, b, t2, n2, m2, v in table if (e2, b, t2, n2, m2) == (e, "cpp", t, n, m)), None)
             p = py.get((e, n, m))
             cells.append(f"{c / p:,.0f}x" if c and p else "-")
-        print(f"{e:15s} {t:7d} {n:6d} {cells[0]:>9s} {cells[1]:>12s} {cells[2]:>9s}")
+        print(f"{e:20s} {t:7d} {n:6d} {cells[0]:>9s} {cells[1]:>12s} {cells[2]:>9s} {cells[3]:>9s}")
 
 
 def main() -> None:

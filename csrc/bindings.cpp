@@ -10,13 +10,21 @@
 #include <string>
 #include <vector>
 
+#include "coords.h"
 #include "frozenlake.h"
+#include "game2048.h"
+#include "rubiks.h"
 #include "sokoban.h"
+#include "sudoku.h"
 
 namespace py = pybind11;
 using fastpo::FrozenLakeBatch;
+using fastpo::Game2048Batch;
+using fastpo::RubiksBatch;
 using fastpo::SokobanBatch;
 using fastpo::SokobanParams;
+using fastpo::SudokuAction;
+using fastpo::SudokuBatch;
 
 namespace {
 
@@ -160,6 +168,33 @@ const SymbolTable& sokoban_symbols(const SokobanBatch& b) {
   return *table;
 }
 
+// RAGEN's coordinate formats on top of the symbol grids: "coord" is the coordinate text alone, "grid_coord"
+// is "Coordinates: \n" + coordinates + "\nGrid Map: \n" + grid (join_grid_coord).
+template <typename Batch>
+py::list with_coordinates(Batch& b, py::list grids) {
+  const int64_t n = b.num_envs();
+  std::vector<std::string> coords(static_cast<size_t>(n));
+  {
+    py::gil_scoped_release release;
+    b.coord_texts(coords.data());
+    if (b.obs_format() == fastpo::kObsGridCoord)
+      for (auto& c : coords) c = fastpo::join_grid_coord(c, "");  // the grid str is appended below
+  }
+  py::list out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* head = PyUnicode_FromStringAndSize(coords[i].data(), static_cast<Py_ssize_t>(coords[i].size()));
+    if (head == nullptr) throw py::error_already_set();
+    py::object text = py::reinterpret_steal<py::object>(head);
+    if (b.obs_format() == fastpo::kObsGridCoord) {
+      PyObject* joined = PyUnicode_Concat(text.ptr(), grids[static_cast<size_t>(i)].ptr());
+      if (joined == nullptr) throw py::error_already_set();
+      text = py::reinterpret_steal<py::object>(joined);
+    }
+    out[static_cast<size_t>(i)] = text;
+  }
+  return out;
+}
+
 // Render codes of every instance (GIL released), then the str objects (GIL held).
 py::list render_observations(FrozenLakeBatch& b) {
   const int s = b.size();
@@ -168,7 +203,8 @@ py::list render_observations(FrozenLakeBatch& b) {
     py::gil_scoped_release release;
     b.render_codes(codes.data());
   }
-  return build_observations(codes.data(), b.num_envs(), s, s, frozenlake_symbols());
+  py::list grids = build_observations(codes.data(), b.num_envs(), s, s, frozenlake_symbols());
+  return b.obs_format() == fastpo::kObsGrid ? grids : with_coordinates(b, grids);
 }
 
 py::list render_observations(SokobanBatch& b) {
@@ -178,8 +214,30 @@ py::list render_observations(SokobanBatch& b) {
     py::gil_scoped_release release;
     b.render_codes(codes.data());
   }
-  return build_observations(codes.data(), b.num_envs(), rows, cols, sokoban_symbols(b));
+  py::list grids = build_observations(codes.data(), b.num_envs(), rows, cols, sokoban_symbols(b));
+  return b.obs_format() == fastpo::kObsGrid ? grids : with_coordinates(b, grids);
 }
+
+// Text observations built whole in C++ (2048): the strings (GIL released), then str objects (UTF-8 decoded).
+template <typename Batch>
+py::list render_observations_text(Batch& b) {
+  std::vector<std::string> texts(static_cast<size_t>(b.num_envs()));
+  {
+    py::gil_scoped_release release;
+    b.render_texts(texts.data());
+  }
+  py::list out(texts.size());
+  for (size_t i = 0; i < texts.size(); ++i) {
+    PyObject* str = PyUnicode_DecodeUTF8(texts[i].data(), static_cast<Py_ssize_t>(texts[i].size()), "strict");
+    if (str == nullptr) throw py::error_already_set();
+    out[i] = py::reinterpret_steal<py::object>(str);
+  }
+  return out;
+}
+
+py::list render_observations(Game2048Batch& b) { return render_observations_text(b); }
+py::list render_observations(SudokuBatch& b) { return render_observations_text(b); }
+py::list render_observations(RubiksBatch& b) { return render_observations_text(b); }
 
 template <typename T>
 py::array_t<T> copy_out(const std::vector<T>& v, const std::vector<py::ssize_t>& shape) {
@@ -217,6 +275,54 @@ py::tuple step_batch(Batch& b, const py::handle& actions_obj, bool render) {
   {
     py::gil_scoped_release release;
     b.step(a, r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
+  }
+  auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
+  py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
+  return py::make_tuple(obs_out, reward, row(0), row(1), row(2), row(3), row(4));
+}
+
+// Sudoku's step: text actions parsed here (ASCII in C++; other text, or a number too long for int64, by the
+// Python callable `parse`, which returns (kind, row, col, num, error) as SudokuAction), then stepped without the GIL.
+py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::handle& active_obj, bool render,
+                      const py::handle& parse) {
+  const py::ssize_t n = b.num_envs();
+  if (!PyList_Check(actions_obj.ptr()) || PyList_GET_SIZE(actions_obj.ptr()) != n)
+    throw py::value_error("actions must be a list of " + std::to_string(n) + " str");
+  const uint8_t* active = nullptr;
+  CArray<bool> active_arr;
+  if (!active_obj.is_none()) {
+    active_arr = strict_array<bool>(active_obj, {n}, "active");
+    active = reinterpret_cast<const uint8_t*>(active_arr.data());
+  }
+  require_ready(b);
+  std::vector<SudokuAction> acts(static_cast<size_t>(n));
+  for (py::ssize_t i = 0; i < n; ++i) {
+    if (active != nullptr && !active[i]) continue;
+    PyObject* item = PyList_GET_ITEM(actions_obj.ptr(), i);
+    if (!PyUnicode_Check(item)) throw py::value_error("actions[" + std::to_string(i) + "] must be a str");
+    bool done = false;
+    if (PyUnicode_IS_ASCII(item)) {
+      Py_ssize_t len = 0;
+      const char* data = PyUnicode_AsUTF8AndSize(item, &len);
+      if (data == nullptr) throw py::error_already_set();
+      done = fastpo::parse_sudoku_action(data, static_cast<size_t>(len), b.grid_size(), acts[i]);
+    }
+    if (!done) {
+      auto t = parse(py::reinterpret_borrow<py::str>(item)).cast<py::tuple>();
+      acts[i].kind = t[0].cast<int>();
+      acts[i].row = t[1].cast<int>();
+      acts[i].col = t[2].cast<int>();
+      acts[i].num = t[3].cast<int>();
+      acts[i].error = t[4].cast<std::string>();
+    }
+  }
+  py::array_t<float> reward(n);
+  py::array_t<bool> block({py::ssize_t{5}, n});
+  uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());
+  float* r = reward.mutable_data();
+  {
+    py::gil_scoped_release release;
+    b.step(acts.data(), r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
   }
   auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
   py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
@@ -276,7 +382,7 @@ SokobanParams make_params(int rows, int cols, int num_boxes, int search_depth, d
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastpo C++ batch simulator: Sokoban and FrozenLake with RAGEN's rules (see envs/sokoban.py).";
+  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048, Sudoku and the 2x2 cube with RAGEN's rules (see envs/).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -288,15 +394,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<SokobanBatch>(m, "SokobanBatch", "num_envs Sokoban instances (cell codes 0..5 as gym-sokoban).")
       .def(py::init([](int num_envs, int rows, int cols, int num_boxes, int search_depth, int max_steps,
                        std::vector<std::string> symbols, int num_threads, double p_change_directions,
-                       int num_gen_steps) {
+                       int num_gen_steps, int observation_format) {
              return new SokobanBatch(
                  num_envs, make_params(rows, cols, num_boxes, search_depth, p_change_directions, num_gen_steps),
-                 max_steps, std::move(symbols), num_threads);
+                 max_steps, std::move(symbols), num_threads, observation_format);
            }),
            py::arg("num_envs"), py::arg("rows"), py::arg("cols"), py::arg("num_boxes"), py::arg("search_depth"),
            py::arg("max_steps"), py::arg("symbols"), py::arg("num_threads") = 1,
-           py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1,
-           "symbols: 7 strings for codes 0..6; num_gen_steps < 0 means int(1.7 * (rows + cols)).")
+           py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1, py::arg("observation_format") = 0,
+           "symbols: 7 strings for codes 0..6; num_gen_steps < 0 means int(1.7 * (rows + cols)); "
+           "observation_format 0 grid, 1 coord, 2 grid_coord.")
       .def_property_readonly("num_envs", &SokobanBatch::num_envs)
       .def("reset", &reset_batch<SokobanBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
            "seeds int64[N], mask bool[N] or None -> list of N observations. Generates in parallel.")
@@ -350,8 +457,11 @@ PYBIND11_MODULE(_C, m) {
       "One level -> (room_fixed uint8[R, C], room_state uint8[R, C], attempt int).");
 
   py::class_<FrozenLakeBatch>(m, "FrozenLakeBatch", "num_envs FrozenLake instances (maps as ASCII S F H G).")
-      .def(py::init<int, int, double, bool, int, int>(), py::arg("num_envs"), py::arg("size"), py::arg("p"),
-           py::arg("is_slippery"), py::arg("max_steps"), py::arg("num_threads") = 1)
+      .def(py::init<int, int, double, bool, int, int, double, int>(), py::arg("num_envs"), py::arg("size"),
+           py::arg("p"), py::arg("is_slippery"), py::arg("max_steps"), py::arg("num_threads") = 1,
+           py::arg("success_rate") = -1.0, py::arg("observation_format") = 0,
+           "success_rate < 0: gym's 1/3 slip, else the intended move w.p. success_rate; observation_format 0 grid, "
+           "1 coord, 2 grid_coord.")
       .def_property_readonly("num_envs", &FrozenLakeBatch::num_envs)
       .def("reset", &reset_batch<FrozenLakeBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
            "seeds int64[N], mask bool[N] or None -> list of N observations.")
@@ -382,6 +492,119 @@ PYBIND11_MODULE(_C, m) {
         d["num_steps"] = copy_out(b.num_steps, {n});
         std::vector<int64_t> draws(b.slip_counter.begin(), b.slip_counter.end());
         d["slip_draws"] = copy_out(draws, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+
+  py::class_<Game2048Batch>(m, "Game2048Batch", "num_envs 2048 boards (RAGEN-2's game_2048).")
+      .def(py::init<int, int, double, bool, int, int>(), py::arg("num_envs"), py::arg("size"), py::arg("two_prob"),
+           py::arg("use_log_reward"), py::arg("max_steps"), py::arg("num_threads") = 1)
+      .def_property_readonly("num_envs", &Game2048Batch::num_envs)
+      .def("reset", &reset_batch<Game2048Batch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations.")
+      .def(
+          "set_boards",
+          [](Game2048Batch& b, const py::handle& tiles_obj, const py::handle& seeds_obj) {
+            const py::ssize_t n = b.num_envs(), s = b.size();
+            auto tiles = strict_array<int64_t>(tiles_obj, {n, s, s}, "tiles");
+            auto seeds = strict_array<int64_t>(seeds_obj, {n}, "seeds");
+            b.set_boards(tiles.data(), seeds.data());
+            return render_batch(b);
+          },
+          py::arg("tiles"), py::arg("seeds"),
+          "tiles int64[N, S, S] (0 or powers of two), seeds int64[N] (spawn streams) -> observations.")
+      .def("step", &step_batch<Game2048Batch>, py::arg("actions"), py::arg("render") = true,
+           "int32[N] ids (1 Up, 2 Right, 3 Down, 4 Left) -> (obs, reward f32[N], terminated, truncated, success, "
+           "action_is_valid, action_is_effective bool[N]).")
+      .def("render", &render_batch<Game2048Batch>)
+      .def("state_keys", &state_keys_batch<Game2048Batch>,
+           "uint64[N]: FNV-1a 64 of the tile exponents then the score (int64 little-endian).")
+      .def("get_state", [](Game2048Batch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs(), s = b.size();
+        std::vector<int64_t> tiles(b.exps.size());
+        for (size_t c = 0; c < tiles.size(); ++c) tiles[c] = b.exps[c] == 0 ? 0 : int64_t{1} << b.exps[c];
+        py::dict d;
+        d["grid"] = copy_out(tiles, {n, s, s});
+        d["score"] = copy_out(b.score, {n});
+        d["num_steps"] = copy_out(b.num_steps, {n});
+        std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
+        d["spawn_draws"] = copy_out(draws, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+
+  py::class_<SudokuBatch>(m, "SudokuBatch", "num_envs Sudoku puzzles (RAGEN-2's sudoku env).")
+      .def(py::init([](int num_envs, int grid_size, int cells_to_remove, int max_steps, int render_format,
+                       bool show_conflicts, bool show_valid_numbers, double correct_score, double invalid_score,
+                       double completion_bonus, int num_threads) {
+             fastpo::SudokuRender render{render_format, show_conflicts, show_valid_numbers};
+             return new SudokuBatch(num_envs, grid_size, cells_to_remove, max_steps, render, correct_score,
+                                    invalid_score, completion_bonus, num_threads);
+           }),
+           py::arg("num_envs"), py::arg("grid_size"), py::arg("cells_to_remove"), py::arg("max_steps"),
+           py::arg("render_format"), py::arg("show_conflicts"), py::arg("show_valid_numbers"),
+           py::arg("correct_score"), py::arg("invalid_score"), py::arg("completion_bonus"), py::arg("num_threads") = 1,
+           "render_format 0 simple, 1 detailed, 2 with_feedback.")
+      .def_property_readonly("num_envs", &SudokuBatch::num_envs)
+      .def("reset", &reset_batch<SudokuBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations.")
+      .def(
+          "set_puzzles",
+          [](SudokuBatch& b, const py::handle& initial_obj, const py::handle& solution_obj) {
+            const py::ssize_t n = b.num_envs(), g = b.grid_size();
+            auto initial = strict_array<uint8_t>(initial_obj, {n, g, g}, "initial");
+            auto solution = strict_array<uint8_t>(solution_obj, {n, g, g}, "solution");
+            b.set_puzzles(initial.data(), solution.data());
+            return render_batch(b);
+          },
+          py::arg("initial"), py::arg("solution"), "uint8[N, G, G] each (validated by the caller) -> observations.")
+      .def("step", &sudoku_step, py::arg("actions"), py::arg("active"), py::arg("render"), py::arg("parse"),
+           "list of N str, active bool[N] or None, render, the Python parser for non-ASCII text -> (obs, reward "
+           "f32[N], terminated, truncated, success, action_is_valid, action_is_effective bool[N]).")
+      .def("render", &render_batch<SudokuBatch>)
+      .def("state_keys", &state_keys_batch<SudokuBatch>,
+           "uint64[N]: FNV-1a 64 of the puzzle then the current grid.")
+      .def("get_state", [](SudokuBatch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs(), g = b.grid_size();
+        py::dict d;
+        d["initial"] = copy_out(b.initial, {n, g, g});
+        d["current"] = copy_out(b.current, {n, g, g});
+        d["solution"] = copy_out(b.solution, {n, g, g});
+        d["num_steps"] = copy_out(b.num_steps, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+
+  py::class_<RubiksBatch>(m, "RubiksBatch", "num_envs 2x2 Rubik's cubes (RAGEN-2's rubikscube).")
+      .def(py::init<int, int, int, int>(), py::arg("num_envs"), py::arg("scramble_depth"), py::arg("max_steps"),
+           py::arg("num_threads") = 1)
+      .def_property_readonly("num_envs", &RubiksBatch::num_envs)
+      .def("reset", &reset_batch<RubiksBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations.")
+      .def(
+          "set_cubes",
+          [](RubiksBatch& b, const py::handle& obj) {
+            auto stickers = strict_array<uint8_t>(obj, {b.num_envs(), 24}, "stickers");
+            b.set_cubes(stickers.data());
+            return render_batch(b);
+          },
+          py::arg("stickers"), "uint8[N, 24] colours 0..5 (checked by the caller) -> observations.")
+      .def("step", &step_batch<RubiksBatch>, py::arg("actions"), py::arg("render") = true,
+           "int32[N] ids 1..12 (U U' D D' L L' R R' F F' B B') -> (obs, reward f32[N], terminated, truncated, "
+           "success, action_is_valid, action_is_effective bool[N]).")
+      .def("render", &render_batch<RubiksBatch>)
+      .def("state_keys", &state_keys_batch<RubiksBatch>, "uint64[N]: FNV-1a 64 of the 24 stickers.")
+      .def("get_state", [](RubiksBatch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs();
+        py::dict d;
+        d["stickers"] = copy_out(b.stickers, {n, 24});
+        d["num_steps"] = copy_out(b.num_steps, {n});
         d["terminated"] = copy_bool(b.terminated);
         d["truncated"] = copy_bool(b.truncated);
         return d;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "coords.h"
 #include "state_key.h"
 
 namespace fastpo {
@@ -55,15 +56,20 @@ int generate_frozenlake(uint64_t seed, int size, double p, uint8_t* desc, Frozen
                            ", p=" + std::to_string(p) + ")");
 }
 
-FrozenLakeBatch::FrozenLakeBatch(int num_envs, int size, double p, bool is_slippery, int max_steps, int num_threads)
+FrozenLakeBatch::FrozenLakeBatch(int num_envs, int size, double p, bool is_slippery, int max_steps, int num_threads,
+                                 double success_rate, int obs_format)
     : n_(num_envs), size_(size), p_(p), is_slippery_(is_slippery), max_steps_(max_steps),
-      pool_(std::max(1, std::min(num_threads, 256))) {
+      success_rate_(success_rate), obs_format_(obs_format), pool_(std::max(1, std::min(num_threads, 256))) {
   if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
   if (size < 2 || size > 64) throw std::invalid_argument("size must be in [2, 64], got " + std::to_string(size));
   if (!(p > 0.0 && p <= 1.0)) throw std::invalid_argument("p must be in (0, 1], got " + std::to_string(p));
   if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
   if (num_threads < 1 || num_threads > 256)
     throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
+  if (!(success_rate < 0.0 || success_rate <= 1.0))  // negative: gym's slip; NaN is refused
+    throw std::invalid_argument("success_rate must be in [0, 1] (or negative for gym's 1/3 slip), got " +
+                                std::to_string(success_rate));
+  check_obs_format(obs_format);
   desc.assign(static_cast<size_t>(n_) * size_ * size_, 'F');
   position.assign(n_, 0);
   num_steps.assign(n_, 0);
@@ -143,6 +149,9 @@ void FrozenLakeBatch::step(const int32_t* actions, float* reward, uint8_t* termi
     uint8_t* const trunc = truncated.data();
     const int32_t* const moves = move_.data();
     const bool slippery = is_slippery_;
+    const bool uniform_slip = success_rate_ < 0.0;
+    const double fail_rate = (1.0 - success_rate_) / 2.0;  // as gym computes it
+    const double stay_below = fail_rate + success_rate_;    // gym's cumulative sum [fail, fail + sr, 1]
     const int32_t max_steps = max_steps_;
     // Flags that need no game logic come from vectorizable passes: valid before, the copies after.
     for (int64_t i = begin; i < end; ++i)
@@ -155,9 +164,17 @@ void FrozenLakeBatch::step(const int32_t* actions, float* reward, uint8_t* termi
         steps[i] = num;
         int gym_action = actions[i] - 1;
         if (slippery) {
-          // [(a - 1) % 4, a, (a + 1) % 4][randint(3)], one draw of the episode's slip stream.
+          // [(a - 1) % 4, a, (a + 1) % 4][k], one draw of the episode's slip stream: k = randint(3) for gym's
+          // slip; for success_rate, k is gym's categorical_sample over [fail, success_rate, fail].
           CounterRng slip = CounterRng::resume(keys[i], counters[i]);
-          gym_action = (gym_action + 3 + static_cast<int>(slip.randint(3))) & 3;
+          int k;
+          if (uniform_slip) {
+            k = static_cast<int>(slip.randint(3));
+          } else {
+            const double u = slip.uniform();
+            k = u < fail_rate ? 0 : u < stay_below ? 1 : 2;
+          }
+          gym_action = (gym_action + 3 + k) & 3;
           counters[i] = slip.counter;
         }
         const int32_t old = pos;
@@ -210,6 +227,17 @@ void FrozenLakeBatch::state_keys(uint64_t* out) {
       const uint8_t le[4] = {static_cast<uint8_t>(cell), static_cast<uint8_t>(cell >> 8),
                              static_cast<uint8_t>(cell >> 16), static_cast<uint8_t>(cell >> 24)};
       out[i] = fnv1a64(le, 4, fnv1a64(&desc[static_cast<size_t>(i) * cells], cells));
+    }
+  });
+}
+
+void FrozenLakeBatch::coord_texts(std::string* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int cells = size_ * size_;
+  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      out[i].clear();
+      append_frozenlake_coords(&desc[static_cast<size_t>(i) * cells], size_, position[i], out[i]);
     }
   });
 }

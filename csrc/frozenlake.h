@@ -1,5 +1,5 @@
 // FrozenLake: RAGEN's generate_random_map and gymnasium's step rules for a struct-of-arrays batch of N
-// instances. The pure-Python twin envs/py_frozenlake.py is the specification. Maps are stored as ASCII
+// instances, with gym's uniform slip or RAGEN-2's success_rate slip. The pure-Python twin envs/py_frozenlake.py is the specification. Maps are stored as ASCII
 // codes of 'S' 'F' 'H' 'G'; the player cell is row * size + col.
 #pragma once
 
@@ -29,7 +29,11 @@ int generate_frozenlake(uint64_t seed, int size, double p, uint8_t* desc, Frozen
 // N FrozenLake instances, struct of arrays. All methods are safe to call without the GIL.
 class FrozenLakeBatch {
  public:
-  FrozenLakeBatch(int num_envs, int size, double p, bool is_slippery, int max_steps, int num_threads);
+  // success_rate < 0: gym's slip (the intended and each perpendicular direction w.p. 1/3, one randint(3) draw);
+  // in [0, 1]: the intended direction w.p. success_rate, each perpendicular one w.p. (1 - success_rate) / 2
+  // (one uniform draw, in gym's categorical order). obs_format: an ObsFormat (coords.h).
+  FrozenLakeBatch(int num_envs, int size, double p, bool is_slippery, int max_steps, int num_threads,
+                  double success_rate = -1.0, int obs_format = 0);
 
   // Regenerates instances with mask[i] (mask may be null = all) from seeds[i]; restarts their slip streams.
   void reset(const int64_t* seeds, const uint8_t* mask);
@@ -43,10 +47,13 @@ class FrozenLakeBatch {
   // Exact state key per instance (num_envs): FNV-1a 64 over the map (size * size ASCII) then the player cell as
   // 4 little-endian bytes. Step counter and slip stream are not part of it.
   void state_keys(uint64_t* out);
+  // RAGEN's coordinate text per instance (num_envs strings; see coords.h).
+  void coord_texts(std::string* out);
   bool all_ready() const;
 
   int num_envs() const { return n_; }
   int size() const { return size_; }
+  int obs_format() const { return obs_format_; }
   // Raw state (copied out by the bindings).
   std::vector<uint8_t> desc;
   std::vector<int32_t> position, num_steps;
@@ -61,6 +68,8 @@ class FrozenLakeBatch {
   double p_;
   bool is_slippery_;
   int max_steps_;
+  double success_rate_;
+  int obs_format_;
   ThreadPool pool_;
   std::vector<FrozenLakeScratch> scratch_;  // one per worker
   std::mutex mu_;

@@ -11,6 +11,9 @@ namespace fastpo {
 constexpr uint64_t kStreamSokobanGen = 1;
 constexpr uint64_t kStreamFrozenLakeGen = 2;
 constexpr uint64_t kStreamFrozenLakeSlip = 3;
+constexpr uint64_t kStreamGame2048 = 7;
+constexpr uint64_t kStreamSudoku = 8;
+constexpr uint64_t kStreamRubiks = 9;
 
 // splitmix64 finaliser (all arithmetic mod 2^64).
 inline uint64_t mix64(uint64_t z) {

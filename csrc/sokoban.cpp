@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "coords.h"
 #include "state_key.h"
 
 namespace fastpo {
@@ -297,10 +298,11 @@ static_assert(kBoxOnTarget + 1 == kBox, "step_range computes the box code as kBo
 // ------------------------------------------------------------------------------------- SokobanBatch
 
 SokobanBatch::SokobanBatch(int num_envs, const SokobanParams& params, int max_steps, std::vector<std::string> symbols,
-                           int num_threads)
+                           int num_threads, int obs_format)
     : n_(num_envs), p_(params), cells_(params.rows * params.cols), max_steps_(max_steps),
-      symbols_(std::move(symbols)), pool_(std::max(1, std::min(num_threads, 256))) {
+      symbols_(std::move(symbols)), obs_format_(obs_format), pool_(std::max(1, std::min(num_threads, 256))) {
   p_.validate();
+  check_obs_format(obs_format);
   if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
   if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
   if (num_threads < 1 || num_threads > 256)
@@ -543,6 +545,17 @@ void SokobanBatch::state_keys(uint64_t* out) {
     for (int64_t i = begin; i < end; ++i) {
       const size_t at = static_cast<size_t>(i) * cells_;
       out[i] = fnv1a64(&room_state[at], cells_, fnv1a64(&room_fixed[at], cells_));
+    }
+  });
+}
+
+void SokobanBatch::coord_texts(std::string* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const size_t at = static_cast<size_t>(i) * cells_;
+      out[i].clear();
+      append_sokoban_coords(&room_fixed[at], &room_state[at], p_.rows, p_.cols, out[i]);
     }
   });
 }

@@ -102,8 +102,9 @@ class SokobanGenerator {
 // N Sokoban instances, struct of arrays. All methods are safe to call without the GIL.
 class SokobanBatch {
  public:
+  // obs_format: an ObsFormat (coords.h): the symbol grid, RAGEN's coordinate lists, or both.
   SokobanBatch(int num_envs, const SokobanParams& params, int max_steps, std::vector<std::string> symbols,
-               int num_threads);
+               int num_threads, int obs_format = 0);
 
   // Regenerates instances with mask[i] (mask may be null = all) from seeds[i]; in parallel.
   void reset(const int64_t* seeds, const uint8_t* mask);
@@ -116,9 +117,12 @@ class SokobanBatch {
   // Exact state key per instance (num_envs): FNV-1a 64 over room_fixed then room_state (walls, targets, boxes,
   // player); the step counter is not part of it, so a state reached at different turns has one key.
   void state_keys(uint64_t* out);
+  // RAGEN's coordinate text per instance (num_envs strings; see coords.h).
+  void coord_texts(std::string* out);
   bool all_ready() const;
 
   int num_envs() const { return n_; }
+  int obs_format() const { return obs_format_; }
   const SokobanParams& params() const { return p_; }
   const std::vector<std::string>& symbols() const { return symbols_; }
   // Raw state (copied out by the bindings).
@@ -137,6 +141,7 @@ class SokobanBatch {
   int cells_;
   int max_steps_;
   std::vector<std::string> symbols_;
+  int obs_format_;
   ThreadPool pool_;
   std::vector<std::unique_ptr<SokobanGenerator>> generators_;  // one per worker
   std::mutex mu_;  // one public call at a time (the GIL is released inside)

@@ -4,9 +4,9 @@
     obs = env.reset(np.arange(64))
     obs, reward, terminated, truncated, info = env.step(np.full(64, 1, dtype=np.int32))
 
-Sokoban and FrozenLake run in the C++ batch simulator (``fastpo._C``); ``backend="python"`` selects
-their pure-Python twins (the test oracle and the speed baseline). Bandit, Countdown and the QA env
-are Python; users' own text environments plug in through ``fastpo.envs.text`` (see ``TextEnv``) and
+Sokoban, FrozenLake, 2048, Sudoku and the 2x2 Rubik's cube run in the C++ batch simulator (``fastpo._C``);
+``backend="python"`` selects their pure-Python twins (the test oracle and the speed baseline). Bandit, Countdown
+and the QA env are Python; users' own text environments plug in through ``fastpo.envs.text`` (see ``TextEnv``) and
 ``register(name, factory)``, which makes them available to ``make`` (docs/ENVS.md).
 
 Plug-ins: ``load_plugins(["my_envs"])`` imports modules that call ``register`` (the trainer, eval and SFT
@@ -33,6 +33,9 @@ _REGISTRY: dict[str, dict[str, str | Callable[..., BatchEnv]]] = {
         "cpp": "fastpo.envs.frozenlake:FrozenLakeEnv",
         "python": "fastpo.envs.py_frozenlake:PyFrozenLakeEnv",
     },
+    "game_2048": {"cpp": "fastpo.envs.game2048:Game2048Env", "python": "fastpo.envs.py_game2048:PyGame2048Env"},
+    "sudoku": {"cpp": "fastpo.envs.sudoku:SudokuEnv", "python": "fastpo.envs.py_sudoku:PySudokuEnv"},
+    "rubikscube": {"cpp": "fastpo.envs.rubiks:RubiksEnv", "python": "fastpo.envs.py_rubiks:PyRubiksEnv"},
     "bandit": {"python": "fastpo.envs.bandit:BanditEnv"},
     "countdown": {"python": "fastpo.envs.countdown:CountdownEnv"},
     "qa": {"python": "fastpo.envs.qa:QAEnv"},
@@ -46,6 +49,13 @@ _ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "sokoban_different_grid_vocab": ("sokoban", {"symbols": "different", "search_depth": 30}),
     "metamathqa": ("qa", {}),
     "bandit_test": ("bandit", {"names": "test"}),
+    # RAGEN-2 (April 2026): CoordSokoban is its default train tag; its FrozenLake tags slip with success_rate 0.8.
+    "coord_sokoban": ("sokoban", {"observation_format": "grid_coord"}),
+    "coord_frozenlake": ("frozenlake", {"observation_format": "grid_coord", "success_rate": 0.8}),
+    "2048": ("game_2048", {}),
+    # RAGEN-2's Sudoku tags (their budgets, 20 and 30 actions, are in the prompt presets).
+    "simple_sudoku": ("sudoku", {"difficulty": "easy", "render_format": "with_feedback"}),
+    "medium_sudoku": ("sudoku", {"difficulty": "medium", "render_format": "with_feedback"}),
 }
 
 
@@ -54,7 +64,10 @@ ENTRY_POINT_GROUP = "fastpo.envs"
 _entry_points_loaded = False
 
 #: Config key holding each built-in env's per-episode step limit; Bandit and Countdown end after one action.
-STEP_LIMIT_KEYS = {"sokoban": "max_steps", "frozenlake": "max_steps", "qa": "max_attempts"}
+STEP_LIMIT_KEYS = {"sokoban": "max_steps", "frozenlake": "max_steps", "game_2048": "max_steps", "sudoku": "max_steps",
+                   "rubikscube": "max_steps", "qa": "max_attempts"}
+#: Built-in envs whose ``max_steps`` is raised to the action budget when the config leaves it out.
+_STEP_LIMITED = ("sokoban", "frozenlake", "game_2048", "sudoku", "rubikscube")
 _ONE_ACTION_ENVS = frozenset({"bandit", "countdown"})
 
 
@@ -135,7 +148,7 @@ def step_limit_config(name: str, budget: int, config: dict[str, Any]) -> dict[st
     key = STEP_LIMIT_KEYS.get(base, "max_steps")
     if key in config:
         limit = config[key]
-    elif base in ("sokoban", "frozenlake"):
+    elif base in _STEP_LIMITED:
         return {**config, key: max(budget, _default_step_limit(name))}
     elif base == "qa":
         limit = 1
@@ -152,9 +165,13 @@ def step_limit_config(name: str, budget: int, config: dict[str, Any]) -> dict[st
 def _default_step_limit(name: str) -> int:
     key = name.lower()
     preset = _ALIASES[key][1] if key in _ALIASES else {}
+    from .game2048 import Game2048Config
     from .layouts import FrozenLakeConfig, SokobanConfig
+    from .rubiks import RubiksConfig
+    from .sudoku import SudokuConfig
 
-    cls = SokobanConfig if base_name(name) == "sokoban" else FrozenLakeConfig
+    cls = {"sokoban": SokobanConfig, "frozenlake": FrozenLakeConfig, "game_2048": Game2048Config,
+           "sudoku": SudokuConfig, "rubikscube": RubiksConfig}[base_name(name)]
     return int(preset.get("max_steps", cls.max_steps))
 
 

@@ -1,4 +1,5 @@
-"""FrozenLake on the C++ batch simulator (``fastpo._C.FrozenLakeBatch``): RAGEN's maps, gymnasium's rules.
+"""FrozenLake on the C++ batch simulator (``fastpo._C.FrozenLakeBatch``): RAGEN's maps, gymnasium's rules, gym's
+or RAGEN-2's slip, and RAGEN-2's coordinate observations.
 
     env = FrozenLakeEnv(64, size=4, p=0.8, is_slippery=True)
     obs = env.reset(np.arange(64))
@@ -21,6 +22,7 @@ from .layouts import (
     FROZENLAKE_ACTIONS,
     FROZENLAKE_GRID_VOCAB,
     FROZENLAKE_INSTRUCTION,
+    OBSERVATION_FORMATS,
     FrozenLakeConfig,
     parse_frozenlake_layouts,
 )
@@ -29,7 +31,8 @@ from .layouts import (
 class FrozenLakeEnv(CppGridEnv):
     """``num_envs`` FrozenLake instances (actions 1 Left, 2 Down, 3 Right, 4 Up; others are "no valid action").
 
-    Config: see ``FrozenLakeConfig`` (size, p, is_slippery, max_steps, num_threads). Reward 1.0 on reaching
+    Config: see ``FrozenLakeConfig`` (size, p, is_slippery, success_rate, observation_format, max_steps,
+    num_threads). Reward 1.0 on reaching
     the goal; terminated on a hole or the goal; truncated after ``max_steps`` valid actions. ``reset``,
     ``step``, ``render`` as ``CppGridEnv``. State key: FNV-1a 64 of the map then the player cell (int32
     little-endian; not the step counter or the slip stream). ``get_state``: desc ``uint8[N, S, S]`` (ASCII),
@@ -47,8 +50,10 @@ class FrozenLakeEnv(CppGridEnv):
 
         self.config: FrozenLakeConfig = build_config(FrozenLakeConfig, self.name, config)
         cfg = self.config
+        success_rate = -1.0 if cfg.success_rate is None else cfg.success_rate  # negative: gym's 1/3 slip
         self._batch = _C.FrozenLakeBatch(
-            self.num_envs, cfg.size, float(cfg.p), cfg.is_slippery, cfg.max_steps, cfg.num_threads
+            self.num_envs, cfg.size, float(cfg.p), cfg.is_slippery, cfg.max_steps, cfg.num_threads, success_rate,
+            OBSERVATION_FORMATS[cfg.observation_format],
         )
 
     def reset_from_layouts(

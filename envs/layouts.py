@@ -53,6 +53,9 @@ class SokobanConfig:
     """Probability of redrawing the direction at each random-walk step of the topology; [0, 1]."""
     num_gen_steps: int | None = None
     """Random-walk steps of the topology; None means int(1.7 * (rows + cols)) as in gym-sokoban."""
+    observation_format: str = "grid"
+    """RAGEN's observation_format: "grid" (symbols), "coord" (coordinate lists) or "grid_coord" (both;
+    RAGEN-2's CoordSokoban)."""
 
     def __post_init__(self):
         dim = self.dim_room
@@ -73,6 +76,7 @@ class SokobanConfig:
         _check_float("p_change_directions", self.p_change_directions, 0.0, 1.0)
         if self.num_gen_steps is not None:
             _check_int("num_gen_steps", self.num_gen_steps, 1, 100_000)
+        _check_choice("observation_format", self.observation_format, OBSERVATION_FORMATS)
 
     @property
     def gen_steps(self) -> int:
@@ -153,7 +157,14 @@ class FrozenLakeConfig:
     p: float = 0.8
     """Probability that a cell is frozen (else a hole); (0, 1]."""
     is_slippery: bool = True
-    """Gym's slippery ice: the intended direction and each perpendicular one w.p. 1/3."""
+    """Slippery ice: the move may go to a perpendicular direction (see ``success_rate``)."""
+    success_rate: float | None = None
+    """On slippery ice, the probability in [0, 1] of the intended move; each perpendicular direction gets
+    (1 - success_rate) / 2 (RAGEN-2's rule; its FrozenLake tag uses 0.8). None: gym's slip, the intended and each
+    perpendicular direction w.p. 1/3."""
+    observation_format: str = "grid"
+    """RAGEN's observation_format: "grid" (symbols), "coord" (coordinate lists) or "grid_coord" (both;
+    RAGEN-2's CoordFrozenLake)."""
     max_steps: int = 10
     """Per-episode action budget: the episode is truncated after this many valid actions."""
     num_threads: int = 1
@@ -167,8 +178,12 @@ class FrozenLakeConfig:
         if not isinstance(self.is_slippery, (bool, np.bool_)):
             raise ValueError(f"is_slippery must be a bool, got {self.is_slippery!r}")
         self.is_slippery = bool(self.is_slippery)
+        if self.success_rate is not None:
+            _check_float("success_rate", self.success_rate, 0.0, 1.0)
+            self.success_rate = float(self.success_rate)
         _check_int("max_steps", self.max_steps, 1, 2**31 - 1)
         _check_int("num_threads", self.num_threads, 1, 256)
+        _check_choice("observation_format", self.observation_format, OBSERVATION_FORMATS)
 
 
 def parse_frozenlake_layouts(layouts: Any, num_envs: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -191,6 +206,59 @@ def parse_frozenlake_layouts(layouts: Any, num_envs: int, size: int) -> tuple[np
             if ch == "S":
                 start[i] = cells[0][0] * size + cells[0][1]
     return desc, start
+
+
+# ------------------------------------------------------------------------------------ coordinate formats
+
+#: RAGEN's observation formats -> the C++ batch's code (csrc/coords.h ObsFormat).
+OBSERVATION_FORMATS = {"grid": 0, "coord": 1, "grid_coord": 2}
+
+
+def _coord_lines(rows: int, cols: int, labelled: Sequence[tuple[str, Sequence[int]]]) -> str:
+    """RAGEN's format_coordinate_render: the board size, then one line per non-empty list of row-major cells."""
+    lines = [f"Board size: {rows} rows x {cols} cols (zero-indexed)."]
+    for label, cells in labelled:
+        if cells:
+            lines.append(f"{label}: " + ", ".join(f"({c // cols}, {c % cols})" for c in cells))
+    return "\n".join(lines)
+
+
+def sokoban_coord_text(room_fixed: np.ndarray, room_state: np.ndarray) -> str:
+    """RAGEN-2's Sokoban coordinate text from gym-sokoban codes (``uint8[R, C]`` each); walls are left out."""
+    rows, cols = room_fixed.shape
+    fixed, state = room_fixed.ravel().tolist(), room_state.ravel().tolist()
+    cells = range(rows * cols)
+    return _coord_lines(rows, cols, [
+        ("Targets", [c for c in cells if fixed[c] == 2]),
+        ("Boxes", [c for c in cells if state[c] == 4]),
+        ("Boxes on target", [c for c in cells if state[c] == 3]),
+        ("Player", [c for c in cells if state[c] == 5 and fixed[c] != 2]),
+        ("Player on target", [c for c in cells if state[c] == 5 and fixed[c] == 2]),
+    ])
+
+
+def frozenlake_coord_text(desc: np.ndarray, position: int) -> str:
+    """RAGEN-2's FrozenLake coordinate text from the map (``uint8[S, S]`` ASCII) and the player cell."""
+    size = desc.shape[0]
+    letters = bytes(desc.ravel().tolist()).decode("ascii")
+    tile = letters[position]
+    return _coord_lines(size, size, [
+        ("Start", [c for c, x in enumerate(letters) if x == "S"]),
+        ("Goal", [c for c, x in enumerate(letters) if x == "G"]),
+        ("Player", [position] if tile not in "GH" else []),
+        ("Player on goal", [position] if tile == "G" else []),
+        ("Player in hole", [position] if tile == "H" else []),
+        ("Holes", [c for c, x in enumerate(letters) if x == "H"]),
+    ])
+
+
+def format_observation(observation_format: str, grid: str, coords: str) -> str:
+    """The observation in ``observation_format`` from its two halves (RAGEN's ``_render_text``)."""
+    if observation_format == "grid":
+        return grid
+    if observation_format == "coord":
+        return coords
+    return "Coordinates: \n" + coords + "\nGrid Map: \n" + grid
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -242,6 +310,11 @@ def _is_int(x: Any) -> bool:
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
     if not _is_int(value) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: Any) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
 
 
 def _check_float(name: str, value: Any, lo: float, hi: float) -> None:

@@ -2,8 +2,12 @@
 
 Maps are RAGEN's ``generate_random_map`` with ``CounterRng(seed, STREAM_FROZENLAKE_GEN)``; stepping is
 gymnasium's FrozenLake (RAGEN ids 1 Left, 2 Down, 3 Right, 4 Up = gym 0..3). On slippery ice the gym
-direction actually taken is ``[(a - 1) % 4, a, (a + 1) % 4][slip.randint(3)]``, where ``slip`` is
-``CounterRng(seed, STREAM_FROZENLAKE_SLIP)`` restarted at every reset (one draw per valid action).
+direction actually taken is ``[(a - 1) % 4, a, (a + 1) % 4][k]``, where ``slip`` is
+``CounterRng(seed, STREAM_FROZENLAKE_SLIP)`` restarted at every reset (one draw per valid action) and
+
+- gym's slip (``success_rate=None``): ``k = slip.randint(3)``;
+- RAGEN-2's slip (``success_rate=p``): ``k`` is gym's ``categorical_sample`` over ``[f, p, f]`` with
+  ``f = (1 - p) / 2``: ``u = slip.uniform()``, k = 0 if ``u < f``, else 1 if ``u < f + p``, else 2.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from .layouts import (
     FROZENLAKE_INSTRUCTION,
     FROZENLAKE_MAX_MAP_TRIES,
     FrozenLakeConfig,
+    format_observation,
+    frozenlake_coord_text,
     parse_frozenlake_layouts,
 )
 from .rng import STREAM_FROZENLAKE_GEN, STREAM_FROZENLAKE_SLIP, CounterRng
@@ -65,12 +71,14 @@ def is_valid(board: list[list[str]], size: int) -> bool:
 class FrozenLakeGame:
     """One FrozenLake instance: ``desc`` ``uint8[S, S]`` ASCII ``S F H G``, player cell ``row * S + col``."""
 
-    def __init__(self, desc: np.ndarray, start: int, seed: int, is_slippery: bool, max_steps: int):
+    def __init__(self, desc: np.ndarray, start: int, seed: int, is_slippery: bool, max_steps: int,
+                 success_rate: float | None = None):
         self.desc = desc.astype(np.uint8)
         self.size = desc.shape[0]
         self.position = int(start)
         self.slip = CounterRng(seed, STREAM_FROZENLAKE_SLIP)
         self.is_slippery = is_slippery
+        self.success_rate = success_rate
         self.max_steps = max_steps
         self.num_steps = 0
         self.terminated = False
@@ -86,7 +94,13 @@ class FrozenLakeGame:
         self.num_steps += 1
         gym_action = action - 1
         if self.is_slippery:
-            gym_action = [(gym_action - 1) % 4, gym_action, (gym_action + 1) % 4][self.slip.randint(3)]
+            if self.success_rate is None:
+                k = self.slip.randint(3)
+            else:
+                fail = (1.0 - self.success_rate) / 2.0
+                u = self.slip.uniform()
+                k = 0 if u < fail else 1 if u < fail + self.success_rate else 2
+            gym_action = [(gym_action - 1) % 4, gym_action, (gym_action + 1) % 4][k]
         row, col = divmod(self.position, self.size)
         dr, dc = GYM_MOVES[gym_action]
         row = min(max(row + dr, 0), self.size - 1)  # moving off the map leaves the player in place
@@ -146,7 +160,7 @@ class PyFrozenLakeEnv(PyGridEnv):
             rows = generate_random_map(int(seeds[i]), cfg.size, cfg.p)
             desc = np.frombuffer("".join(rows).encode("ascii"), dtype=np.uint8).reshape(cfg.size, cfg.size)
             start = int(np.flatnonzero(desc.ravel() == ord("S"))[0])
-            self.games[i] = FrozenLakeGame(desc, start, int(seeds[i]), cfg.is_slippery, cfg.max_steps)
+            self.games[i] = FrozenLakeGame(desc, start, int(seeds[i]), cfg.is_slippery, cfg.max_steps, cfg.success_rate)
         return self.render()
 
     def reset_from_layouts(
@@ -159,7 +173,7 @@ class PyFrozenLakeEnv(PyGridEnv):
         seeds = check_seeds(np.zeros(self.num_envs, dtype=np.int64) if seeds is None else seeds, self.num_envs)
         cfg = self.config
         self.games = [
-            FrozenLakeGame(desc[i], int(start[i]), int(seeds[i]), cfg.is_slippery, cfg.max_steps)
+            FrozenLakeGame(desc[i], int(start[i]), int(seeds[i]), cfg.is_slippery, cfg.max_steps, cfg.success_rate)
             for i in range(self.num_envs)
         ]
         return self.render()
@@ -174,7 +188,10 @@ class PyFrozenLakeEnv(PyGridEnv):
         return game.letter() == "G"
 
     def _render_game(self, game: FrozenLakeGame) -> str:
-        return game.render()
+        fmt = self.config.observation_format
+        if fmt == "grid":
+            return game.render()
+        return format_observation(fmt, game.render(), frozenlake_coord_text(game.desc, game.position))
 
     def _state_key(self, game: FrozenLakeGame) -> int:
         """FNV-1a 64 of the map bytes then the player cell (int32 little-endian), as ``FrozenLakeEnv``."""

@@ -33,7 +33,9 @@ from .layouts import (
     SOKOBAN_MAX_ATTEMPTS,
     SOKOBAN_SYMBOLS,
     SokobanConfig,
+    format_observation,
     parse_sokoban_layouts,
+    sokoban_coord_text,
     sokoban_grid_vocab,
 )
 from .rng import STREAM_SOKOBAN_GEN, CounterRng
@@ -380,7 +382,11 @@ class PySokobanEnv(PyGridEnv):
         return game.all_boxes_on_target()
 
     def _render_game(self, game: SokobanGame) -> str:
-        return game.render(self.symbols)
+        fmt = self.config.observation_format
+        if fmt == "grid":
+            return game.render(self.symbols)
+        coords = sokoban_coord_text(game.room_fixed, game.room_state)
+        return format_observation(fmt, game.render(self.symbols), coords)
 
     def _state_key(self, game: SokobanGame) -> int:
         """FNV-1a 64 of room_fixed then room_state (row-major bytes), as ``SokobanEnv``."""

@@ -16,6 +16,7 @@ from typing import Any
 from .base import build_config
 from .grid import CppGridEnv
 from .layouts import (
+    OBSERVATION_FORMATS,
     SOKOBAN_ACTIONS,
     SOKOBAN_INSTRUCTION,
     SOKOBAN_SYMBOLS,
@@ -29,12 +30,12 @@ class SokobanEnv(CppGridEnv):
     """``num_envs`` Sokoban instances (actions 1 Up, 2 Down, 3 Left, 4 Right; others are "no valid action").
 
     Config: see ``SokobanConfig`` (dim_room, num_boxes, search_depth, max_steps, symbols, num_threads,
-    p_change_directions, num_gen_steps). Rewards: -0.1 per valid action, +1 / -1 for a box pushed onto /
-    off a target, +10 when all boxes are on targets (terminated). ``truncated`` after ``max_steps`` valid
-    actions. ``reset``, ``step``, ``render`` as ``CppGridEnv``. State key: FNV-1a 64 of room_fixed then
-    room_state (walls, targets, boxes, player; not the step counter): equal states give equal keys at any turn.
-    ``get_state``: room_fixed/room_state ``uint8[N, R, C]``, num_steps/boxes_on_target ``int32[N]``,
-    terminated/truncated ``bool[N]``.
+    p_change_directions, num_gen_steps, observation_format). Rewards: -0.1 per valid action, +1 / -1 for a
+    box pushed onto / off a target, +10 when all boxes are on targets (terminated). ``truncated`` after
+    ``max_steps`` valid actions. ``reset``, ``step``, ``render`` as ``CppGridEnv``. State key: FNV-1a 64 of
+    room_fixed then room_state (walls, targets, boxes, player; not the step counter): equal states give equal
+    keys at any turn. ``get_state``: room_fixed/room_state ``uint8[N, R, C]``, num_steps/boxes_on_target
+    ``int32[N]``, terminated/truncated ``bool[N]``.
     """
 
     name = "sokoban"
@@ -59,6 +60,7 @@ class SokobanEnv(CppGridEnv):
             cfg.num_threads,
             float(cfg.p_change_directions),
             cfg.gen_steps,
+            OBSERVATION_FORMATS[cfg.observation_format],
         )
 
     def reset_from_layouts(self, layouts: Sequence[str | Sequence[str]]) -> list[str]:

@@ -57,6 +57,7 @@ from .envs.layouts import (
     SOKOBAN_INSTRUCTION,
     sokoban_grid_vocab,
 )
+from .envs.prompt_text import PROMPT_ALIASES, PROMPT_PRESETS
 from .parsing import ACTION_SEP, generation_prefix
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
@@ -171,6 +172,8 @@ _ALIASES = {
     "bandittest": "bandit",
     "qa": "metamathqa",
 }
+_PRESETS.update(PROMPT_PRESETS)  # RAGEN-2's tags (Coord*, 2048, Sudoku): text kept with the envs
+_ALIASES.update(PROMPT_ALIASES)
 
 
 def prompt_spec(env_name: str, **overrides: Any) -> EnvPromptSpec:

@@ -205,3 +205,60 @@ def test_bad_reset_input_and_step_before_reset():
         pull(env, 1)
     with pytest.raises(ValueError):
         fastpo.envs.make("bandit", 0)
+
+
+# RAGEN-2's ARM_NAMES (mll-lab-nu/RAGEN ragen/env/bandit/config.py at 20daedc47558e000f7de912b060646bf2e8026bd),
+# typed out for the test: split -> (low-risk, high-risk) pairs.
+RAGEN2_TRAIN = [("Teacher", "Trader"), ("Nurse", "StartupFounder"), ("Librarian", "Investor"),
+                ("Accountant", "StockBroker"), ("Engineer", "RealEstateAgent"), ("Pharmacist", "Musician"),
+                ("Clerk", "Freelancer"), ("Technician", "Youtuber"), ("Planner", "Artist"), ("Postman", "Pilot"),
+                ("Banker", "VentureCapitalist"), ("Gardener", "Cryptominer")]
+RAGEN2_TEST = [("Receptionist", "Explorer"), ("Archivist", "Filmmaker"), ("Bookkeeper", "Consultant"),
+               ("SocialWorker", "Photographer"), ("Mechanic", "GameDesigner"), ("Secretary", "Entrepreneur"),
+               ("Cashier", "DataScientist"), ("CivilServant", "StartupAccelerator")]
+
+
+@pytest.mark.parametrize("split,pairs", [("train", RAGEN2_TRAIN), ("test", RAGEN2_TEST)])
+def test_split_draws_each_episodes_pair(split, pairs):
+    n = 4000
+    env = fastpo.envs.make("bandit", n, split=split)
+    assert env.action_names == [name for pair in pairs for name in pair]
+    obs = env.reset(np.arange(n))
+    counts = np.zeros(len(pairs))
+    for i, text in enumerate(obs):
+        k = int(CounterRng(i, STREAM_BANDIT, counter=2).uniform() * len(pairs))  # draw 3 of the seed
+        lo, hi = pairs[k]
+        a, b = (lo, hi) if bandit_draws(i)[0] else (hi, lo)
+        assert text == GOLDEN_PHOENIX_FIRST.replace("Phoenix", "\0").replace("Dragon", b).replace("\0", a)
+        counts[k] += 1
+    # uniform over the pairs (3 sigma each)
+    p = 1 / len(pairs)
+    assert np.all(np.abs(counts / n - p) <= 3 * np.sqrt(p * (1 - p) / n)), counts
+    # a pull is valid only for the episode's own arms; solve() names its high arm
+    plan = np.array([s[0] for s in env.solve()], dtype=np.int32)
+    other = np.where(plan > 2, 1, 3).astype(np.int32)  # an arm of another pair
+    _, reward, terminated, _, info = env.step(other)
+    assert not info["action_is_valid"].any() and not terminated.any() and not reward.any()
+    obs, reward, terminated, _, info = env.step(plan)
+    assert info["action_is_valid"].all() and info["success"].all() and terminated.all()
+    k = (plan[0] - 2) // 2
+    assert obs[0] == f"{pairs[k][1]}: {1.0 if bandit_draws(0)[1] else 0.0} points"
+
+
+def test_split_keeps_draws_one_and_two():
+    """The split adds draw 3; the arm order and payout of a seed are those without a split."""
+    plain, split = fastpo.envs.make("bandit", 64), fastpo.envs.make("bandit", 64, split="train")
+    plain.reset(np.arange(64))
+    split.reset(np.arange(64))
+    hi = np.array([s[0] for s in split.solve()], dtype=np.int32)
+    assert np.array_equal(plain.step(np.full(64, 2, np.int32))[1], split.step(hi)[1])
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"split": "val"}, r"^split must be one of \['test', 'train'\] or None, got 'val'$"),
+    ({"split": "train", "names": "test"}, r"^split='train' draws the arm names; drop names"),
+    ({"split": "test", "hi_arm_name": "Dragon"}, r"^split='test' draws the arm names"),
+])
+def test_bad_split(config, message):
+    with pytest.raises(ValueError, match=message):
+        fastpo.envs.make("bandit", 2, **config)

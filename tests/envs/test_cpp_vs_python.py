@@ -84,7 +84,8 @@ def run_pair(name, cfg, num_envs, rounds, steps, seed):
 
 @pytest.mark.slow
 def test_random_action_sequences_equal():
-    """More than 10,000 random action sequences over Sokoban and (slippery) FrozenLake configurations."""
+    """More than 10,000 random action sequences over Sokoban and (slippery) FrozenLake configurations, the
+    coordinate observation formats and the success_rate slip included."""
     cases = [
         ("sokoban", {"max_steps": 10}, 12),
         ("sokoban", {"dim_room": (8, 8), "num_boxes": 2, "search_depth": 10, "symbols": "different"}, 14),
@@ -92,6 +93,8 @@ def test_random_action_sequences_equal():
         ("frozenlake", {"size": 4}, 12),
         ("frozenlake", {"size": 8, "max_steps": 20, "num_threads": 2}, 22),
         ("frozenlake", {"size": 4, "is_slippery": False, "p": 0.6}, 12),
+        ("sokoban", {"observation_format": "grid_coord", "max_steps": 10}, 12),
+        ("frozenlake", {"size": 6, "success_rate": 0.8, "observation_format": "grid_coord", "max_steps": 15}, 16),
     ]
     total = 0
     for k, (name, cfg, steps) in enumerate(cases):

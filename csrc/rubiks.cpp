@@ -1,0 +1,144 @@
+#include "rubiks.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "state_key.h"
+
+namespace fastpo {
+
+namespace {
+
+// RAGEN's quarter turns U, D, L, R, F, B (clockwise) as permutations: after the turn, sticker k holds the one
+// that was at kTurn[face][k]. A prime turn is three quarter turns, as RAGEN applies it.
+constexpr uint8_t kTurn[6][24] = {
+    {2, 0, 3, 1, 8, 9, 6, 7, 12, 13, 10, 11, 16, 17, 14, 15, 4, 5, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 4, 5, 18, 19, 8, 9, 6, 7, 12, 13, 10, 11, 16, 17, 14, 15, 22, 20, 23, 21},
+    {19, 1, 17, 3, 6, 4, 7, 5, 0, 9, 2, 11, 12, 13, 14, 15, 16, 22, 18, 20, 8, 21, 10, 23},
+    {0, 9, 2, 11, 4, 5, 6, 7, 8, 21, 10, 23, 14, 12, 15, 13, 3, 17, 1, 19, 20, 18, 22, 16},
+    {0, 1, 7, 5, 4, 20, 6, 21, 10, 8, 11, 9, 2, 13, 3, 15, 16, 17, 18, 19, 14, 12, 22, 23},
+    {13, 15, 2, 3, 1, 5, 0, 7, 8, 9, 10, 11, 12, 22, 14, 23, 18, 16, 19, 17, 20, 21, 6, 4},
+};
+constexpr char kColour[6] = {'W', 'O', 'G', 'R', 'B', 'Y'};
+constexpr const char* kFaceLabel[6] = {"Up (U):    ", "Left (L):  ", "Front (F): ", "Right (R): ", "Back (B):  ",
+                                       "Down (D):  "};
+
+}  // namespace
+
+RubiksBatch::RubiksBatch(int num_envs, int scramble_depth, int max_steps, int num_threads)
+    : n_(num_envs), scramble_depth_(scramble_depth), max_steps_(max_steps),
+      pool_(std::max(1, std::min(num_threads, 256))) {
+  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+  if (scramble_depth < 0 || scramble_depth > 1000)
+    throw std::invalid_argument("scramble_depth must be in [0, 1000], got " + std::to_string(scramble_depth));
+  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
+  if (num_threads < 1 || num_threads > 256)
+    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
+  stickers.assign(static_cast<size_t>(n_) * 24, 0);
+  num_steps.assign(n_, 0);
+  terminated.assign(n_, 0);
+  truncated.assign(n_, 0);
+  ready.assign(n_, 0);
+}
+
+bool RubiksBatch::all_ready() const {
+  if (all_ready_.load(std::memory_order_relaxed)) return true;
+  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
+}
+
+void RubiksBatch::turn(uint8_t* s, int action) const {
+  const uint8_t* p = kTurn[(action - 1) / 2];
+  const int quarters = action % 2 == 0 ? 3 : 1;  // even ids are the primes
+  uint8_t tmp[24];
+  for (int q = 0; q < quarters; ++q) {
+    std::copy(s, s + 24, tmp);
+    for (int k = 0; k < 24; ++k) s[k] = tmp[p[k]];
+  }
+}
+
+bool RubiksBatch::solved(const uint8_t* s) {
+  for (int f = 0; f < 6; ++f)
+    for (int k = 1; k < 4; ++k)
+      if (s[f * 4 + k] != s[f * 4]) return false;
+  return true;
+}
+
+void RubiksBatch::reset(const int64_t* seeds, const uint8_t* mask) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (mask != nullptr && !mask[i]) continue;
+      uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+      for (int k = 0; k < 24; ++k) s[k] = static_cast<uint8_t>(k / 4);
+      CounterRng rng(static_cast<uint64_t>(seeds[i]), kStreamRubiks);
+      for (int d = 0; d < scramble_depth_; ++d) turn(s, static_cast<int>(rng.randint(12)) + 1);
+      num_steps[i] = 0;
+      terminated[i] = truncated[i] = 0;
+      ready[i] = 1;
+    }
+  });
+  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
+}
+
+void RubiksBatch::set_cubes(const uint8_t* in) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::copy(in, in + static_cast<size_t>(n_) * 24, stickers.begin());
+  std::fill(num_steps.begin(), num_steps.end(), 0);
+  std::fill(terminated.begin(), terminated.end(), 0);
+  std::fill(truncated.begin(), truncated.end(), 0);
+  std::fill(ready.begin(), ready.end(), 1);
+  all_ready_.store(true);
+}
+
+void RubiksBatch::step(const int32_t* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
+                       uint8_t* success, uint8_t* valid, uint8_t* effective) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+      reward[i] = 0.0f;
+      valid[i] = effective[i] = 0;
+      if (!terminated[i] && !truncated[i] && static_cast<uint32_t>(actions[i] - 1) <= 11u) {
+        turn(s, actions[i]);
+        const int steps = ++num_steps[i];
+        const bool done = solved(s);
+        reward[i] = done ? 1.0f : 0.0f;
+        terminated[i] = done;
+        truncated[i] = !done && steps >= max_steps_;
+        valid[i] = effective[i] = 1;  // RAGEN: every turn is valid and effective
+      }
+      success[i] = terminated[i];
+      terminated_out[i] = terminated[i];
+      truncated_out[i] = truncated[i];
+    }
+  });
+}
+
+void RubiksBatch::render_texts(std::string* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+      std::string& t = out[i];
+      t = "=== Rubik's Cube 2x2 State ===\nStep: " + std::to_string(num_steps[i]) + "/" +
+          std::to_string(max_steps_) + "\n";
+      for (int f = 0; f < 6; ++f) {
+        const uint8_t* c = s + f * 4;
+        t += "\n";
+        t += kFaceLabel[f];
+        t += {'[', kColour[c[0]], ',', ' ', kColour[c[1]], ']', '\n', ' ', '[', kColour[c[2]], ',', ' ',
+              kColour[c[3]], ']'};
+      }
+      t += "\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?";
+    }
+  });
+}
+
+void RubiksBatch::state_keys(uint64_t* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = fnv1a64(&stickers[static_cast<size_t>(i) * 24], 24);
+  });
+}
+
+}  // namespace fastpo

@@ -1,0 +1,158 @@
+"""Pure-Python 2048: the test oracle and the speed baseline of the C++ env (``fastpo.envs.game2048``, whose
+docstring states the rules). A board is a list of rows of tile values (0 = empty)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .base import build_config, check_mask, check_seeds, fnv1a64
+from .game2048 import Game2048Config, check_boards
+from .grid import PyGridEnv
+from .prompt_text import GAME2048_ACTIONS, GAME2048_INSTRUCTION
+from .rng import STREAM_GAME2048, CounterRng
+
+ACTION_TEXT = ("0(Up)", "1(Right)", "2(Down)", "3(Left)")  # RAGEN's ids and names in the observation
+
+
+def slide(board: list[list[int]], direction: int) -> tuple[list[list[int]], int]:
+    """``board`` after a move in RAGEN's direction (0 Up, 1 Right, 2 Down, 3 Left) and the merged sum."""
+    size = len(board)
+    out = [[0] * size for _ in range(size)]
+    merged_sum = 0
+    for line in range(size):
+        if direction in (0, 2):  # a column, top-down for Up, bottom-up for Down
+            cells = [(k, line) for k in range(size)]
+        else:  # a row, right-to-left for Right, left-to-right for Left
+            cells = [(line, k) for k in range(size)]
+        if direction in (1, 2):
+            cells.reverse()
+        vals = [board[r][c] for r, c in cells if board[r][c]]
+        merged, k = [], 0
+        while k < len(vals):
+            if k + 1 < len(vals) and vals[k] == vals[k + 1]:
+                merged.append(vals[k] * 2)
+                merged_sum += vals[k] * 2
+                k += 2
+            else:
+                merged.append(vals[k])
+                k += 1
+        merged += [0] * (size - len(merged))
+        for (r, c), v in zip(cells, merged, strict=True):
+            out[r][c] = v
+    return out, merged_sum
+
+
+class Game2048:
+    """One board and its episode state."""
+
+    def __init__(self, board: list[list[int]], seed: int, config: Game2048Config, spawn_two: bool):
+        self.board = board
+        self.config = config
+        self.rng = CounterRng(seed, STREAM_GAME2048)
+        self.score = 0
+        self.num_steps = 0
+        self.terminated = False
+        self.truncated = False
+        if spawn_two:
+            self.spawn()
+            self.spawn()
+
+    def spawn(self) -> None:
+        empty = [(r, c) for r, row in enumerate(self.board) for c, v in enumerate(row) if v == 0]
+        if empty:
+            r, c = empty[self.rng.randint(len(empty))]
+            self.board[r][c] = 2 if self.rng.uniform() < self.config.two_prob else 4
+
+    def valid_moves(self) -> list[int]:
+        return [d for d in range(4) if slide(self.board, d)[0] != self.board]
+
+    def won(self) -> bool:
+        return self.terminated and max(max(row) for row in self.board) >= 2048
+
+    def step(self, action: int) -> tuple[float, bool, bool]:
+        """Returns ``(reward, action_is_valid, action_is_effective)``."""
+        if self.terminated or self.truncated or not 1 <= action <= 4:
+            return 0.0, False, False
+        self.num_steps += 1
+        board, merged = slide(self.board, action - 1)
+        moved = board != self.board
+        if moved:
+            self.board = board
+            self.spawn()
+            self.score += merged
+            self.terminated = all(all(row) for row in self.board) and not self.valid_moves()
+        raw = float(merged) if moved else -0.1
+        if self.config.use_log_reward:
+            reward = math.log2(raw + 1.0) * 0.1 if raw > 0 else 0.0
+        else:
+            reward = raw
+        self.truncated = not self.terminated and self.num_steps >= self.config.max_steps
+        return reward, moved, moved
+
+    def render(self) -> str:
+        lines = ["Current 2048 Grid:"]
+        lines += [f"Row {i + 1}: [" + ", ".join(str(v) for v in row) + "]" for i, row in enumerate(self.board)]
+        moves = self.valid_moves()
+        lines += ["", "Valid Actions: " + (", ".join(ACTION_TEXT[d] for d in moves) if moves else "None") + ".",
+                  "Goal: Merge same numbers to reach 2048.", f"Current Score: {self.score}", "What is your next move?"]
+        return "\n".join(lines)
+
+    def exponents(self) -> bytes:
+        return bytes(v.bit_length() - 1 if v else 0 for row in self.board for v in row)
+
+
+class PyGame2048Env(PyGridEnv):
+    """Batch of pure-Python 2048 boards; same API, config and results as ``Game2048Env`` (C++).
+
+    Config: see ``Game2048Config`` (``num_threads`` is accepted and ignored).
+    """
+
+    name = "game_2048"
+    action_names = GAME2048_ACTIONS
+    instruction_text = GAME2048_INSTRUCTION
+    _state_fields = {
+        "grid": (lambda g: np.array(g.board, dtype=np.int64), None),
+        "score": (lambda g: g.score, np.int64),
+        "num_steps": (lambda g: g.num_steps, np.int32),
+        "spawn_draws": (lambda g: g.rng.counter, np.int64),
+        "terminated": (lambda g: g.terminated, bool),
+        "truncated": (lambda g: g.truncated, bool),
+    }
+
+    def __init__(self, num_envs: int, **config: Any):
+        super().__init__(num_envs)
+        self.config: Game2048Config = build_config(Game2048Config, self.name, config)
+        self.games: list[Game2048 | None] = [None] * self.num_envs
+
+    def instruction(self) -> str:
+        return self.instruction_text
+
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]``. Returns all observations."""
+        seeds = check_seeds(seeds, self.num_envs)
+        size = self.config.size
+        for i in np.flatnonzero(check_mask(mask, self.num_envs)):
+            self.games[i] = Game2048([[0] * size for _ in range(size)], int(seeds[i]), self.config, spawn_two=True)
+        return self.render()
+
+    def reset_from_boards(self, tiles: Any, seeds: Sequence[int] | np.ndarray | None = None) -> list[str]:
+        """Start every instance from a board (see ``game2048.check_boards``); ``seeds`` start the spawn streams."""
+        tiles = check_boards(tiles, self.num_envs, self.config.size)
+        seeds = check_seeds(np.zeros(self.num_envs, dtype=np.int64) if seeds is None else seeds, self.num_envs)
+        self.games = [Game2048(tiles[i].tolist(), int(seeds[i]), self.config, spawn_two=False)
+                      for i in range(self.num_envs)]
+        return self.render()
+
+    def _success(self, game: Game2048) -> bool:
+        return game.won()
+
+    def _render_game(self, game: Game2048) -> str:
+        return game.render()
+
+    def _state_key(self, game: Game2048) -> int:
+        """FNV-1a 64 of the tile exponents then the score (int64 little-endian), as ``Game2048Env``."""
+        return fnv1a64(game.score.to_bytes(8, "little", signed=True), fnv1a64(game.exponents()))
