@@ -350,8 +350,9 @@ class TrainerConfig:
     """Validate once before the first iteration."""
     save_every: int = 50
     """Checkpoint every N iterations (>= 0; 0 = only at the end)."""
-    keep_last: int = 2
-    """Checkpoints kept on disk (>= 1); older ones are deleted."""
+    keep_checkpoints: int = 2
+    """Intact checkpoints kept on disk (>= 0; 0 = keep all); older ones are deleted after each save. The newest
+    intact one is never deleted and a damaged one does not count (docs/OPERATIONS.md) [max_actor_ckpt_to_keep]."""
     run_dir: str = "runs/default"
     """Directory for checkpoints, metrics.jsonl, TensorBoard events and the final Hugging Face export."""
     resume: str = "auto"
@@ -399,12 +400,14 @@ class TrainerConfig:
     (nats per token, > 0; inf disables): a silent weight-sync failure."""
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({
-        "iterations", "val_every", "val_before_train", "save_every", "keep_last", "run_dir", "resume",
+        "iterations", "val_every", "val_before_train", "save_every", "keep_checkpoints", "run_dir", "resume",
         "log_console", "log_level", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "run_name",
         "metric_names", "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
         "overwrite", "collective_timeout_s",
     })
+    #: Old field names still read from config files (a run's config.json): old name -> field.
+    _renamed: ClassVar[dict[str, str]] = {"keep_last": "keep_checkpoints"}
 
 
 @dataclass
@@ -473,7 +476,8 @@ def is_field(dotted: str) -> bool:
     """Whether ``section[.field]`` names a trainer config section or field (other entry points skip these when
     they read a run's config.json)."""
     section, _, key = dotted.partition(".")
-    return section in SECTIONS and (not key or key in _field_types(_section_cls(section)))
+    cls = _section_cls(section) if section in SECTIONS else None
+    return cls is not None and (not key or key in _field_types(cls) or key in getattr(cls, "_renamed", {}))
 
 
 # ---------------------------------------------------------------------------------------------- serialise
@@ -760,7 +764,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     # trainer
     for key in ("iterations", "val_every", "save_every", "seed"):
         check(getattr(t, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(t, key)}")
-    check(t.keep_last >= 1, f"trainer.keep_last must be >= 1, got {t.keep_last}")
+    check(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints must be >= 0 (0 = keep all), got {t.keep_checkpoints}")
     for flag, package in (("log_wandb", "wandb"), ("log_tensorboard", "tensorboard")):
         check(not getattr(t, flag) or find_spec(package) is not None,
               f"trainer.{flag}=true needs the {package} package, which is not installed: pip install "

@@ -17,6 +17,7 @@ entry; the output is checked with fastpo's own config before it is printed.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -77,6 +78,15 @@ def _kl_type(v: Any) -> str:
 
 def _save_every(v: Any) -> int:
     return 0 if int(v) < 0 else int(v)
+
+
+def _keep_checkpoints(v: Any) -> int:
+    """RAGEN's max_*_ckpt_to_keep (verl: null or 0 keeps all) -> trainer.keep_checkpoints (0 keeps all)."""
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("accepted: null or an integer >= 0 (null and 0 keep every checkpoint)")
+    return v
 
 
 def _must_equal(expected: Any, why: str) -> Callable[[Any], None]:
@@ -148,6 +158,9 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "trainer.experiment_name": ("trainer.run_dir", lambda v: f"runs/{v}"),
     "trainer.save_freq": ("trainer.save_every", _save_every),
     "trainer.total_training_steps": ("trainer.iterations", int),
+    # fastpo's checkpoint holds actor and critic together: one count (port() refuses two different ones)
+    "trainer.max_actor_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
+    "trainer.max_critic_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
     "trainer.val_before_train": ("trainer.val_before_train", bool),
     "trainer.test_freq": ("trainer.val_every", lambda v: max(int(v), 0)),
     "trainer.validation_steps": (None, _must_equal(1, "fastpo validates val_groups x val_group_size once")),
@@ -455,6 +468,12 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
     manager = ragen.get("es_manager") or {}
     flat.update({f"es_manager.{k}": v for k, v in _flatten(manager).items() if ".env_configs." not in f".{k}."})
     bi_level = bool(flat.get("algorithm.bi_level_gae", False))
+    keeps = {k: flat[k] for k in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep") if k in flat}
+    with contextlib.suppress(TypeError, ValueError):  # a bad value is refused by its own line below
+        if len(keeps) == 2 and len({_keep_checkpoints(v) for v in keeps.values()}) == 2:
+            errors.append(f"trainer.max_critic_ckpt_to_keep={keeps['trainer.max_critic_ckpt_to_keep']!r}: accepted: "
+                          f"the value of trainer.max_actor_ckpt_to_keep ({keeps['trainer.max_actor_ckpt_to_keep']!r}); "
+                          f"a fastpo checkpoint holds actor and critic together (trainer.keep_checkpoints)")
     for key, value in flat.items():
         if _ignored(key, ignore):
             continue

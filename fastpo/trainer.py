@@ -222,7 +222,7 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step (collective)."""
         return checkpoint.save(self.run_dir, self.step, self.models.stateful(), self.state_dict(),
-                               keep_last=self.cfg.trainer.keep_last, config_hash=self.config_hash)
+                               keep_last=self.cfg.trainer.keep_checkpoints or None, config_hash=self.config_hash)
 
     def _sync_engine(self) -> None:
         """Push the actor's weights into the engine (collective under FSDP2: every rank calls it). vLLM gathers the

@@ -202,6 +202,32 @@ def test_ragen2_filter_keys_port():
     assert paper["algorithm"] == {"rollout_filter_ratio": 0.25, "rollout_filter_type": "std"}
 
 
+@pytest.mark.parametrize("actor, critic, keep", [(1, 1, 1), (None, None, 0), (0, None, 0), (3, 3, 3)])
+def test_checkpoint_retention_keys_port(actor, critic, keep):
+    """RAGEN's max_actor_ckpt_to_keep / max_critic_ckpt_to_keep (base.yaml at 20daedc: 1 and 1; verl's null and 0
+    keep all) are one count here: fastpo's checkpoint holds actor and critic together."""
+    from fastpo.config import Config, merge, validate
+    from fastpo.ragen_config import port
+
+    out, _ = port({"trainer": {"max_actor_ckpt_to_keep": actor, "max_critic_ckpt_to_keep": critic}})
+    assert out["trainer"] == {"keep_checkpoints": keep}
+    assert validate(merge(Config(), out)).trainer.keep_checkpoints == keep
+
+
+@pytest.mark.parametrize("trainer, line", [
+    ({"max_actor_ckpt_to_keep": 2, "max_critic_ckpt_to_keep": 1},
+     "trainer.max_critic_ckpt_to_keep=1: accepted: the value of trainer.max_actor_ckpt_to_keep (2)"),
+    ({"max_actor_ckpt_to_keep": -1}, "trainer.max_actor_ckpt_to_keep=-1: accepted: null or an integer >= 0"),
+    ({"max_critic_ckpt_to_keep": "two"}, "trainer.max_critic_ckpt_to_keep='two': accepted: null or an integer"),
+])
+def test_bad_checkpoint_retention_keys_are_refused_in_one_line(trainer, line):
+    from fastpo.ragen_config import PortError, port
+
+    with pytest.raises(PortError) as err:
+        port({"trainer": trainer})
+    assert line in str(err.value)
+
+
 def test_ragen_names_on_the_command_line_or_in_a_config_point_to_ours(tmp_path):
     """RAGEN's --algorithm.clip_ratio_low got no hint to eps_low: unknown names are looked up in the port's key
     table (fastpo.ragen_config.KEY_MAP), among the fields of the entry point that was run."""
