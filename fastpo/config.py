@@ -398,13 +398,26 @@ class TrainerConfig:
     logprob_gap_max: float = 0.1
     """Stop when mean |engine logp - trainer logp| over sampled tokens exceeds this right after a weight sync
     (nats per token, > 0; inf disables): a silent weight-sync failure."""
+    collapse_every: int = 0
+    """RAGEN-2's collapse diagnostics (mutual-information proxies of template collapse, docs/LOGGING.md): computed at
+    iteration 1 and every N-th (>= 0; 0 = off, the default: they score every sampled thought under every sampled
+    prompt, a cost not yet measured). Needs rollout.enable_think and the full context
+    [collapse_detection.compute_freq]."""
+    collapse_first_turn: bool = True
+    """Collapse diagnostics over the first turn (each group's first prompt) [collapse_detection.first_turn_enabled]."""
+    collapse_multi_turn: bool = True
+    """Collapse diagnostics over turns drawn trajectory-uniformly [collapse_detection.multi_turn_enabled]."""
+    collapse_num_samples: int = 64
+    """(prompt, thought) pairs drawn per collapse measurement and kind (>= 0; 0 = all)
+    [collapse_detection.num_samples]."""
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({
         "iterations", "val_every", "val_before_train", "save_every", "keep_checkpoints", "run_dir", "resume",
         "log_console", "log_level", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "run_name",
         "metric_names", "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
-        "overwrite", "collective_timeout_s",
+        "overwrite", "collective_timeout_s", "collapse_every", "collapse_first_turn", "collapse_multi_turn",
+        "collapse_num_samples",
     })
     #: Old field names still read from config files (a run's config.json): old name -> field.
     _renamed: ClassVar[dict[str, str]] = {"keep_last": "keep_checkpoints"}
@@ -781,6 +794,17 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(t.grad_norm_spike_factor >= 1, f"trainer.grad_norm_spike_factor must be >= 1, got "
                                          f"{t.grad_norm_spike_factor}")
     check(t.logprob_gap_max > 0, f"trainer.logprob_gap_max must be > 0, got {t.logprob_gap_max}")
+    check(t.collapse_every >= 0, f"trainer.collapse_every must be >= 0 (0 = off), got {t.collapse_every}")
+    check(t.collapse_num_samples >= 0, f"trainer.collapse_num_samples must be >= 0 (0 = all), got "
+                                       f"{t.collapse_num_samples}")
+    if t.collapse_every > 0:
+        check(t.collapse_first_turn or t.collapse_multi_turn, f"trainer.collapse_every={t.collapse_every} needs "
+              f"trainer.collapse_first_turn or trainer.collapse_multi_turn true (or collapse_every 0: off)")
+        check(r.enable_think, f"trainer.collapse_every={t.collapse_every} needs rollout.enable_think=true: the "
+                              f"diagnostics score the thoughts (or collapse_every 0: off)")
+        check(r.max_context_window == -1, f"trainer.collapse_every={t.collapse_every} needs rollout."
+              f"max_context_window -1 (full context), got {r.max_context_window}: a limited window gives the turns "
+              f"of a group different prompts (or collapse_every 0: off)")
     # vLLM seeds numpy's global RNG with trainer.seed + rank (np.random.seed: < 2**32); torch generators: int64
     seed_max = (2**32 - 1 if r.engine == "vllm" else INT64_MAX) - (world_size - 1)
     check(t.seed <= seed_max, f"trainer.seed must be <= {seed_max} (trainer.seed + rank seeds "

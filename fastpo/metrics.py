@@ -147,19 +147,27 @@ RAGEN_KEYS = {
     "timing/generate": "timing_s/gen", "timing/score": "timing_s/old_log_prob", "timing/update": "timing_s/update",
     "timing/validate": "timing_s/testing", "timing/save": "timing_s/save_checkpoint", "timing/sync": "timing_s/sync",
     "timing/iteration": "timing_s/step",
+    "timing/collapse": "timing_s/collapse_metrics", "timing/collapse_first_turn": "timing_s/collapse_first_turn_step",
+    "timing/collapse_multi_turn": "timing_s/collapse_multi_turn_step",
 }
+#: fastpo key prefix -> RAGEN's, for families of keys (the collapse diagnostics, fastpo.diagnostics).
+RAGEN_PREFIXES = {"collapse/first_turn/": "collapse_first_turn_sample/",
+                  "collapse/multi_turn/": "collapse_trajectory_sample/"}
 METRIC_NAME_SCHEMES = ("fastpo", "ragen")
 _ENV_KEY = re.compile(r"^(env|val-env)/([^/]+)/(.+)$")
 
 
 def ragen_metric_name(key: str) -> str:
     """RAGEN's name of a fastpo metric key: ``env/<Label>/k`` -> ``train/<Tag>/k``, ``val-env/<Label>/k`` ->
-    ``val-env/<Tag>/k`` (Tag = RAGEN_TAGS.get(Label, Label)), the RAGEN_KEYS renames; every other key (rollout/*,
-    actor/pg_*, critic/*, ...) is already RAGEN's or verl's and stays."""
+    ``val-env/<Tag>/k`` (Tag = RAGEN_TAGS.get(Label, Label)), the RAGEN_KEYS renames and RAGEN_PREFIXES; every other
+    key (rollout/*, actor/pg_*, critic/*, ...) is already RAGEN's or verl's and stays."""
     m = _ENV_KEY.match(key)
     if m:
         prefix, label, rest = m.groups()
         return f"{'train' if prefix == 'env' else prefix}/{RAGEN_TAGS.get(label, label)}/{rest}"
+    for ours, theirs in RAGEN_PREFIXES.items():
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
     return RAGEN_KEYS.get(key, key)
 
 

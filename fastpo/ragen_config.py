@@ -89,6 +89,21 @@ def _keep_checkpoints(v: Any) -> int:
     return v
 
 
+def _collapse_samples(v: Any) -> int:
+    """collapse_detection.num_samples (an int >= 1 or "all") -> trainer.collapse_num_samples (0 = all)."""
+    if v == "all":
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("accepted: an integer >= 1 or 'all'")
+    return v
+
+
+def _positive(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("accepted: an integer >= 1")
+    return v
+
+
 def _must_equal(expected: Any, why: str) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if v != expected:
@@ -161,6 +176,10 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     # fastpo's checkpoint holds actor and critic together: one count (port() refuses two different ones)
     "trainer.max_actor_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
     "trainer.max_critic_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
+    "collapse_detection.compute_freq": ("trainer.collapse_every", _positive),
+    "collapse_detection.first_turn_enabled": ("trainer.collapse_first_turn", bool),
+    "collapse_detection.multi_turn_enabled": ("trainer.collapse_multi_turn", bool),
+    "collapse_detection.num_samples": ("trainer.collapse_num_samples", _collapse_samples),
     "trainer.val_before_train": ("trainer.val_before_train", bool),
     "trainer.test_freq": ("trainer.val_every", lambda v: max(int(v), 0)),
     "trainer.validation_steps": (None, _must_equal(1, "fastpo validates val_groups x val_group_size once")),
@@ -189,6 +208,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "token-budget micro-batches",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "token-budget micro-batches",
     "critic.ppo_micro_batch_size_per_gpu": "token-budget micro-batches",
+    "collapse_detection.micro_batch_size": "token-budget micro-batches (optim.micro_batch_tokens)",
     "critic.ppo_mini_batch_size": "the critic steps on the actor's mini-batches (optim.mini_batch_size)",
     "critic.model.lora_rank": "the critic uses model.lora_rank", "critic.model.lora_alpha": "model.lora_alpha",
     "critic.model.target_modules": "model.lora_target_modules",
@@ -502,12 +522,33 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
             if entries is not None:
                 _set(out, field, entries)
     _port_filter(out.get("algorithm", {}), notes)
+    _port_collapse(flat, out, notes)
     if out.get("algorithm", {}).get("adv_estimator") == "grpo":
         notes.append("algorithm.adv_estimator=grpo: fastpo standardises each trajectory's return within its group of "
                      "group_size; RAGEN's code gives every trajectory its own group (docs/RAGEN.md)")
     if errors:
         raise PortError("cannot port these RAGEN keys:\n  " + "\n  ".join(errors))
     return out, notes
+
+
+def _port_collapse(flat: dict[str, Any], out: dict[str, dict[str, Any]], notes: list[str]) -> None:
+    """RAGEN-2 computes its collapse metrics when first_turn_enabled or multi_turn_enabled (every compute_freq
+    steps), and only with thoughts and the full context; fastpo's switch is trainer.collapse_every > 0, and its
+    config refuses them without thoughts or with a limited window, so they are set off where RAGEN computes none."""
+    t = out.get("trainer", {})
+    if "collapse_every" not in t:
+        return
+    why = None
+    if not (t.get("collapse_first_turn", True) or t.get("collapse_multi_turn", True)):
+        why = "first_turn_enabled and multi_turn_enabled are both false"
+    elif not out.get("rollout", {}).get("enable_think", True):
+        why = "agent_proxy.enable_think is false (no thoughts to score)"
+    elif out.get("rollout", {}).get("max_context_window", -1) != -1 or \
+            flat.get("agent_proxy.context_window_mode", "full") != "full":
+        why = "the context is not the full history"
+    if why is not None:
+        t["collapse_every"] = 0
+        notes.append(f"collapse_detection: off (trainer.collapse_every 0): {why}, so RAGEN computes none either")
 
 
 def _port_filter(alg: dict[str, Any], notes: list[str]) -> None:

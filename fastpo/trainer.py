@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import algorithms, checkpoint, env_mix, envs, kernels, provenance, rollout_filter, update
+from . import algorithms, checkpoint, diagnostics, env_mix, envs, kernels, provenance, rollout_filter, update
 from . import distributed as du
 from .config import Config, config_hash, to_dict, to_json
 from .engine.base import Engine, SamplingParams
@@ -100,6 +100,9 @@ def injected_nan_steps() -> set[int]:
 class Trainer:
     """StarPO / StarPO-S trainer. Its checkpointed state: models, optimisers, schedulers and :meth:`state_dict`
     (step, env seed counter, non-finite counters, echo-trap history) plus per-rank RNG states."""
+
+    #: RAGEN-2's collapse metrics (``trainer.collapse_every``), made at their first iteration.
+    collapse: diagnostics.CollapseDetector | None = None
 
     def __init__(self, cfg: Config, info: du.DistInfo | None = None, prepared: bool = False):
         """``prepared``: the caller ran ``fastpo.startup.prepare_run`` (train.py's ``main``); otherwise this runs it
@@ -419,6 +422,13 @@ class Trainer:
                 results += [(i, {f: per[f][j] for f in per}) for j, i in enumerate(mb.indices)]
         return dict(du.all_gather_list(results))
 
+    def _sequence_logps(self, seqs: list[tuple[np.ndarray, np.ndarray, int]]) -> list[float]:
+        """The actor's summed logprob of each sequence's masked tokens, for (input_ids, loss_mask, group) each
+        (collective: :meth:`_score` on throwaway trajectories; the collapse diagnostics)."""
+        trajs = [Trajectory(input_ids=ids, loss_mask=mask, group=group) for ids, mask, group in seqs]
+        scored = self._score(trajs, list(range(len(trajs))), extras=False)
+        return [float(np.sum(scored[i]["old_logp"], dtype=np.float64)) for i in range(len(trajs))]
+
     def _ref_logp(self, mb: MicroBatch, mask: Tensor) -> Tensor:
         """Reference-policy logp: the reference model, or under LoRA the actor with its adapter disabled."""
         if self.ref is not None:
@@ -513,6 +523,10 @@ class Trainer:
                 f"iteration {self.step}: no trajectory has a trained token (mean turns per episode "
                 f"{metrics.get('rollout/num_turns', 0.0):g}): the prompts leave no room for rollout.response_length "
                 f"({cfg.rollout.response_length}) within rollout.max_model_len ({cfg.rollout.max_model_len})")
+        if diagnostics.collapse_due(cfg.trainer, self.step):  # RAGEN-2's: on the whole rollout, before the filter
+            self.collapse = self.collapse or diagnostics.CollapseDetector(cfg)
+            with self.timer("collapse"):
+                metrics.update(self.collapse(trajs, self.tokenizer, self._sequence_logps, self.step))
         keep, filter_metrics = self._filter(trajs, target)
         metrics.update(filter_metrics)
         kept = keep.nonzero().squeeze(-1).tolist()

@@ -228,6 +228,34 @@ def test_bad_checkpoint_retention_keys_are_refused_in_one_line(trainer, line):
     assert line in str(err.value)
 
 
+def test_collapse_detection_keys_port():
+    """RAGEN-2's collapse_detection (base.yaml at 20daedc: compute_freq 5, both kinds on, num_samples 64,
+    micro_batch_size 128) turns fastpo's diagnostics on; where RAGEN computes none they are off, with a note."""
+    from fastpo.config import Config, merge, validate
+    from fastpo.ragen_config import port
+
+    section = {"compute_freq": 5, "micro_batch_size": 128, "first_turn_enabled": True, "multi_turn_enabled": True,
+               "num_samples": 64}
+    out, notes = port({"collapse_detection": section})
+    assert out["trainer"] == {"collapse_every": 5, "collapse_first_turn": True, "collapse_multi_turn": True,
+                              "collapse_num_samples": 64}
+    assert any(n.startswith("collapse_detection.micro_batch_size=128: no effect") for n in notes)
+    assert validate(merge(Config(), out)).trainer.collapse_every == 5
+    out, _ = port({"collapse_detection": {**section, "num_samples": "all"}})
+    assert out["trainer"]["collapse_num_samples"] == 0
+    for ragen, why in (({"collapse_detection": {**section, "first_turn_enabled": False, "multi_turn_enabled": False}},
+                        "both false"),
+                       ({"collapse_detection": section, "agent_proxy": {"enable_think": False}}, "enable_think"),
+                       ({"collapse_detection": section, "agent_proxy": {"max_context_window": 2}}, "full history")):
+        out, notes = port(ragen)
+        assert out["trainer"]["collapse_every"] == 0 and any(why in n for n in notes), ragen
+        validate(merge(Config(), out))
+    with pytest.raises(PortError, match=r"collapse_detection.num_samples='some': accepted: an integer >= 1 or 'all'"):
+        port({"collapse_detection": {"num_samples": "some"}})
+    with pytest.raises(PortError, match=r"collapse_detection.compute_freq=0: accepted: an integer >= 1"):
+        port({"collapse_detection": {"compute_freq": 0}})
+
+
 def test_ragen_names_on_the_command_line_or_in_a_config_point_to_ours(tmp_path):
     """RAGEN's --algorithm.clip_ratio_low got no hint to eps_low: unknown names are looked up in the port's key
     table (fastpo.ragen_config.KEY_MAP), among the fields of the entry point that was run."""
