@@ -410,6 +410,9 @@ class TrainerConfig:
     collapse_num_samples: int = 64
     """(prompt, thought) pairs drawn per collapse measurement and kind (>= 0; 0 = all)
     [collapse_detection.num_samples]."""
+    log_group_rv_table: bool = False
+    """Log each group's reward std and whether the filter kept it, every iteration: <run_dir>/group_rv.jsonl and, with
+    W&B, the table rollout/group_rv_table [log_group_rv_table]."""
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({
         "iterations", "val_every", "val_before_train", "save_every", "keep_checkpoints", "run_dir", "resume",
@@ -417,7 +420,7 @@ class TrainerConfig:
         "metric_names", "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
         "overwrite", "collective_timeout_s", "collapse_every", "collapse_first_turn", "collapse_multi_turn",
-        "collapse_num_samples",
+        "collapse_num_samples", "log_group_rv_table",
     })
     #: Old field names still read from config files (a run's config.json): old name -> field.
     _renamed: ClassVar[dict[str, str]] = {"keep_last": "keep_checkpoints"}

@@ -1,4 +1,5 @@
-"""RAGEN-2's collapse diagnostics: do the policy's thoughts still depend on its input?
+"""RAGEN-2's diagnostics: the collapse metrics (do the policy's thoughts still depend on its input?) and the
+group reward-variance table (:func:`group_rv_rows`).
 
 Entropy collapse makes the thought z nearly fixed for each input x (low H(Z|X)). Template collapse makes it the
 same for every input (low I(X;Z)): the policy reasons from a template, whatever the state. RAGEN-2 measures the
@@ -197,6 +198,26 @@ def cross_scores(pairs: Sequence[Pair], prompts: Sequence[list[int]],
     total = torch.tensor(logps, dtype=torch.float64).reshape(len(pairs), n)
     counts = torch.tensor([max(len(z), 1) for _, z in pairs], dtype=torch.float64)[:, None]
     return total / counts, total
+
+
+def group_rv_rows(rewards: Sequence[float], groups: Sequence[int], keep: Sequence[bool]) -> list[dict[str, Any]]:
+    """RAGEN's group reward-variance table of one iteration: per group (in order of first appearance) its id, the
+    sample std (ddof 1; 0 for a group of one) of its trajectories' scores, and whether the filter kept it.
+
+    Args:
+        rewards: fp [B] each trajectory's score (``Trajectory.reward``, what the filter ranks).
+        groups: int [B] each trajectory's group id.
+        keep: bool [B] the filter's decision per trajectory (a group is kept whole).
+    """
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(int(g), []).append(i)
+    rows = []
+    for g, idx in members.items():
+        scores = np.asarray([rewards[i] for i in idx], dtype=np.float64)
+        std = float(scores.std(ddof=1)) if len(idx) > 1 else 0.0
+        rows.append({"group_id": g, "reward_std": std, "selected": bool(any(keep[i] for i in idx))})
+    return rows
 
 
 class CollapseDetector:

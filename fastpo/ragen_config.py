@@ -176,6 +176,7 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     # fastpo's checkpoint holds actor and critic together: one count (port() refuses two different ones)
     "trainer.max_actor_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
     "trainer.max_critic_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
+    "trainer.log_group_rv_table": ("trainer.log_group_rv_table", bool),
     "collapse_detection.compute_freq": ("trainer.collapse_every", _positive),
     "collapse_detection.first_turn_enabled": ("trainer.collapse_first_turn", bool),
     "collapse_detection.multi_turn_enabled": ("trainer.collapse_multi_turn", bool),

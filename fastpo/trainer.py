@@ -529,6 +529,9 @@ class Trainer:
                 metrics.update(self.collapse(trajs, self.tokenizer, self._sequence_logps, self.step))
         keep, filter_metrics = self._filter(trajs, target)
         metrics.update(filter_metrics)
+        if cfg.trainer.log_group_rv_table:
+            self.logger.log_group_rv(self.step, diagnostics.group_rv_rows([t.reward for t in trajs],
+                                                                          [t.group for t in trajs], keep.tolist()))
         kept = keep.nonzero().squeeze(-1).tolist()
         metrics["rollout/kept_trajectories"] = float(len(kept))
         if cfg.rollout.partial:

@@ -1,6 +1,7 @@
 """fastpo.diagnostics: RAGEN-2's collapse metrics against hand-computed values, the samplers, the schedule, the
 config checks, RAGEN's names, and one trainer iteration with them on."""
 
+import json
 import math
 import random
 from types import SimpleNamespace
@@ -204,8 +205,46 @@ def test_bad_settings_are_one_config_line(args, line):
     assert line in str(err.value)
 
 
+def test_group_rv_rows_by_hand():
+    rows = D.group_rv_rows([1.0, 0.0, 0.5, 0.5, 2.0], [7, 7, 3, 3, 9], [True, True, False, False, False])
+    assert rows == [{"group_id": 7, "reward_std": pytest.approx(math.sqrt(0.5)), "selected": True},
+                    {"group_id": 3, "reward_std": 0.0, "selected": False},
+                    {"group_id": 9, "reward_std": 0.0, "selected": False}]  # a group of one: 0
+
+
+def test_group_rv_table_goes_to_jsonl_and_one_growing_wandb_table(tmp_path, monkeypatch):
+    import io
+    import sys
+    import types
+
+    from fastpo.metrics import MetricsLogger
+
+    logged = []
+    mod = types.ModuleType("wandb")
+    mod.__spec__ = __import__("importlib.machinery").machinery.ModuleSpec("wandb", None)
+    mod.init = lambda **kw: SimpleNamespace(log=lambda data, step: logged.append((step, data)), finish=lambda: None)
+    mod.Table = lambda columns, data: SimpleNamespace(columns=columns, data=data)
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+    logger = MetricsLogger(tmp_path, 0, wandb=True, stream=io.StringIO())
+    logger.log_group_rv(1, [{"group_id": 4, "reward_std": 0.5, "selected": True}])
+    logger.log_group_rv(2, [{"group_id": 4, "reward_std": 0.0, "selected": False},
+                            {"group_id": 5, "reward_std": 1.0, "selected": True}])
+    lines = [json.loads(x) for x in (tmp_path / "group_rv.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "group_id": 4, "reward_std": 0.5, "selected": True},
+                     {"step": 2, "group_id": 4, "reward_std": 0.0, "selected": False},
+                     {"step": 2, "group_id": 5, "reward_std": 1.0, "selected": True}]
+    (step, data), = [e for e in logged if e[0] == 2]
+    table = data["rollout/group_rv_table"]
+    assert table.columns == ["step", "group_id", "reward_std", "selected"] and len(table.data) == 3
+    logger.truncate_after(1)  # a run resumed at step 1 drops the replayed steps' rows
+    assert len((tmp_path / "group_rv.jsonl").read_text().splitlines()) == 1
+    logger.close()
+    MetricsLogger(tmp_path / "other", 1).log_group_rv(1, [{"group_id": 1, "reward_std": 0.0, "selected": True}])
+    assert not (tmp_path / "other" / "group_rv.jsonl").exists()  # rank 0 only
+
+
 def test_off_by_default():
-    assert Config().trainer.collapse_every == 0
+    assert Config().trainer.collapse_every == 0 and not Config().trainer.log_group_rv_table
 
 
 @pytest.mark.slow
@@ -217,7 +256,7 @@ def test_the_trainer_scores_thoughts_with_its_actor(tmp_path, tokenizer):
     cfg = validate(parse_args(["--preset", "tiny", "--rollout.enable_think", "true", "--trainer.collapse_every", "1",
                                "--env.max_turns", "2", "--rollout.response_length", "16", "--env.env_groups", "2",
                                "--env.group_size", "2", "--optim.mini_batch_size", "2",
-                               "--trainer.run_dir", str(tmp_path / "run")]), 1)
+                               "--trainer.log_group_rv_table", "true", "--trainer.run_dir", str(tmp_path / "run")]), 1)
     trainer = Trainer(cfg)
     try:
         ids = np.asarray(tokenizer.encode("You play. State A <think> go left now", add_special_tokens=False))
@@ -238,5 +277,7 @@ def test_the_trainer_scores_thoughts_with_its_actor(tmp_path, tokenizer):
         row = trainer.iteration()
         assert row["collapse/first_turn_num_total"] == 4 and "collapse/valid_thinking_rate" in row
         assert "timing/collapse" in trainer.timer.pop()
+        rv = (tmp_path / "run" / "group_rv.jsonl").read_text().splitlines()
+        assert len(rv) == 2 and all(json.loads(x)["step"] == 1 for x in rv)  # one row per group
     finally:
         trainer.close(export=False)
