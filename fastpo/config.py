@@ -410,6 +410,16 @@ class TrainerConfig:
     collapse_num_samples: int = 64
     """(prompt, thought) pairs drawn per collapse measurement and kind (>= 0; 0 = all)
     [collapse_detection.num_samples]."""
+    gradient_analysis_every: int = 0
+    """RAGEN-2's gradient analysis (docs/LOGGING.md): at iterations 1, N + 1, 2N + 1, ... the kept groups are split
+    into buckets by reward std and each bucket's gradient norm is measured per loss term (task, entropy, KL), without
+    a step (>= 0; 0 = off, the default; its cost, one extra backward pass per term and bucket, is not yet measured)
+    [gradient_analysis_mode, gradient_analysis_every]."""
+    gradient_analysis_num_buckets: int = 6
+    """Buckets of the quantile mode (>= 1) [gradient_analysis_num_buckets]."""
+    gradient_analysis_bucket_mode: Literal["quantile", "fixed_rv"] = "quantile"
+    """quantile: equal numbers of groups by reward std; fixed_rv: std in [0, 1), [1, 2), ..., [5, inf)
+    [gradient_analysis_bucket_mode]."""
     log_group_rv_table: bool = False
     """Log each group's reward std and whether the filter kept it, every iteration: <run_dir>/group_rv.jsonl and, with
     W&B, the table rollout/group_rv_table [log_group_rv_table]."""
@@ -420,7 +430,8 @@ class TrainerConfig:
         "metric_names", "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
         "overwrite", "collective_timeout_s", "collapse_every", "collapse_first_turn", "collapse_multi_turn",
-        "collapse_num_samples", "log_group_rv_table",
+        "collapse_num_samples", "log_group_rv_table", "gradient_analysis_every", "gradient_analysis_num_buckets",
+        "gradient_analysis_bucket_mode",
     })
     #: Old field names still read from config files (a run's config.json): old name -> field.
     _renamed: ClassVar[dict[str, str]] = {"keep_last": "keep_checkpoints"}
@@ -800,6 +811,17 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check(t.collapse_every >= 0, f"trainer.collapse_every must be >= 0 (0 = off), got {t.collapse_every}")
     check(t.collapse_num_samples >= 0, f"trainer.collapse_num_samples must be >= 0 (0 = all), got "
                                        f"{t.collapse_num_samples}")
+    check(t.gradient_analysis_every >= 0, f"trainer.gradient_analysis_every must be >= 0 (0 = off), got "
+                                          f"{t.gradient_analysis_every}")
+    check(t.gradient_analysis_num_buckets >= 1, f"trainer.gradient_analysis_num_buckets must be >= 1, got "
+                                                f"{t.gradient_analysis_num_buckets}")
+    check(t.gradient_analysis_bucket_mode in ("quantile", "fixed_rv"), f"trainer.gradient_analysis_bucket_mode must "
+          f"be quantile or fixed_rv, got {t.gradient_analysis_bucket_mode!r}")
+    if t.gradient_analysis_every > 0:
+        check(a.policy_loss == "ppo", f"trainer.gradient_analysis_every={t.gradient_analysis_every} needs algorithm."
+              f"policy_loss ppo (its terms are split), got {a.policy_loss!r}")
+        check(a.offpolicy_correction == "none", f"trainer.gradient_analysis_every={t.gradient_analysis_every} needs "
+              f"algorithm.offpolicy_correction none, got {a.offpolicy_correction!r}")
     if t.collapse_every > 0:
         check(t.collapse_first_turn or t.collapse_multi_turn, f"trainer.collapse_every={t.collapse_every} needs "
               f"trainer.collapse_first_turn or trainer.collapse_multi_turn true (or collapse_every 0: off)")

@@ -1,5 +1,6 @@
-"""RAGEN-2's diagnostics: the collapse metrics (do the policy's thoughts still depend on its input?) and the
-group reward-variance table (:func:`group_rv_rows`).
+"""RAGEN-2's diagnostics: the collapse metrics (do the policy's thoughts still depend on its input?), the group
+reward-variance table (:func:`group_rv_rows`) and the reward-variance buckets of the gradient analysis
+(:func:`rv_buckets`; the gradients themselves: ``Trainer._gradient_analysis``).
 
 Entropy collapse makes the thought z nearly fixed for each input x (low H(Z|X)). Template collapse makes it the
 same for every input (low I(X;Z)): the policy reasons from a template, whatever the state. RAGEN-2 measures the
@@ -218,6 +219,43 @@ def group_rv_rows(rewards: Sequence[float], groups: Sequence[int], keep: Sequenc
         std = float(scores.std(ddof=1)) if len(idx) > 1 else 0.0
         rows.append({"group_id": g, "reward_std": std, "selected": bool(any(keep[i] for i in idx))})
     return rows
+
+
+#: RAGEN's gradient-analysis bucket modes: quantile (equal numbers of groups by reward std) or fixed_rv.
+BUCKET_MODES = ("quantile", "fixed_rv")
+#: fixed_rv's lower edges: reward std in [0, 1), [1, 2), ..., [5, inf).
+FIXED_RV_EDGES = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
+
+
+def gradient_analysis_due(trainer_cfg: Any, step: int) -> bool:
+    """Whether iteration `step` (1-based) runs the gradient analysis: off when ``trainer.gradient_analysis_every``
+    is 0; else at iterations 1, N + 1, 2N + 1, ... (RAGEN's (step - 1) % every == 0)."""
+    every = trainer_cfg.gradient_analysis_every
+    return every > 0 and step >= 1 and (step - 1) % every == 0
+
+
+def rv_buckets(group_std: Sequence[float], num_buckets: int, mode: str) -> dict[str, list[int]]:
+    """RAGEN-2's reward-variance buckets of the groups (positions into `group_std`): "all", then "bucket_1", ...
+
+    quantile: the groups sorted by reward std (ties in the given order), min(num_buckets, G) buckets of G // that
+    many groups each, the remainder going to the last one. fixed_rv: bucket_k holds the stds in
+    [FIXED_RV_EDGES[k-1], FIXED_RV_EDGES[k]) (the last one up to inf); they may be empty."""
+    if mode not in BUCKET_MODES:
+        raise ValueError(f"bucket mode must be one of {BUCKET_MODES}, got {mode!r}")
+    out = {"all": list(range(len(group_std)))}
+    if mode == "fixed_rv":
+        for k, low in enumerate(FIXED_RV_EDGES):
+            high = FIXED_RV_EDGES[k + 1] if k + 1 < len(FIXED_RV_EDGES) else math.inf
+            out[f"bucket_{k + 1}"] = [g for g, s in enumerate(group_std) if low <= s < high]
+        return out
+    n = min(num_buckets, len(group_std))
+    order = sorted(range(len(group_std)), key=lambda g: group_std[g])
+    start = 0
+    for k in range(n):
+        size = len(group_std) // n + (len(group_std) % n if k == n - 1 else 0)
+        out[f"bucket_{k + 1}"] = order[start:start + size]
+        start += size
+    return out
 
 
 class CollapseDetector:

@@ -104,6 +104,23 @@ def _positive(v: Any) -> int:
     return v
 
 
+def _non_negative(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("accepted: an integer >= 0")
+    return v
+
+
+def _bool(v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ValueError("accepted: true or false")
+
+
+def _bucket_mode(v: Any) -> str:
+    if v not in ("quantile", "fixed_rv"):
+        raise ValueError("accepted: quantile, fixed_rv")
+    return v
+
+
 def _must_equal(expected: Any, why: str) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if v != expected:
@@ -178,6 +195,17 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "trainer.max_critic_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
     "trainer.log_group_rv_table": ("trainer.log_group_rv_table", bool),
     "collapse_detection.compute_freq": ("trainer.collapse_every", _positive),
+    "trainer.gradient_analysis_mode": (None, _bool),  # the switch: port() sets gradient_analysis_every 0 when off
+    "trainer.gradient_analysis_every": ("trainer.gradient_analysis_every", _non_negative),
+    "actor_rollout_ref.rollout.gradient_analysis_num_buckets": ("trainer.gradient_analysis_num_buckets", _positive),
+    "actor_rollout_ref.rollout.gradient_analysis_bucket_mode": ("trainer.gradient_analysis_bucket_mode", _bucket_mode),
+    "trainer.gradient_analysis_env_groups": (None, _must_equal(None, "fastpo analyses the training batch; a separate "
+                                                                     "analysis rollout is not implemented")),
+    "trainer.gradient_analysis_group_size": (None, _must_equal(None, "fastpo analyses the training batch; a separate "
+                                                                     "analysis rollout is not implemented")),
+    "trainer.gradient_analysis_log_prefilter": (None, _must_equal(False, "fastpo analyses the filtered batch only")),
+    "trainer.gradient_analysis_only": (None, _must_equal(False, "fastpo always trains after the analysis")),
+    "trainer.exit_after_gradient_analysis": (None, _must_equal(False, "fastpo always trains after the analysis")),
     "collapse_detection.first_turn_enabled": ("trainer.collapse_first_turn", bool),
     "collapse_detection.multi_turn_enabled": ("trainer.collapse_multi_turn", bool),
     "collapse_detection.num_samples": ("trainer.collapse_num_samples", _collapse_samples),
@@ -524,6 +552,8 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
                 _set(out, field, entries)
     _port_filter(out.get("algorithm", {}), notes)
     _port_collapse(flat, out, notes)
+    if "trainer.gradient_analysis_every" in flat and not flat.get("trainer.gradient_analysis_mode", False):
+        out.setdefault("trainer", {})["gradient_analysis_every"] = 0  # RAGEN's gradient_analysis_mode false: off
     if out.get("algorithm", {}).get("adv_estimator") == "grpo":
         notes.append("algorithm.adv_estimator=grpo: fastpo standardises each trajectory's return within its group of "
                      "group_size; RAGEN's code gives every trajectory its own group (docs/RAGEN.md)")

@@ -281,3 +281,97 @@ def test_the_trainer_scores_thoughts_with_its_actor(tmp_path, tokenizer):
         assert len(rv) == 2 and all(json.loads(x)["step"] == 1 for x in rv)  # one row per group
     finally:
         trainer.close(export=False)
+
+
+# ------------------------------------------------------------------------------------------ gradient analysis
+def test_gradient_analysis_schedule():
+    due = [s for s in range(0, 12) if D.gradient_analysis_due(SimpleNamespace(gradient_analysis_every=5), s)]
+    assert due == [1, 6, 11]
+    assert not any(D.gradient_analysis_due(SimpleNamespace(gradient_analysis_every=0), s) for s in range(1, 9))
+
+
+def test_rv_buckets_by_hand():
+    std = [0.5, 0.1, 2.5, 0.1, 7.0]
+    q = D.rv_buckets(std, 2, "quantile")  # sorted: 1, 3 (tie: given order), 0, 2, 4; 5 // 2 = 2, remainder last
+    assert q == {"all": [0, 1, 2, 3, 4], "bucket_1": [1, 3], "bucket_2": [0, 2, 4]}
+    assert D.rv_buckets(std, 9, "quantile") == {"all": [0, 1, 2, 3, 4], "bucket_1": [1], "bucket_2": [3],
+                                                "bucket_3": [0], "bucket_4": [2], "bucket_5": [4]}
+    f = D.rv_buckets(std, 6, "fixed_rv")
+    assert f == {"all": [0, 1, 2, 3, 4], "bucket_1": [0, 1, 3], "bucket_2": [], "bucket_3": [2], "bucket_4": [],
+                 "bucket_5": [], "bucket_6": [4]}
+    with pytest.raises(ValueError, match="bucket mode must be one of"):
+        D.rv_buckets(std, 2, "median")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("kl_type", ["k1", "k3"])
+def test_loss_terms_add_up_to_the_actor_loss(mode, kl_type):
+    """task + entropy + kl is algorithms.policy_loss's loss, and their gradients add up to its gradient."""
+    import dataclasses
+
+    from fastpo import algorithms
+    from fastpo.objectives import actor_loss_components
+
+    a = dataclasses.replace(Config().algorithm, entropy_coef=0.01, kl_coef=0.05, kl_type=kl_type, loss_agg_mode=mode)
+    g = torch.Generator().manual_seed(0)
+    n, cu = 20, torch.tensor([0, 7, 20])
+    base = torch.randn(n, generator=g) - 1
+    old, adv = base + 0.1 * torch.randn(n, generator=g), torch.randn(n, generator=g)
+    ref, mask = base + 0.2 * torch.randn(n, generator=g), torch.rand(n, generator=g) > 0.3
+    ent0 = torch.rand(n, generator=g)
+    grads = []
+    for split in (False, True):
+        logp, ent = base.clone().requires_grad_(), ent0.clone().requires_grad_()
+        if split:
+            terms = actor_loss_components(logp, ent, old, adv, mask, ref, a, cu_seqlens=cu, norm_len=15.0)
+            assert sorted(terms) == ["entropy", "kl", "task"]
+            loss = sum(terms.values())
+        else:
+            loss = algorithms.policy_loss(logp, old, adv, mask, ent, ref, a, cu_seqlens=cu, norm_len=15.0)[0]
+        loss.backward()
+        grads.append((float(loss.detach()), logp.grad, ent.grad))
+    assert grads[1][0] == pytest.approx(grads[0][0], abs=1e-6)
+    assert torch.allclose(grads[1][1], grads[0][1], atol=1e-7) and torch.allclose(grads[1][2], grads[0][2], atol=1e-7)
+    no_extras = actor_loss_components(base, ent0, old, adv, mask, None, dataclasses.replace(a, entropy_coef=0.0),
+                                      cu_seqlens=cu, norm_len=15.0)
+    assert sorted(no_extras) == ["task"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--trainer.gradient_analysis_every", "-1"], "trainer.gradient_analysis_every must be >= 0 (0 = off), got -1"),
+    (["--trainer.gradient_analysis_num_buckets", "0"], "trainer.gradient_analysis_num_buckets must be >= 1, got 0"),
+    (["--trainer.gradient_analysis_every", "2", "--algorithm.offpolicy_correction", "tis",
+      "--algorithm.old_logprobs", "trainer", "--rollout.train_on_observations", "false"],
+     "trainer.gradient_analysis_every=2 needs algorithm.offpolicy_correction none"),
+])
+def test_bad_gradient_analysis_settings_are_one_config_line(args, line):
+    with pytest.raises(ConfigError) as err:
+        validate(parse_args(args))
+    assert line in str(err.value)
+
+
+_ONE_MINI_BATCH = ["--preset", "tiny", "--env.max_turns", "2", "--rollout.response_length", "16",
+                   "--env.env_groups", "2", "--env.group_size", "2", "--optim.mini_batch_size", "2",
+                   "--algorithm.entropy_coef", "0", "--algorithm.kl_coef", "0", "--optim.ppo_epochs", "1"]
+
+
+@pytest.mark.slow
+def test_gradient_analysis_measures_the_update_s_gradient_and_leaves_training_alone(tmp_path):
+    """One kept group, one mini-batch, no entropy / KL term: the analysis's task-gradient norm over "all" is the
+    norm the update's one optimiser step then measures at the same weights; and an iteration with the analysis
+    trains exactly as one without it."""
+    from fastpo import testing
+
+    on = validate(parse_args([*_ONE_MINI_BATCH, "--trainer.gradient_analysis_every", "1",
+                              "--trainer.run_dir", str(tmp_path / "on")]), 1)
+    off = validate(parse_args([*_ONE_MINI_BATCH, "--trainer.run_dir", str(tmp_path / "off")]), 1)
+    rows_on, weights_on = testing.train_iterations(on, 1)
+    rows_off, weights_off = testing.train_iterations(off, 1)
+    m = rows_on[0]
+    assert m["grad_norm/all/sample_count"] == 2 and m["grad_norm/all/sample_pct"] == 1.0
+    assert m["grad_norm/all/task"] == pytest.approx(m["actor/grad_norm"], rel=1e-5)
+    assert m["actor/grad_norm/task"] == m["grad_norm/all/task"] and "grad_norm/all/entropy" not in m
+    assert m["grad_norm/bucket_1/sample_count"] == 2  # one group: one bucket
+    assert m["grad_norm/all/loss/policy"] == pytest.approx(m["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert "grad_norm/all/task" not in rows_off[0]
+    assert all(torch.equal(weights_on[k], weights_off[k]) for k in weights_off)

@@ -256,6 +256,33 @@ def test_collapse_detection_keys_port():
         port({"collapse_detection": {"compute_freq": 0}})
 
 
+def test_gradient_analysis_keys_port():
+    """RAGEN-2's gradient analysis (base.yaml at 20daedc: mode false, every 50, 6 quantile buckets, no separate
+    batch) ports off; mode true turns it on every 50; what fastpo does not do is refused by name."""
+    from fastpo.config import Config, merge, validate
+    from fastpo.ragen_config import port
+
+    trainer = {"gradient_analysis_mode": False, "gradient_analysis_every": 50, "gradient_analysis_env_groups": None,
+               "gradient_analysis_group_size": None, "gradient_analysis_log_prefilter": False,
+               "gradient_analysis_only": False, "exit_after_gradient_analysis": False}
+    rollout = {"gradient_analysis_num_buckets": 6, "gradient_analysis_bucket_mode": "quantile"}
+    out, _ = port({"trainer": trainer, "actor_rollout_ref": {"rollout": rollout}})
+    assert out["trainer"] == {"gradient_analysis_every": 0, "gradient_analysis_num_buckets": 6,
+                              "gradient_analysis_bucket_mode": "quantile"}
+    out, _ = port({"trainer": {**trainer, "gradient_analysis_mode": True}})
+    assert validate(merge(Config(), out)).trainer.gradient_analysis_every == 50
+    for key, value, line in (("gradient_analysis_only", True, "only False is supported"),
+                             ("gradient_analysis_env_groups", 8, "only None is supported"),
+                             ("gradient_analysis_mode", "yes", "accepted: true or false")):
+        with pytest.raises(PortError, match=f"trainer.{key}="):
+            port({"trainer": {**trainer, key: value}})
+        with pytest.raises(PortError) as err:
+            port({"trainer": {**trainer, key: value}})
+        assert line in str(err.value)
+    with pytest.raises(PortError, match="gradient_analysis_bucket_mode='median': accepted: quantile, fixed_rv"):
+        port({"actor_rollout_ref": {"rollout": {"gradient_analysis_bucket_mode": "median"}}})
+
+
 def test_ragen_names_on_the_command_line_or_in_a_config_point_to_ours(tmp_path):
     """RAGEN's --algorithm.clip_ratio_low got no hint to eps_low: unknown names are looked up in the port's key
     table (fastpo.ragen_config.KEY_MAP), among the fields of the entry point that was run."""
