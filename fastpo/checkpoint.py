@@ -20,6 +20,10 @@ Atomicity: everything is written into ``step-000042.tmp-<pid of rank 0>``; after
 files (name, size, sha256) rank 0's manifest goes into COMPLETE and the directory is renamed. A crash leaves a
 ``.tmp-`` directory, which :func:`latest` ignores and the next save removes.
 
+Retention (``keep_last``): after each save, :func:`retention_plan` picks the steps to delete, once for all disks;
+the newest intact checkpoint is never deleted and a damaged one does not count. A deleted checkpoint is first renamed
+to ``step-000042.discard``, so a kill during the deletion leaves either a complete checkpoint or an ignored folder.
+
 Multi-node: `run_dir` may be one shared filesystem or a node-local disk per node (``fastpo.storage.disk_layout``
 finds out). On node-local disks every checkpoint file is copied to every node's disk before COMPLETE is written
 there, so each node resumes from its own disk (at the cost of sending the checkpoint once per extra node).
@@ -43,6 +47,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +77,13 @@ EXPORT_MARKER = "COMPLETE"
 TRAINER_STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp-\d+$")
+#: A checkpoint being deleted by the retention (:func:`_prune`), or an older save of a step being replaced.
+_DISCARD_DIR = re.compile(r"^step-(\d+)\.discard$")
+#: Test hook (see :func:`_delete_folder`): a kill -9 in the middle of a prune.
+KILL_DURING_PRUNE_ENV = "FASTPO_INJECT_KILL_DURING_PRUNE"
+#: Checkpoint folder -> its COMPLETE marker's (inode, size, mtime) when this process wrote or verified it: the
+#: retention checks such a checkpoint without hashing its files again (resume always hashes, in a new process).
+_INTACT: dict[str, tuple[int, int, int]] = {}
 #: A Hugging Face export being written (:func:`export_hf` into ``<out_dir>.tmp-<pid>``).
 _HF_TMP_DIR = re.compile(r"^hf\.tmp-(\d+)$")
 
@@ -167,15 +179,16 @@ def _replicate(tmp: Path, files_by_rank: list[dict[str, list[Any]]], layout: sto
                     os.fsync(f.fileno())
 
 
-def _publish(tmp: Path, final: Path, step: int, manifest: dict[str, list[Any]], keep_last: int | None) -> None:
-    """On each disk's leader: write the COMPLETE marker (the manifest), rename the folder into place, prune."""
+def _publish(tmp: Path, final: Path, step: int, manifest: dict[str, list[Any]]) -> None:
+    """On each disk's leader: write the COMPLETE marker (the manifest) and rename the folder into place (an older
+    save of the same step is first renamed out of the way, then deleted)."""
     if not storage.disk_layout(final.parent.parent).is_leader:
         return
     _write_json(tmp / MARKER, {"step": step, "files": manifest})  # last file written, fsynced before the rename
-    if final.exists():
-        shutil.rmtree(final)
+    old = _set_aside(final) if final.exists() else None
     os.replace(tmp, final)
-    _prune(final.parent, keep_last, step)
+    if old is not None:
+        _delete_folder(old)
 
 
 def save(
@@ -192,7 +205,8 @@ def save(
         step: training step (the checkpoint is named after it; re-saving a step replaces it).
         model_state: name -> nn.Module / Optimizer / object with state_dict() and load_state_dict().
         trainer_state: JSON-serialisable trainer state (env seed counters, weight version, ...).
-        keep_last: keep this many newest complete checkpoints (None keeps all).
+        keep_last: keep this many newest intact checkpoints (None keeps all); :func:`retention_plan` says which
+            older ones are deleted.
         config_hash: the run's config hash; :func:`resume` refuses a different one.
 
     Returns:
@@ -229,27 +243,92 @@ def save(
             storage.agree(_replicate, tmp, files_by_rank, layout)
         # every rank has reported its files (and they are on every disk): only now is the checkpoint complete
         manifest = {name: digest for files in files_by_rank for name, digest in files.items()}
-        storage.agree(_publish, tmp, final, step, manifest, keep_last)
+        storage.agree(_publish, tmp, final, step, manifest)
+    _remember_intact(final)  # built from the files just hashed: no need to read it back for the retention
+    storage.agree(_prune, root, retention_plan(root, keep_last, step), step)
     du.barrier()
     return final
 
 
-def _prune(root: Path, keep_last: int | None, current_step: int) -> None:
-    """Remove complete checkpoints beyond the newest `keep_last`, and stale .tmp dirs up to the current step."""
+def retention_plan(root: Path, keep: int | None, current_step: int) -> list[int]:
+    """The steps to delete so that `keep` intact checkpoints remain (collective; the same list on every rank).
+
+    Counted from the newest step down, among the steps up to `current_step` (a resumed run that went back to an
+    older checkpoint leaves the later ones alone): a checkpoint counts when it is intact on every disk (resume's
+    check, :func:`verify`; one this process wrote or verified is not hashed again, only its files' presence, sizes
+    and JSON are checked). A damaged one (no COMPLETE marker, a missing file, a bad manifest, a failed sha256) does
+    not count and is kept while it is newer than the `keep`-th intact one. Every step older than that one is in the
+    plan. Fewer than `keep` intact checkpoints: nothing is deleted, so the newest intact checkpoint never is.
+
+    The steps come from every disk (node-local disks may differ after a crash) and each verdict is agreed by all
+    ranks, so every disk deletes the same steps; rank 0's list is broadcast to make that explicit.
+    """
+    if keep is None:
+        return []
+    local = storage.agree(lambda: [s for s, _ in _complete_steps(root)])
+    steps = sorted({s for part in storage.all_gather_object(local) for s in part if s <= current_step})
+    intact = 0
+    plan: list[int] = []
+    for step in reversed(steps):
+        if _verify_everywhere(root / step_dir_name(step), trust_remembered=True) is None:
+            intact += 1
+            if intact == keep:
+                plan = [s for s in steps if s < step]
+                break
+    return du.broadcast_object(plan)
+
+
+def _prune(root: Path, plan: list[int], current_step: int) -> None:
+    """On each disk's leader: delete the checkpoints of `plan` (:func:`retention_plan`), the folders of killed
+    deletions, and stale ``.tmp-`` folders up to the current step. A checkpoint is first renamed to
+    ``step-N.discard`` (atomic: it is complete under its name or ignored by everything), then emptied; a kill in
+    between leaves a ``.discard`` folder that the next prune or start-up removes."""
+    if not storage.disk_layout(root.parent).is_leader:
+        return
     for d in root.iterdir():
         m = _TMP_DIR.match(d.name)
         if m and int(m.group(1)) <= current_step:
             shutil.rmtree(d, ignore_errors=True)
-    if keep_last is None:
-        return
-    complete = sorted(_complete_steps(root))
-    for _step, d in complete[:-keep_last]:
-        shutil.rmtree(d, ignore_errors=True)
+        elif _DISCARD_DIR.match(d.name):
+            _delete_folder(d)
+    for step in plan:
+        d = root / step_dir_name(step)
+        if d.is_dir():
+            _delete_folder(_set_aside(d))
+
+
+def _set_aside(d: Path) -> Path:
+    """Rename the checkpoint folder `d` to ``<d>.discard`` (replacing a leftover of that name); returns the new path."""
+    aside = d.with_name(f"{d.name}.discard")
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(d, aside)
+    _INTACT.pop(str(d), None)
+    return aside
+
+
+def _delete_folder(d: Path) -> None:
+    """Delete a set-aside checkpoint folder file by file; a failure is a warning (the run goes on, the next prune
+    retries). Test hook: ``FASTPO_INJECT_KILL_DURING_PRUNE=1`` kills this process (SIGKILL) right after the first
+    file is deleted."""
+    kill = os.environ.get(KILL_DURING_PRUNE_ENV) == "1"
+    try:
+        for p in sorted(d.iterdir()):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+        d.rmdir()
+    except OSError as err:
+        logger.warning(f"warning: could not delete the old checkpoint folder {d}: {err}", extra=ALL_RANKS)
 
 
 def remove_stale_temp(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove the temporary folders of writes that never finished: ``<run_dir>/hf.tmp-<pid>`` (an export) and
-    ``<run_dir>/checkpoints/step-*.tmp-<pid>`` (a checkpoint, whatever its step); one printed line per removal.
+    """Remove the temporary folders of writes that never finished: ``<run_dir>/hf.tmp-<pid>`` (an export),
+    ``<run_dir>/checkpoints/step-*.tmp-<pid>`` (a checkpoint, whatever its step) and ``step-*.discard`` (a pruned
+    checkpoint whose deletion was cut short); one printed line per removal.
     Returns the removed folders. Collective (every rank calls it; each disk's leader cleans its disk).
 
     Only for a process that holds the run directory (the entry point calls it at start-up, under the run
@@ -261,10 +340,12 @@ def remove_stale_temp(run_dir: str | os.PathLike) -> list[Path]:
         return []
     root = checkpoint_dir(run_dir)
     candidates = [d for d in run_dir.iterdir() if _HF_TMP_DIR.match(d.name)] if run_dir.is_dir() else []
-    candidates += [d for d in root.iterdir() if _TMP_DIR.match(d.name)] if root.is_dir() else []
+    candidates += [d for d in root.iterdir() if _TMP_DIR.match(d.name) or _DISCARD_DIR.match(d.name)] \
+        if root.is_dir() else []
     removed = []
     for d in sorted(candidates):
-        pid = d.name.rsplit("-", 1)[1]
+        what = ("an unfinished deletion of an old checkpoint" if _DISCARD_DIR.match(d.name) else
+                f"an unfinished write of pid {d.name.rsplit('-', 1)[1]}, which no longer holds this run directory")
         try:
             if d.is_dir() and not d.is_symlink():
                 shutil.rmtree(d)
@@ -274,8 +355,7 @@ def remove_stale_temp(run_dir: str | os.PathLike) -> list[Path]:
             logger.warning(f"warning: could not remove the stale temporary folder {d}: {err}", extra=ALL_RANKS)
             continue
         removed.append(d)
-        logger.info(f"removed the stale temporary folder {d} (an unfinished write of pid {pid}, which no longer "
-                    f"holds this run directory)", extra=ALL_RANKS)  # the disk's leader: on any rank
+        logger.info(f"removed the stale temporary folder {d} ({what})", extra=ALL_RANKS)  # a disk's leader
     return removed
 
 
@@ -306,7 +386,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads((path / TRAINER_STATE_FILE).read_text())
 
 
-def verify(path: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> str | None:
+def verify(path: str | os.PathLike, part: tuple[int, int] = (0, 1), hashes: bool = True) -> str | None:
     """Check a checkpoint folder against the manifest in its COMPLETE marker (every file present, with its size
     and sha256). Returns None when intact, else what is wrong. Checkpoints written before the manifest existed
     only get their JSON files checked.
@@ -314,6 +394,7 @@ def verify(path: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> str | Non
     Args:
         part: (i, n) hashes only every n-th file of the sorted manifest starting at the i-th, so n processes
             reading one disk can share the work; sizes and JSON files are always checked.
+        hashes: False checks presence, sizes and JSON files only (no file is read beyond those).
     """
     path = Path(path)
     try:
@@ -327,7 +408,7 @@ def verify(path: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> str | Non
             return f"{name} is missing"
         if p.stat().st_size != size:
             return f"{name} has {p.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
-        if k % part[1] == part[0] and _hash_file(p)[0] != sha:
+        if hashes and k % part[1] == part[0] and _hash_file(p)[0] != sha:
             return f"{name} fails its sha256 check (flipped or overwritten bytes)"
     try:
         meta = json.loads((path / TRAINER_STATE_FILE).read_text())
@@ -338,13 +419,33 @@ def verify(path: str | os.PathLike, part: tuple[int, int] = (0, 1)) -> str | Non
     return None
 
 
-def _verify_everywhere(path: Path) -> str | None:
+def _marker_signature(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = (path / MARKER).stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _remember_intact(path: Path) -> None:
+    """Note that `path` is intact as this process sees it now (written or verified by it)."""
+    signature = _marker_signature(path)
+    if signature is not None:
+        _INTACT[str(path)] = signature
+
+
+def _verify_everywhere(path: Path, trust_remembered: bool = False) -> str | None:
     """:func:`verify` by the ranks of each node together (each hashes its share of the files: node-local disks each
-    hold a copy), agreed by all ranks; the first problem found, with the rank that saw it when there are several."""
+    hold a copy), agreed by all ranks; the first problem found, with the rank that saw it when there are several.
+    With `trust_remembered` a rank does not hash a checkpoint this process wrote or verified (same marker): it
+    checks only that its files are present with their sizes and that its JSON files parse."""
     part = (int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    mine = verify(path, part if 0 <= part[0] < part[1] else (0, 1))
+    signature = _marker_signature(path) if trust_remembered else None
+    remembered = signature is not None and _INTACT.get(str(path)) == signature
+    mine = verify(path, part if 0 <= part[0] < part[1] else (0, 1), hashes=not remembered)
     problems = [(r, p) for r, p in enumerate(storage.all_gather_object(mine)) if p is not None]
     if not problems:
+        _remember_intact(path)
         return None
     rank, problem = problems[0]
     return problem if du.get_world_size() == 1 else f"{problem} (seen by rank {rank})"

@@ -555,8 +555,9 @@ class TrainerConfig:
     """Validate once before the first iteration."""
     save_every: int = 50
     """Checkpoint every N iterations (>= 0; 0 = only at the end)."""
-    keep_last: int = 2
-    """Checkpoints kept on disk (>= 1); older ones are deleted."""
+    keep_checkpoints: int = 2
+    """Intact checkpoints kept on disk (>= 0; 0 = keep all); older ones are deleted after each save. The newest
+    intact one is never deleted and a damaged one does not count (docs/OPERATIONS.md) [max_actor_ckpt_to_keep]."""
     run_dir: str = "runs/default"
     """Directory for checkpoints, metrics.jsonl, TensorBoard events and the final Hugging Face export."""
     resume: str = "auto"
@@ -602,21 +603,51 @@ class TrainerConfig:
     logprob_gap_max: float = 0.1
     """Stop when mean |engine logp - trainer logp| over sampled tokens exceeds this right after a weight sync
     (nats per token, > 0; inf disables): a silent weight-sync failure."""
+    collapse_every: int = 0
+    """RAGEN-2's collapse diagnostics (mutual-information proxies of template collapse, docs/LOGGING.md): computed at
+    iteration 1 and every N-th (>= 0; 0 = off, the default: they score every sampled thought under every sampled
+    prompt, a cost not yet measured). Needs rollout.enable_think and the full context
+    [collapse_detection.compute_freq]."""
+    collapse_first_turn: bool = True
+    """Collapse diagnostics over the first turn (each group's first prompt) [collapse_detection.first_turn_enabled]."""
+    collapse_multi_turn: bool = True
+    """Collapse diagnostics over turns drawn trajectory-uniformly [collapse_detection.multi_turn_enabled]."""
+    collapse_num_samples: int = 64
+    """(prompt, thought) pairs drawn per collapse measurement and kind (>= 0; 0 = all)
+    [collapse_detection.num_samples]."""
+    gradient_analysis_every: int = 0
+    """RAGEN-2's gradient analysis (docs/LOGGING.md): at iterations 1, N + 1, 2N + 1, ... the kept groups are split
+    into buckets by reward std and each bucket's gradient norm is measured per loss term (task, entropy, KL), without
+    a step (>= 0; 0 = off, the default; its cost, one extra backward pass per term and bucket, is not yet measured)
+    [gradient_analysis_mode, gradient_analysis_every]."""
+    gradient_analysis_num_buckets: int = 6
+    """Buckets of the quantile mode (>= 1) [gradient_analysis_num_buckets]."""
+    gradient_analysis_bucket_mode: Literal["quantile", "fixed_rv"] = "quantile"
+    """quantile: equal numbers of groups by reward std; fixed_rv: std in [0, 1), [1, 2), ..., [5, inf)
+    [gradient_analysis_bucket_mode]."""
+    log_group_rv_table: bool = False
+    """Log each group's reward std and whether the filter kept it, every iteration: <run_dir>/group_rv.jsonl and, with
+    W&B, the table rollout/group_rv_table [log_group_rv_table]."""
 
     _unhashed: ClassVar[frozenset[str]] = frozenset({
-        "iterations", "val_every", "val_before_train", "save_every", "keep_last", "run_dir", "resume",
+        "iterations", "val_every", "val_before_train", "save_every", "keep_checkpoints", "run_dir", "resume",
         "log_console", "log_level", "log_jsonl", "log_tensorboard", "log_wandb", "wandb_project", "run_name",
         "metric_names", "log_generations", "min_in_group_std",
         "entropy_drop_factor", "entropy_jump_factor", "grad_norm_spike_factor", "logprob_gap_max",
-        "overwrite", "collective_timeout_s",
+        "overwrite", "collective_timeout_s", "collapse_every", "collapse_first_turn", "collapse_multi_turn",
+        "collapse_num_samples", "log_group_rv_table", "gradient_analysis_every", "gradient_analysis_num_buckets",
+        "gradient_analysis_bucket_mode",
     })
+    #: Old field names still read from config files (a run's config.json): old name -> field.
+    _renamed: ClassVar[dict[str, str]] = {"keep_last": "keep_checkpoints"}
 
     def check(self) -> list[str]:
         """One line per bad field of this section (ranges; the package a sink needs); [] when all is well. The run
         directory and the checkpoint to resume are checked by ``fastpo.preflight``."""
         checks = [(getattr(self, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(self, key)}")
                   for key in ("iterations", "val_every", "save_every", "seed")]
-        checks.append((self.keep_last >= 1, f"trainer.keep_last must be >= 1, got {self.keep_last}"))
+        checks.append((self.keep_checkpoints >= 0,
+                       f"trainer.keep_checkpoints must be >= 0 (0 = keep all), got {self.keep_checkpoints}"))
         checks += [(not getattr(self, flag) or find_spec(package) is not None,
                     f"trainer.{flag}=true needs the {package} package, which is not installed: pip install "
                     f"'fastpo[{package}]' (or pip install {package}), or set trainer.{flag} false")
@@ -636,6 +667,19 @@ class TrainerConfig:
             (self.grad_norm_spike_factor >= 1,
              f"trainer.grad_norm_spike_factor must be >= 1, got {self.grad_norm_spike_factor}"),
             (self.logprob_gap_max > 0, f"trainer.logprob_gap_max must be > 0, got {self.logprob_gap_max}"),
+            (self.collapse_every >= 0, f"trainer.collapse_every must be >= 0 (0 = off), got {self.collapse_every}"),
+            (self.collapse_num_samples >= 0,
+             f"trainer.collapse_num_samples must be >= 0 (0 = all), got {self.collapse_num_samples}"),
+            (self.collapse_every == 0 or self.collapse_first_turn or self.collapse_multi_turn,
+             f"trainer.collapse_every={self.collapse_every} needs trainer.collapse_first_turn or "
+             f"trainer.collapse_multi_turn true (or collapse_every 0: off)"),
+            (self.gradient_analysis_every >= 0,
+             f"trainer.gradient_analysis_every must be >= 0 (0 = off), got {self.gradient_analysis_every}"),
+            (self.gradient_analysis_num_buckets >= 1,
+             f"trainer.gradient_analysis_num_buckets must be >= 1, got {self.gradient_analysis_num_buckets}"),
+            (self.gradient_analysis_bucket_mode in ("quantile", "fixed_rv"),
+             f"trainer.gradient_analysis_bucket_mode must be quantile or fixed_rv, got "
+             f"{self.gradient_analysis_bucket_mode!r}"),
         ]
         return failed(checks)
 
@@ -682,6 +726,21 @@ class Config:
              f"rollout.max_model_len ({r.max_model_len}) so one trajectory fits"),
             (t.seed <= seed_max, f"trainer.seed must be <= {seed_max} (trainer.seed + rank seeds "
              f"{'vLLM (numpy: < 2**32)' if r.engine == 'vllm' else 'torch (int64)'}), got {t.seed}"),
+            # the gradient analysis splits the ppo loss into its terms, on-policy
+            (t.gradient_analysis_every == 0 or a.policy_loss == "ppo",
+             f"trainer.gradient_analysis_every={t.gradient_analysis_every} needs algorithm.policy_loss ppo (its terms "
+             f"are split), got {a.policy_loss!r}"),
+            (t.gradient_analysis_every == 0 or a.offpolicy_correction == "none",
+             f"trainer.gradient_analysis_every={t.gradient_analysis_every} needs algorithm.offpolicy_correction none, "
+             f"got {a.offpolicy_correction!r}"),
+            # the collapse diagnostics score thoughts under the prompts of one group
+            (t.collapse_every == 0 or r.enable_think,
+             f"trainer.collapse_every={t.collapse_every} needs rollout.enable_think=true: the diagnostics score the "
+             f"thoughts (or collapse_every 0: off)"),
+            (t.collapse_every == 0 or r.max_context_window == -1,
+             f"trainer.collapse_every={t.collapse_every} needs rollout.max_context_window -1 (full context), got "
+             f"{r.max_context_window}: a limited window gives the turns of a group different prompts (or "
+             f"collapse_every 0: off)"),
         ]
         return failed(checks) + self.train_seed_errors()
 
@@ -756,7 +815,8 @@ def is_field(dotted: str) -> bool:
     """Whether ``section[.field]`` names a trainer config section or field (other entry points skip these when
     they read a run's config.json)."""
     section, _, key = dotted.partition(".")
-    return section in SECTIONS and (not key or key in _field_types(_section_cls(section)))
+    cls = _section_cls(section) if section in SECTIONS else None
+    return cls is not None and (not key or key in _field_types(cls) or key in getattr(cls, "_renamed", {}))
 
 
 # ---------------------------------------------------------------------------------------------- serialise

@@ -185,6 +185,7 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
         raise error(f"{source}: expected a mapping of sections {fields}, got {type(data).__name__}")
     hints = typing.get_type_hints(type(obj), include_extras=True)
     for key, value in data.items():
+        key = getattr(obj, "_renamed", {}).get(key, key)  # a field's old name in an older run's config file
         dotted = f"{prefix}{key}"
         if key not in fields:
             if known is not None and known(dotted):

@@ -147,19 +147,27 @@ RAGEN_KEYS = {
     "timing/generate": "timing_s/gen", "timing/score": "timing_s/old_log_prob", "timing/update": "timing_s/update",
     "timing/validate": "timing_s/testing", "timing/save": "timing_s/save_checkpoint", "timing/sync": "timing_s/sync",
     "timing/iteration": "timing_s/step",
+    "timing/collapse": "timing_s/collapse_metrics", "timing/collapse_first_turn": "timing_s/collapse_first_turn_step",
+    "timing/collapse_multi_turn": "timing_s/collapse_multi_turn_step",
 }
+#: fastpo key prefix -> RAGEN's, for families of keys (the collapse diagnostics, fastpo.diagnostics).
+RAGEN_PREFIXES = {"collapse/first_turn/": "collapse_first_turn_sample/",
+                  "collapse/multi_turn/": "collapse_trajectory_sample/"}
 METRIC_NAME_SCHEMES = ("fastpo", "ragen")
 _ENV_KEY = re.compile(r"^(env|val-env)/([^/]+)/(.+)$")
 
 
 def ragen_metric_name(key: str) -> str:
     """RAGEN's name of a fastpo metric key: ``env/<Label>/k`` -> ``train/<Tag>/k``, ``val-env/<Label>/k`` ->
-    ``val-env/<Tag>/k`` (Tag = RAGEN_TAGS.get(Label, Label)), the RAGEN_KEYS renames; every other key (rollout/*,
-    actor/pg_*, critic/*, ...) is already RAGEN's or verl's and stays."""
+    ``val-env/<Tag>/k`` (Tag = RAGEN_TAGS.get(Label, Label)), the RAGEN_KEYS renames and RAGEN_PREFIXES; every other
+    key (rollout/*, actor/pg_*, critic/*, ...) is already RAGEN's or verl's and stays."""
     m = _ENV_KEY.match(key)
     if m:
         prefix, label, rest = m.groups()
         return f"{'train' if prefix == 'env' else prefix}/{RAGEN_TAGS.get(label, label)}/{rest}"
+    for ours, theirs in RAGEN_PREFIXES.items():
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
     return RAGEN_KEYS.get(key, key)
 
 
@@ -224,6 +232,9 @@ def data_metrics(scores: Any, masks: list, advantages: list, returns: list | Non
 
 # ------------------------------------------------------------------------------------------- generations
 GENERATION_FIELDS = ("step", "env", "group", "seed", "prompt", "response", "reward", "success")
+#: Columns of RAGEN's group reward-variance table (``trainer.log_group_rv_table``).
+GROUP_RV_FIELDS = ("step", "group_id", "reward_std", "selected")
+GROUP_RV_FILE = "group_rv.jsonl"
 
 
 def generation_record(tokenizer: Any, label: str, traj: Any) -> dict[str, Any]:
@@ -270,6 +281,26 @@ class _Jsonl:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> int:
+    """Rewrite the JSON-lines file `path` (if any) without its rows of steps after `step` and its unparsable lines
+    (temp file + rename); returns how many were dropped."""
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            keep = int(json.loads(line)["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 class MetricsLogger:
@@ -324,6 +355,7 @@ class MetricsLogger:
         self.console = console and self.active
         self._jsonl = _Jsonl(self.run_dir / "metrics.jsonl") if jsonl and self.active else None
         self._generations_jsonl = jsonl
+        self._group_rv: list[list[Any]] = []  # the W&B table's rows so far (RAGEN re-logs the whole table each time)
         self._tb = None
         self._wandb_module = None
         self._wandb = None
@@ -392,6 +424,23 @@ class MetricsLogger:
                                              data=[[r.get(k) for k in GENERATION_FIELDS] for r in rows])
             self._wandb.log({"val/generations": table}, step=step)
 
+    def log_group_rv(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """RAGEN's ``log_group_rv_table``: each group's reward std this iteration and whether the filter kept it
+        (dicts with the :data:`GROUP_RV_FIELDS` but step), appended to ``<run_dir>/group_rv.jsonl`` (one line per
+        group) and, with W&B, logged as the table ``rollout/group_rv_table`` holding every row since this process
+        started (RAGEN's name; W&B replaces a table, so it is logged whole)."""
+        if not self.active or not rows:
+            return
+        table = [[step, int(r["group_id"]), float(r["reward_std"]), bool(r["selected"])] for r in rows]
+        if self._generations_jsonl:
+            with open(self.run_dir / GROUP_RV_FILE, "a") as f:
+                for row in table:
+                    f.write(json.dumps(dict(zip(GROUP_RV_FIELDS, row, strict=True))) + "\n")
+        if self._wandb is not None:
+            self._group_rv += table
+            self._wandb.log({"rollout/group_rv_table": self._wandb_module.Table(
+                columns=list(GROUP_RV_FIELDS), data=[list(r) for r in self._group_rv])}, step=step)
+
     def _print(self, line: str) -> None:
         if self._bar is not None:
             from .progress import write
@@ -440,26 +489,15 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> int:
         """Drop the metrics.jsonl rows of steps after `step` (a resumed run replays them; -1 drops every row), so
-        the file holds each step once. Rewritten atomically (temp file + rename); an unparsable line (the torn last
-        line of a killed run) is dropped too. Returns the number of rows dropped (0 on other ranks)."""
+        the file holds each step once; the same for group_rv.jsonl. Rewritten atomically (temp file + rename); an
+        unparsable line (the torn last line of a killed run) is dropped too. Returns the number of metrics rows
+        dropped (0 on other ranks)."""
         if self._jsonl is None:
             return 0
         path = self._jsonl.path
         self._jsonl.close()
-        kept, dropped = [], 0
-        for line in path.read_text().splitlines() if path.is_file() else []:
-            try:
-                keep = int(json.loads(line)["step"]) <= step
-            except (ValueError, KeyError, TypeError):
-                keep = False
-            if keep:
-                kept.append(line)
-            else:
-                dropped += 1
-        if dropped:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(f"{line}\n" for line in kept))
-            os.replace(tmp, path)
+        dropped = _drop_rows_after(path, step)
+        _drop_rows_after(self.run_dir / GROUP_RV_FILE, step)
         self._jsonl = _Jsonl(path)
         return dropped
 

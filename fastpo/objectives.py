@@ -12,13 +12,14 @@ optimiser, the mini-batches, the loss scales and the non-finite accounting.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from . import algorithms, update
+from . import algorithms, kernels, update
 from . import distributed as du
 from .microbatch import MicroBatch, cat_tokens
 from .rollout import Trajectory
@@ -117,3 +118,29 @@ class ActorObjective:
             out["actor/is_ratio_max"] = hi if hi != -float("inf") else 1.0
             out["actor/is_ratio_min"] = lo if lo != float("inf") else 1.0
         return out
+
+
+def actor_loss_components(logp: Tensor, entropy: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                          ref_logp: Tensor | None, cfg: Any, *, cu_seqlens: Tensor | None = None,
+                          norm_len: float | None = None) -> dict[str, Tensor]:
+    """The ppo actor loss split into its terms (RAGEN-2's gradient analysis), each a differentiable fp32 scalar:
+    "task" the clipped policy term (``algorithms.policy_loss`` without entropy and KL), "entropy" =
+    -entropy_coef x agg(entropy) (when entropy_coef != 0), "kl" = kl_coef x agg(kl(logp, ref)) (when ref_logp is
+    given and kl_coef != 0), agg = ``loss_agg_mode``'s token weights. They sum to ``policy_loss``'s loss.
+
+    logp / entropy fp32 [N] (differentiable), old_logp / advantages / ref_logp fp32 [N], mask bool [N], cfg the
+    AlgorithmConfig (policy_loss must be "ppo": other registered losses need not split this way)."""
+    if cfg.policy_loss != "ppo":
+        raise ValueError(f"loss components exist for algorithm.policy_loss 'ppo' only, got {cfg.policy_loss!r}")
+    task_cfg = dataclasses.replace(cfg, entropy_coef=0.0, kl_coef=0.0)
+    out = {"task": algorithms.policy_loss(logp, old_logp, advantages, mask, None, None, task_cfg,
+                                          cu_seqlens=cu_seqlens, norm_len=norm_len)[0]}
+    weights = kernels.reference.aggregation_weights(mask, cfg.loss_agg_mode, cu_seqlens, norm_len)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if cfg.entropy_coef != 0:
+        out["entropy"] = -cfg.entropy_coef * (weights * torch.where(mask, entropy, zero)).sum()
+    if ref_logp is not None and cfg.kl_coef != 0:
+        raw = torch.where(mask, logp - ref_logp, zero)
+        kl = raw if cfg.kl_type == "k1" else torch.exp(-raw) + raw - 1.0
+        out["kl"] = cfg.kl_coef * (weights * kl).sum()
+    return out

@@ -17,6 +17,7 @@ entry; the output is checked with fastpo's own config before it is printed.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from typing import Any
 
 from . import prompts
 from .cli import Positional
-from .ragen_keys import INERT, KEY_MAP
+from .ragen_keys import INERT, KEY_MAP, _keep_checkpoints
 
 
 class PortError(ValueError):
@@ -295,6 +296,12 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
     manager = ragen.get("es_manager") or {}
     flat.update({f"es_manager.{k}": v for k, v in _flatten(manager).items() if ".env_configs." not in f".{k}."})
     bi_level = bool(flat.get("algorithm.bi_level_gae", False))
+    keeps = {k: flat[k] for k in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep") if k in flat}
+    with contextlib.suppress(TypeError, ValueError):  # a bad value is refused by its own line below
+        if len(keeps) == 2 and len({_keep_checkpoints(v) for v in keeps.values()}) == 2:
+            errors.append(f"trainer.max_critic_ckpt_to_keep={keeps['trainer.max_critic_ckpt_to_keep']!r}: accepted: "
+                          f"the value of trainer.max_actor_ckpt_to_keep ({keeps['trainer.max_actor_ckpt_to_keep']!r}); "
+                          f"a fastpo checkpoint holds actor and critic together (trainer.keep_checkpoints)")
     for key, value in flat.items():
         if _ignored(key, ignore):
             continue
@@ -323,12 +330,35 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
             if entries is not None:
                 _set(out, field, entries)
     _port_filter(out.get("algorithm", {}), notes)
+    _port_collapse(flat, out, notes)
+    if "trainer.gradient_analysis_every" in flat and not flat.get("trainer.gradient_analysis_mode", False):
+        out.setdefault("trainer", {})["gradient_analysis_every"] = 0  # RAGEN's gradient_analysis_mode false: off
     if out.get("algorithm", {}).get("adv_estimator") == "grpo":
         notes.append("algorithm.adv_estimator=grpo: fastpo standardises each trajectory's return within its group of "
                      "group_size; RAGEN's code gives every trajectory its own group (docs/RAGEN.md)")
     if errors:
         raise PortError("cannot port these RAGEN keys:\n  " + "\n  ".join(errors))
     return out, notes
+
+
+def _port_collapse(flat: dict[str, Any], out: dict[str, dict[str, Any]], notes: list[str]) -> None:
+    """RAGEN-2 computes its collapse metrics when first_turn_enabled or multi_turn_enabled (every compute_freq
+    steps), and only with thoughts and the full context; fastpo's switch is trainer.collapse_every > 0, and its
+    config refuses them without thoughts or with a limited window, so they are set off where RAGEN computes none."""
+    t = out.get("trainer", {})
+    if "collapse_every" not in t:
+        return
+    why = None
+    if not (t.get("collapse_first_turn", True) or t.get("collapse_multi_turn", True)):
+        why = "first_turn_enabled and multi_turn_enabled are both false"
+    elif not out.get("rollout", {}).get("enable_think", True):
+        why = "agent_proxy.enable_think is false (no thoughts to score)"
+    elif out.get("rollout", {}).get("max_context_window", -1) != -1 or \
+            flat.get("agent_proxy.context_window_mode", "full") != "full":
+        why = "the context is not the full history"
+    if why is not None:
+        t["collapse_every"] = 0
+        notes.append(f"collapse_detection: off (trainer.collapse_every 0): {why}, so RAGEN computes none either")
 
 
 def _port_filter(alg: dict[str, Any], notes: list[str]) -> None:

@@ -29,6 +29,47 @@ def _save_every(v: Any) -> int:
     return 0 if int(v) < 0 else int(v)
 
 
+def _keep_checkpoints(v: Any) -> int:
+    """RAGEN's max_*_ckpt_to_keep (verl: null or 0 keeps all) -> trainer.keep_checkpoints (0 keeps all)."""
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("accepted: null or an integer >= 0 (null and 0 keep every checkpoint)")
+    return v
+
+
+def _collapse_samples(v: Any) -> int:
+    """collapse_detection.num_samples (an int >= 1 or "all") -> trainer.collapse_num_samples (0 = all)."""
+    if v == "all":
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("accepted: an integer >= 1 or 'all'")
+    return v
+
+
+def _positive(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("accepted: an integer >= 1")
+    return v
+
+
+def _non_negative(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError("accepted: an integer >= 0")
+    return v
+
+
+def _bool(v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ValueError("accepted: true or false")
+
+
+def _bucket_mode(v: Any) -> str:
+    if v not in ("quantile", "fixed_rv"):
+        raise ValueError("accepted: quantile, fixed_rv")
+    return v
+
+
 def _must_equal(expected: Any, why: str) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if v != expected:
@@ -98,6 +139,25 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "trainer.experiment_name": ("trainer.run_dir", lambda v: f"runs/{v}"),
     "trainer.save_freq": ("trainer.save_every", _save_every),
     "trainer.total_training_steps": ("trainer.iterations", int),
+    # fastpo's checkpoint holds actor and critic together: one count (port() refuses two different ones)
+    "trainer.max_actor_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
+    "trainer.max_critic_ckpt_to_keep": ("trainer.keep_checkpoints", _keep_checkpoints),
+    "trainer.log_group_rv_table": ("trainer.log_group_rv_table", bool),
+    "collapse_detection.compute_freq": ("trainer.collapse_every", _positive),
+    "trainer.gradient_analysis_mode": (None, _bool),  # the switch: port() sets gradient_analysis_every 0 when off
+    "trainer.gradient_analysis_every": ("trainer.gradient_analysis_every", _non_negative),
+    "actor_rollout_ref.rollout.gradient_analysis_num_buckets": ("trainer.gradient_analysis_num_buckets", _positive),
+    "actor_rollout_ref.rollout.gradient_analysis_bucket_mode": ("trainer.gradient_analysis_bucket_mode", _bucket_mode),
+    "trainer.gradient_analysis_env_groups": (None, _must_equal(None, "fastpo analyses the training batch; a separate "
+                                                                     "analysis rollout is not implemented")),
+    "trainer.gradient_analysis_group_size": (None, _must_equal(None, "fastpo analyses the training batch; a separate "
+                                                                     "analysis rollout is not implemented")),
+    "trainer.gradient_analysis_log_prefilter": (None, _must_equal(False, "fastpo analyses the filtered batch only")),
+    "trainer.gradient_analysis_only": (None, _must_equal(False, "fastpo always trains after the analysis")),
+    "trainer.exit_after_gradient_analysis": (None, _must_equal(False, "fastpo always trains after the analysis")),
+    "collapse_detection.first_turn_enabled": ("trainer.collapse_first_turn", bool),
+    "collapse_detection.multi_turn_enabled": ("trainer.collapse_multi_turn", bool),
+    "collapse_detection.num_samples": ("trainer.collapse_num_samples", _collapse_samples),
     "trainer.val_before_train": ("trainer.val_before_train", bool),
     "trainer.test_freq": ("trainer.val_every", lambda v: max(int(v), 0)),
     "trainer.validation_steps": (None, _must_equal(1, "fastpo validates val_groups x val_group_size once")),
@@ -126,6 +186,7 @@ INERT: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "token-budget micro-batches",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "token-budget micro-batches",
     "critic.ppo_micro_batch_size_per_gpu": "token-budget micro-batches",
+    "collapse_detection.micro_batch_size": "token-budget micro-batches (optim.micro_batch_tokens)",
     "critic.ppo_mini_batch_size": "the critic steps on the actor's mini-batches (optim.mini_batch_size)",
     "critic.model.lora_rank": "the critic uses model.lora_rank", "critic.model.lora_alpha": "model.lora_alpha",
     "critic.model.target_modules": "model.lora_target_modules",

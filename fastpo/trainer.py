@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import algorithms, checkpoint, env_mix, envs, kernels, provenance, rollout_filter, update
+from . import algorithms, checkpoint, diagnostics, env_mix, envs, kernels, provenance, rollout_filter, update
 from . import distributed as du
 from .config import Config, config_hash, to_dict, to_json
 from .engine.base import Engine, SamplingParams
@@ -54,7 +54,7 @@ from .metrics import (
 from .microbatch import MicroBatch, cat_tokens, pack, split_tokens, token_cost
 from .model import is_lora, load_policy, load_tokenizer, merged_state_dict
 from .model_path import resolve_model_path
-from .objectives import ActorObjective, CriticObjective
+from .objectives import ActorObjective, CriticObjective, actor_loss_components
 from .rollout import RolloutPart, Trajectory, run_rollouts
 from .rollout_metrics import combine_metric_sums, metric_sums
 from .rollout_pool import NewGroup, RolloutPool
@@ -102,6 +102,9 @@ def injected_nan_steps() -> set[int]:
 class Trainer:
     """StarPO / StarPO-S trainer. Its checkpointed state: models, optimisers, schedulers and :meth:`state_dict`
     (step, env seed counter, non-finite counters, echo-trap history) plus per-rank RNG states."""
+
+    #: RAGEN-2's collapse metrics (``trainer.collapse_every``), made at their first iteration.
+    collapse: diagnostics.CollapseDetector | None = None
 
     def __init__(self, cfg: Config, info: du.DistInfo | None = None):
         """The run's start-up first, the one both ``python -m fastpo.train`` and a library user take
@@ -235,7 +238,7 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the current step (collective)."""
         return checkpoint.save(self.run_dir, self.step, self.models.stateful(), self.state_dict(),
-                               keep_last=self.cfg.trainer.keep_last, config_hash=self.config_hash)
+                               keep_last=self.cfg.trainer.keep_checkpoints or None, config_hash=self.config_hash)
 
     def _sync_engine(self) -> None:
         """Push the actor's weights into the engine (collective under FSDP2: every rank calls it). vLLM gathers the
@@ -432,6 +435,13 @@ class Trainer:
                 results += [(i, {f: per[f][j] for f in per}) for j, i in enumerate(mb.indices)]
         return dict(du.all_gather_list(results))
 
+    def _sequence_logps(self, seqs: list[tuple[np.ndarray, np.ndarray, int]]) -> list[float]:
+        """The actor's summed logprob of each sequence's masked tokens, for (input_ids, loss_mask, group) each
+        (collective: :meth:`_score` on throwaway trajectories; the collapse diagnostics)."""
+        trajs = [Trajectory(input_ids=ids, loss_mask=mask, group=group) for ids, mask, group in seqs]
+        scored = self._score(trajs, list(range(len(trajs))), extras=False)
+        return [float(np.sum(scored[i]["old_logp"], dtype=np.float64)) for i in range(len(trajs))]
+
     def _ref_logp(self, mb: MicroBatch, mask: Tensor) -> Tensor:
         """Reference-policy logp: the reference model, or under LoRA the actor with its adapter disabled."""
         if self.ref is not None:
@@ -496,6 +506,76 @@ class Trainer:
         metrics.update(self._fit(trajs, kept, actor, self.actor, m.actor_optim, m.actor_sched))
         return metrics
 
+    def _gradient_analysis(self, trajs: list[Trajectory], kept: list[int], source: str) -> dict[str, float]:
+        """RAGEN-2's gradient analysis (``trainer.gradient_analysis_every``; collective): the kept groups in
+        reward-std buckets (``diagnostics.rv_buckets``, plus "all"), and per bucket each loss term's gradient norm
+        (``objectives.actor_loss_components``) averaged over its mini-batches, without a step: the weights and the
+        optimiser state stay as they were, the gradients are cleared. Keys ``grad_norm/<bucket>/...`` (docs/LOGGING.md);
+        the "all" bucket's norms and losses also as ``actor/grad_norm/<term>``, ``actor/loss/<term>``."""
+        t = self.cfg.trainer
+        groups = diagnostics.group_rv_rows([trajs[j].reward for j in kept], [trajs[j].group for j in kept],
+                                           [True] * len(kept))
+        std_of = {g["group_id"]: g["reward_std"] for g in groups}
+        buckets = diagnostics.rv_buckets([g["reward_std"] for g in groups], t.gradient_analysis_num_buckets,
+                                         t.gradient_analysis_bucket_mode)
+        norm_len, out = update.norm_len(trajs, kept), {}
+        for name, members in buckets.items():
+            ids = {groups[k]["group_id"] for k in members}
+            idx = [j for j in kept if trajs[j].group in ids]
+            if not idx:  # an empty fixed_rv bucket: nothing to measure (RAGEN skips it too)
+                continue
+            stds, pre = [std_of[trajs[j].group] for j in idx], f"grad_norm/{name}/"
+            out.update({pre + "sample_count": float(len(idx)), pre + "sample_pct": len(idx) / len(kept),
+                        pre + "reward_std_mean": float(np.mean(stds)), pre + "reward_std_min": min(stds),
+                        pre + "reward_std_max": max(stds)})
+            norms, losses = self._term_gradients(trajs, idx, source, norm_len)
+            tokens = float(sum(int(trajs[j].loss_mask.sum()) for j in idx))
+            for term, norm in norms.items():
+                out.update({pre + term: norm, f"{pre}per_sample/{term}": norm / len(idx)})
+                if tokens:
+                    out[f"{pre}per_token/{term}"] = norm / tokens
+            out.update({f"{pre}loss/{k}": v for k, v in losses.items()})
+            if name == "all":
+                out.update({f"actor/grad_norm/{k}": v for k, v in norms.items()})
+                out.update({f"actor/loss/{k}": v for k, v in losses.items()})
+        return out
+
+    def _term_gradients(self, trajs: list[Trajectory], idx: list[int], source: str,
+                        norm_len: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Per loss term, the actor's gradient norm over each mini-batch of ``idx`` (in order, one pass), averaged;
+        and the terms' mini-batch losses averaged (policy, entropy, kl, total). Gradients cleared after each."""
+        a, o, dev = self.cfg.algorithm, self.cfg.optim, self.device
+        terms = ["task"] + ["entropy"] * (a.entropy_coef != 0) + ["kl"] * (self.use_ref and a.kl_coef != 0)
+        norms: dict[str, list[float]] = {term: [] for term in terms}
+        losses = dict.fromkeys(terms, 0.0)
+        minis = [idx[i:i + o.mini_batch_size] for i in range(0, len(idx), o.mini_batch_size)]
+        optim = self.models.actor_optim
+        for mini in minis:
+            micro = self._micro_batches(trajs, mini)
+            for term in terms:
+                optim.zero_grad(set_to_none=True)
+                total = 0.0
+                for j, mb in enumerate(micro):
+                    if o.defer_grad_sync:
+                        update.set_grad_sync(self.actor, j == len(micro) - 1)
+                    mask = cat_tokens(trajs, mb.indices, "loss_mask", dev)
+                    logp, ent = update.token_logp(self.actor, mb, mask, self.cfg.rollout.temperature, True)
+                    old = logp.detach() if source == "update" else cat_tokens(trajs, mb.indices, "old_logp", dev)
+                    loss = actor_loss_components(
+                        logp, ent, old, cat_tokens(trajs, mb.indices, "advantages", dev), mask,
+                        self._ref_logp(mb, mask) if term == "kl" else None, a, cu_seqlens=mb.cu_seqlens,
+                        norm_len=norm_len)[term]
+                    (loss * mb.scale).backward()
+                    total += float(loss.detach()) * mb.scale
+                norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), float("inf"))
+                norms[term].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+                losses[term] += du.all_reduce_sum([total])[0] / self.world  # the scales sum to the world size
+            optim.zero_grad(set_to_none=True)
+        names = {"task": "policy", "entropy": "entropy", "kl": "kl"}
+        mean_losses = {names[term]: v / len(minis) for term, v in losses.items()}
+        mean_losses["total"] = sum(mean_losses.values())
+        return {term: float(np.mean(v)) for term, v in norms.items()}, mean_losses
+
     def _count_step(self, ok: bool, critic: bool, loss_sum: float, norm: float) -> None:
         """Count a skipped (non-finite) step; the actor's stop after optim.max_nonfinite_in_a_row of them."""
         if critic:
@@ -526,8 +606,15 @@ class Trainer:
                 f"iteration {self.step}: no trajectory has a trained token (mean turns per episode "
                 f"{metrics.get('rollout/num_turns', 0.0):g}): the prompts leave no room for rollout.response_length "
                 f"({cfg.rollout.response_length}) within rollout.max_model_len ({cfg.rollout.max_model_len})")
+        if diagnostics.collapse_due(cfg.trainer, self.step):  # RAGEN-2's: on the whole rollout, before the filter
+            self.collapse = self.collapse or diagnostics.CollapseDetector(cfg)
+            with self.timer("collapse"):
+                metrics.update(self.collapse(trajs, self.tokenizer, self._sequence_logps, self.step))
         keep, filter_metrics = self._filter(trajs, target)
         metrics.update(filter_metrics)
+        if cfg.trainer.log_group_rv_table:
+            self.logger.log_group_rv(self.step, diagnostics.group_rv_rows([t.reward for t in trajs],
+                                                                          [t.group for t in trajs], keep.tolist()))
         kept = keep.nonzero().squeeze(-1).tolist()
         metrics["rollout/kept_trajectories"] = float(len(kept))
         if cfg.rollout.partial:
@@ -565,6 +652,9 @@ class Trainer:
             batch = update.with_fields(batch, {j: {"advantages": adv[j], "returns": None if ret is None else ret[j]}
                                                for j in rows})
             metrics.update(adv_metrics)
+            if diagnostics.gradient_analysis_due(cfg.trainer, self.step):  # RAGEN-2's: before the actor's update
+                with self.timer("gradient_analysis"):
+                    metrics.update(self._gradient_analysis(batch, rows, source))
             metrics.update(self._update(batch, rows, source))
         critic = self.critic is not None
         metrics.update(data_metrics(  # verl's batch statistics of the kept trajectories (identical on every rank)

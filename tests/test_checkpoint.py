@@ -138,6 +138,121 @@ def test_keep_last_prunes_oldest(tmp_path):
         _save(tmp_path, 5, keep_last=0)
 
 
+def _steps(run_dir) -> list[str]:
+    return sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())
+
+
+def test_a_damaged_checkpoint_does_not_count_toward_keep(tmp_path):
+    for step in (1, 2, 3):
+        _save(tmp_path, step, keep_last=None)
+    newest = tmp_path / "checkpoints" / "step-000003"
+    (newest / "__0_0.distcp").write_bytes(b"torn")
+    checkpoint._INTACT.clear()  # as in a new process: nothing is known to be intact
+    _save(tmp_path, 4, keep_last=2)  # intact: 4, 2 (3 is damaged and newer than 2: kept, not counted)
+    assert _steps(tmp_path) == ["step-000002", "step-000003", "step-000004"]
+    _save(tmp_path, 5, keep_last=2)  # intact: 5, 4; everything older goes, the damaged 3 too
+    assert _steps(tmp_path) == ["step-000004", "step-000005"]
+
+
+def test_fewer_intact_checkpoints_than_keep_deletes_nothing(tmp_path):
+    for step in (1, 2):
+        _save(tmp_path, step, keep_last=None)
+    for step in (1, 2):
+        (tmp_path / "checkpoints" / f"step-{step:06d}" / "trainer_state.json").unlink()
+    _save(tmp_path, 3, keep_last=2)  # one intact checkpoint (3) of the two wanted
+    assert _steps(tmp_path) == ["step-000001", "step-000002", "step-000003"]
+    _save(tmp_path, 3, keep_last=1)
+    assert _steps(tmp_path) == ["step-000003"]
+
+
+def test_the_newest_intact_checkpoint_survives_any_keep(tmp_path):
+    _save(tmp_path, 1, keep_last=None)
+    _save(tmp_path, 2, keep_last=None)
+    (tmp_path / "checkpoints" / "step-000002" / "COMPLETE").write_text("{not json")
+    plan = checkpoint.retention_plan(tmp_path / "checkpoints", 1, current_step=2)
+    assert plan == []  # 2 is damaged, 1 is the newest intact one: nothing may go
+    assert checkpoint.retention_plan(tmp_path / "checkpoints", None, current_step=2) == []
+
+
+def test_steps_after_the_saved_one_are_left_alone(tmp_path):
+    """A run resumed from an older checkpoint saves below the newest step: the later ones belong to the run it went
+    back from, and the step just saved is never deleted."""
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, keep_last=None)
+    _save(tmp_path, 2, keep_last=1)
+    assert _steps(tmp_path) == ["step-000002", "step-000003", "step-000004"]
+
+
+def test_retention_does_not_hash_what_this_process_wrote(tmp_path, monkeypatch):
+    seen = []
+    real = checkpoint._hash_file
+    monkeypatch.setattr(checkpoint, "_hash_file", lambda path: seen.append(path.parent.name) or real(path))
+    _save(tmp_path, 1, keep_last=2)
+    _save(tmp_path, 2, keep_last=2)
+    assert set(seen) == {f"step-00000{s}.tmp-{os.getpid()}" for s in (1, 2)}  # the writes only
+    seen.clear()
+    checkpoint._INTACT.clear()  # a new process (e.g. after a resume) hashes an older checkpoint once
+    _save(tmp_path, 3, keep_last=2)
+    _save(tmp_path, 4, keep_last=2)
+    assert {name for name in seen if ".tmp-" not in name} == {"step-000002"}
+    assert _steps(tmp_path) == ["step-000003", "step-000004"]
+
+
+_KILLED_PRUNE = """
+import os, sys
+import torch
+from fastpo import checkpoint
+run, case = sys.argv[1], sys.argv[2]
+objs = {"m": torch.nn.Linear(2, 2)}
+for step in (1, 2, 3):
+    checkpoint.save(run, step, objs, {"step": step}, keep_last=None)
+os.environ[checkpoint.KILL_DURING_PRUNE_ENV] = "1"
+if case == "prune":
+    checkpoint.save(run, 4, objs, {"step": 4}, keep_last=1)  # deletes 1, 2, 3: killed inside the first
+else:
+    checkpoint.save(run, 3, objs, {"step": 30}, keep_last=None)  # replaces step 3: killed deleting the old one
+print("not killed")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["prune", "replace"])
+def test_a_prune_killed_midway_leaves_the_newest_intact_checkpoint(tmp_path, case):
+    """kill -9 while old checkpoints are deleted: resume still loads the newest intact checkpoint, and the next
+    prune (or start-up) finishes the deletion."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    rc, out, err = run_killable([sys.executable, "-c", _KILLED_PRUNE, str(tmp_path), case], REPO, env, 120)
+    assert rc == -9 and "not killed" not in out, err[-3000:]
+    root = tmp_path / "checkpoints"
+    if case == "prune":
+        assert _steps(tmp_path) == ["step-000001.discard", "step-000002", "step-000003", "step-000004"]
+        newest, state = "step-000004", {"step": 4}
+    else:
+        assert _steps(tmp_path) == ["step-000001", "step-000002", "step-000003", "step-000003.discard"]
+        newest, state = "step-000003", {"step": 30}
+    discard = next(root.glob("*.discard"))
+    assert len(list(discard.iterdir())) >= 1  # cut short after its first file
+    assert checkpoint.latest(tmp_path) == root / newest
+    assert checkpoint.resume(tmp_path, {"m": torch.nn.Linear(2, 2)}, mode="auto") == state
+    if case == "prune":
+        checkpoint.save(tmp_path, 5, {"m": torch.nn.Linear(2, 2)}, {"step": 5}, keep_last=1)
+        assert _steps(tmp_path) == ["step-000005"]
+    else:
+        assert checkpoint.remove_stale_temp(tmp_path) == [discard]
+        assert _steps(tmp_path) == ["step-000001", "step-000002", "step-000003"]
+
+
+@pytest.mark.slow
+def test_node_local_disks_prune_the_same_steps(tmp_path):
+    """Two ranks, two disks that disagree: step 4 is torn on disk 1 only and step 2 is missing there. The plan is
+    agreed: step 4 counts on neither, so both disks keep 3, 4, 5 (disk 0 alone would have kept 4, 5)."""
+    _torchrun(str(REPO / "tests" / "dist_worker_retention.py"), str(tmp_path), str(tmp_path / "out.json"))
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert [r["before"] for r in rows] == [[f"step-{s:06d}" for s in (1, 2, 3, 4)]] * 2
+    assert [r["after"] for r in rows] == [["step-000003", "step-000004", "step-000005"]] * 2
+    assert [r["resumed"] for r in rows] == [{"step": 5}] * 2
+
+
 def test_config_hash_refused_unless_forced(tmp_path, capsys):
     _save(tmp_path, 1, config_hash="aaa111")
     with pytest.raises(ValueError, match="aaa111.*bbb222"):

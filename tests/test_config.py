@@ -168,7 +168,7 @@ def test_config_hash_covers_math_only():
     h = C.config_hash(base)
     assert len(h) == 16 and h == C.config_hash(Config()) == C.config_hash(from_json(C.to_json(base)))
     same = parse_args(["--trainer.run_dir", "elsewhere", "--trainer.log_wandb", "--trainer.iterations", "400",
-                       "--trainer.val_every", "5", "--trainer.resume", "never", "--trainer.keep_last", "9"])
+                       "--trainer.val_every", "5", "--trainer.resume", "never", "--trainer.keep_checkpoints", "9"])
     assert C.config_hash(same) == h
     for override in (["--algorithm.eps_high", "0.3"], ["--env.group_size", "8"], ["--trainer.seed", "1"],
                      ["--model.path", "other"], ["--optim.betas", "0.9,0.99"]):
@@ -234,7 +234,7 @@ def _set(**changes):
     (_set(algorithm__gigpo_step_gamma=1.5), 1, ["algorithm.gigpo_step_gamma"]),
     (_set(algorithm__gigpo_step_weight=-1.0), 1, ["algorithm.gigpo_step_weight"]),
     (_set(algorithm__adv_estimator="gigpo", env__group_size=1), 1, ["env.group_size", "gigpo"]),
-    (_set(trainer__keep_last=0), 1, ["trainer.keep_last"]),
+    (_set(trainer__keep_checkpoints=-1), 1, ["trainer.keep_checkpoints must be >= 0 (0 = keep all), got -1"]),
     (_set(env__val_groups=100), 3, ["env.val_groups"]),
     (_set(optim__betas=(0.9, 1.0)), 1, ["optim.betas"]),
     (Config(), 0, ["world_size"]),
@@ -247,11 +247,23 @@ def test_validate_errors_name_their_fields(cfg, world_size, fields):
 
 
 def test_validate_lists_every_problem_at_once():
-    cfg = _set(optim__actor_lr=-1.0, trainer__keep_last=0, rollout__temperature=0.0)
+    cfg = _set(optim__actor_lr=-1.0, trainer__keep_checkpoints=-1, rollout__temperature=0.0)
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     text = str(err.value)
-    assert "optim.actor_lr" in text and "trainer.keep_last" in text and "rollout.temperature" in text
+    assert "optim.actor_lr" in text and "trainer.keep_checkpoints" in text and "rollout.temperature" in text
+
+
+def test_keep_checkpoints_zero_keeps_all_and_the_old_name_is_read_from_files(tmp_path):
+    assert validate(_set(trainer__keep_checkpoints=0)).trainer.keep_checkpoints == 0
+    assert parse_args(["--trainer.keep_checkpoints", "5"]).trainer.keep_checkpoints == 5
+    # a run's config.json written before the rename says keep_last: it still resumes and evaluates
+    assert from_json('{"trainer": {"keep_last": 4}}').trainer.keep_checkpoints == 4
+    old = tmp_path / "config.json"
+    old.write_text('{"trainer": {"keep_last": 7}}')
+    assert parse_args(["--config", str(old)]).trainer.keep_checkpoints == 7
+    assert C.is_field("trainer.keep_last") and C.is_field("trainer.keep_checkpoints")
+    assert not C.is_field("trainer.keep_nothing")
 
 
 def test_nonzero_filter_skips_group_count_checks():

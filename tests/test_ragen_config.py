@@ -206,6 +206,93 @@ def test_ragen2_filter_keys_port():
     assert paper["algorithm"] == {"rollout_filter_ratio": 0.25, "rollout_filter_type": "std"}
 
 
+@pytest.mark.parametrize("actor, critic, keep", [(1, 1, 1), (None, None, 0), (0, None, 0), (3, 3, 3)])
+def test_checkpoint_retention_keys_port(actor, critic, keep):
+    """RAGEN's max_actor_ckpt_to_keep / max_critic_ckpt_to_keep (base.yaml at 20daedc: 1 and 1; verl's null and 0
+    keep all) are one count here: fastpo's checkpoint holds actor and critic together."""
+    from fastpo.config import Config
+    from fastpo.config_load import merge
+    from fastpo.preflight import validate
+    from fastpo.ragen_config import port
+
+    out, _ = port({"trainer": {"max_actor_ckpt_to_keep": actor, "max_critic_ckpt_to_keep": critic}})
+    assert out["trainer"] == {"keep_checkpoints": keep}
+    assert validate(merge(Config(), out)).trainer.keep_checkpoints == keep
+
+
+@pytest.mark.parametrize("trainer, line", [
+    ({"max_actor_ckpt_to_keep": 2, "max_critic_ckpt_to_keep": 1},
+     "trainer.max_critic_ckpt_to_keep=1: accepted: the value of trainer.max_actor_ckpt_to_keep (2)"),
+    ({"max_actor_ckpt_to_keep": -1}, "trainer.max_actor_ckpt_to_keep=-1: accepted: null or an integer >= 0"),
+    ({"max_critic_ckpt_to_keep": "two"}, "trainer.max_critic_ckpt_to_keep='two': accepted: null or an integer"),
+])
+def test_bad_checkpoint_retention_keys_are_refused_in_one_line(trainer, line):
+    from fastpo.ragen_config import PortError, port
+
+    with pytest.raises(PortError) as err:
+        port({"trainer": trainer})
+    assert line in str(err.value)
+
+
+def test_collapse_detection_keys_port():
+    """RAGEN-2's collapse_detection (base.yaml at 20daedc: compute_freq 5, both kinds on, num_samples 64,
+    micro_batch_size 128) turns fastpo's diagnostics on; where RAGEN computes none they are off, with a note."""
+    from fastpo.config import Config
+    from fastpo.config_load import merge
+    from fastpo.preflight import validate
+    from fastpo.ragen_config import port
+
+    section = {"compute_freq": 5, "micro_batch_size": 128, "first_turn_enabled": True, "multi_turn_enabled": True,
+               "num_samples": 64}
+    out, notes = port({"collapse_detection": section})
+    assert out["trainer"] == {"collapse_every": 5, "collapse_first_turn": True, "collapse_multi_turn": True,
+                              "collapse_num_samples": 64}
+    assert any(n.startswith("collapse_detection.micro_batch_size=128: no effect") for n in notes)
+    assert validate(merge(Config(), out)).trainer.collapse_every == 5
+    out, _ = port({"collapse_detection": {**section, "num_samples": "all"}})
+    assert out["trainer"]["collapse_num_samples"] == 0
+    for ragen, why in (({"collapse_detection": {**section, "first_turn_enabled": False, "multi_turn_enabled": False}},
+                        "both false"),
+                       ({"collapse_detection": section, "agent_proxy": {"enable_think": False}}, "enable_think"),
+                       ({"collapse_detection": section, "agent_proxy": {"max_context_window": 2}}, "full history")):
+        out, notes = port(ragen)
+        assert out["trainer"]["collapse_every"] == 0 and any(why in n for n in notes), ragen
+        validate(merge(Config(), out))
+    with pytest.raises(PortError, match=r"collapse_detection.num_samples='some': accepted: an integer >= 1 or 'all'"):
+        port({"collapse_detection": {"num_samples": "some"}})
+    with pytest.raises(PortError, match=r"collapse_detection.compute_freq=0: accepted: an integer >= 1"):
+        port({"collapse_detection": {"compute_freq": 0}})
+
+
+def test_gradient_analysis_keys_port():
+    """RAGEN-2's gradient analysis (base.yaml at 20daedc: mode false, every 50, 6 quantile buckets, no separate
+    batch) ports off; mode true turns it on every 50; what fastpo does not do is refused by name."""
+    from fastpo.config import Config
+    from fastpo.config_load import merge
+    from fastpo.preflight import validate
+    from fastpo.ragen_config import port
+
+    trainer = {"gradient_analysis_mode": False, "gradient_analysis_every": 50, "gradient_analysis_env_groups": None,
+               "gradient_analysis_group_size": None, "gradient_analysis_log_prefilter": False,
+               "gradient_analysis_only": False, "exit_after_gradient_analysis": False}
+    rollout = {"gradient_analysis_num_buckets": 6, "gradient_analysis_bucket_mode": "quantile"}
+    out, _ = port({"trainer": trainer, "actor_rollout_ref": {"rollout": rollout}})
+    assert out["trainer"] == {"gradient_analysis_every": 0, "gradient_analysis_num_buckets": 6,
+                              "gradient_analysis_bucket_mode": "quantile"}
+    out, _ = port({"trainer": {**trainer, "gradient_analysis_mode": True}})
+    assert validate(merge(Config(), out)).trainer.gradient_analysis_every == 50
+    for key, value, line in (("gradient_analysis_only", True, "only False is supported"),
+                             ("gradient_analysis_env_groups", 8, "only None is supported"),
+                             ("gradient_analysis_mode", "yes", "accepted: true or false")):
+        with pytest.raises(PortError, match=f"trainer.{key}="):
+            port({"trainer": {**trainer, key: value}})
+        with pytest.raises(PortError) as err:
+            port({"trainer": {**trainer, key: value}})
+        assert line in str(err.value)
+    with pytest.raises(PortError, match="gradient_analysis_bucket_mode='median': accepted: quantile, fixed_rv"):
+        port({"actor_rollout_ref": {"rollout": {"gradient_analysis_bucket_mode": "median"}}})
+
+
 def test_ragen_names_on_the_command_line_or_in_a_config_point_to_ours(tmp_path):
     """RAGEN's --algorithm.clip_ratio_low got no hint to eps_low: unknown names are looked up in the port's key
     table (fastpo.ragen_keys.KEY_MAP), among the fields of the entry point that was run."""

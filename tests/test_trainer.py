@@ -335,7 +335,7 @@ def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
 
     run = tmp_path / "run"
     rc, out, err = _run([*SMALL, *GAE, "--trainer.iterations", "5", "--trainer.save_every", "1",
-                         "--trainer.keep_last", "3", "--optim.max_nonfinite_in_a_row", "2"], run,
+                         "--trainer.keep_checkpoints", "3", "--optim.max_nonfinite_in_a_row", "2"], run,
                         env={"FASTPO_INJECT_NAN_AT": "2,3"})
     assert rc == 1, err[-3000:]
     assert "training stopped: 2 consecutive optimiser steps with a non-finite" in err
