@@ -13,8 +13,8 @@ import torch
 from fastpo import diagnostics as D
 from fastpo.config import Config, ConfigError
 from fastpo.config_load import parse_args
-from fastpo.preflight import validate
 from fastpo.metrics import ragen_metric_name
+from fastpo.preflight import validate
 
 
 def _logmeanexp(*xs: float) -> float:
