@@ -172,99 +172,92 @@ def selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature: fl
 
 
 # ------------------------------------------------------------------------------------- fused linear logprob
-# Kernel: grid (token blocks, vocab splits). A program owns BLOCK_N tokens and one contiguous vocab range; it
-# walks the range in BLOCK_V tiles, each tile z = (x @ w.T + b) / T computed by tl.dot over H in BLOCK_K steps
-# (fp32 accumulator), and keeps per token an online log-sum-exp (max m, sum s), the entropy accumulator
-# t = sum exp(z - m) (z - m) and the target logit. Never writes logits: only 4 fp32 partials per (split, token)
-# to part[4, SPLIT, N], combined by the host (``_combine``). pid 0 is the fastest grid axis, so the token
-# blocks of one split run together and read the same lm-head tiles from L2. Layout: x [N, H], w [V, H] and b
-# [V] contiguous. Backward recomputes the tiles (_flp_grad_kernel).
+# Tile helpers shared by the tiled kernels below and the persistent ones (flp_persistent.py); @triton.jit
+# functions called from a kernel are inlined into it, so the kernels compute exactly what they did when these
+# lines were written out in each. A logits tile is z = (x @ w.T + b) / T for BLOCK_N tokens x BLOCK_V vocab
+# columns, accumulated in fp32 over H in BLOCK_K steps.
 @triton.jit
-def _flp_fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, part_ptr, N, V, H, v_per_split, inv_t,
-                    HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-    v_lo = split * v_per_split
-    v_hi = tl.minimum(v_lo + v_per_split, V)
-    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s_i = tl.zeros([BLOCK_N], dtype=tl.float32)
-    t_i = tl.zeros([BLOCK_N], dtype=tl.float32)
-    target = tl.zeros([BLOCK_N], dtype=tl.float32)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
-    for v0 in range(v_lo, v_hi, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_hi
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * H
-        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < H
-            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT_F32:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc=acc, input_precision=PREC)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-        target += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
-        m_new = tl.maximum(m_i, tl.max(z, 1))
-        alpha = tl.exp(m_i - m_new)
-        zc = z - m_new[:, None]
-        p = tl.exp(zc)
-        if WANT_ENT:
-            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-            t_i = alpha * (t_i + shift * s_i) + tl.sum(p * tl.where(col_ok[None, :], zc, 0.0), 1)
-        s_i = s_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-    out = part_ptr + split * N + rows
-    tl.store(out, m_i, mask=row_ok)
-    tl.store(out + n_splits * N, s_i, mask=row_ok)
-    tl.store(out + 2 * n_splits * N, t_i, mask=row_ok)
-    tl.store(out + 3 * n_splits * N, target, mask=row_ok)
+def _dot_acc(x, w, acc, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """acc + x @ w.T for an x [BLOCK_N, BLOCK_K] and w [BLOCK_V, BLOCK_K] tile (operands cast to fp32 first when
+    DOT_F32: the exact path and the interpreter)."""
+    if DOT_F32:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(x, tl.trans(w), acc=acc, input_precision=PREC)
 
 
-# Kernel: grid over (token blocks x vocab blocks) of one vocab chunk [v_lo, v_lo + Vc), grouped GROUP_V vocab
-# blocks at a time so that a group's lm-head tiles stay in L2 while every token block passes over them.
-# Recomputes the logits tile exactly as the forward (tl.dot over H) and writes dL/dlogits of the tile,
-# (g_logp * onehot + p * (g_lse - g_logp - g_ent * (log p + entropy))) / T, into the chunk buffer G [N, Vc]
-# (hidden's dtype). The host then does dX += G @ w[chunk], dW[chunk] = G.T @ x, db[chunk] = G.sum(0) as GEMMs.
 @triton.jit
-def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr, gent_ptr, out_ptr,
-                     N, V, H, v_lo, Vc, inv_t,
-                     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr):
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    v_blocks = tl.cdiv(Vc, BLOCK_V)
-    per_group = GROUP_V * n_blocks
-    first_v = (pid // per_group) * GROUP_V
-    group_v = tl.minimum(v_blocks - first_v, GROUP_V)
-    pid_v = first_v + (pid % per_group) % group_v
-    pid_n = (pid % per_group) // group_v
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols = v_lo + local
-    row_ok = rows < N
-    col_ok = (local < Vc) & (cols < V)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * H
+def _xw_step(x_rows, w_rows, row_ok, col_ok, k0, H, acc, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """One K step of a logits tile through pointer loads: x_rows / w_rows are [BLOCK_N, 1] / [BLOCK_V, 1] row
+    pointers, k0 the first hidden column; masked rows, columns and the ragged end of H read 0."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < H
+    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    return _dot_acc(x, w, acc, DOT_F32, PREC)
+
+
+@triton.jit
+def _logits_tile(x_rows, w_rows, row_ok, col_ok, H, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x @ w.T for one [BLOCK_N, BLOCK_V] tile (fp32, bias and temperature not applied): the K loop of the
+    tiled kernels."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < H
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc=acc, input_precision=PREC)
+        acc = _xw_step(x_rows, w_rows, row_ok, col_ok, k0, H, acc, DOT_F32, PREC, BLOCK_K)
+    return acc
+
+
+@triton.jit
+def _lse_update(acc, cols, col_ok, ids, b_ptr, inv_t, m_i, s_i, t_i, target, HAS_BIAS: tl.constexpr,
+                WANT_ENT: tl.constexpr):
+    """The forward's epilogue of one logits tile: adds the bias, scales by 1 / T, and folds the tile into the
+    per-token online log-sum-exp (max m_i, sum s_i), the entropy accumulator t_i = sum exp(z - m) (z - m) and
+    the target logit. Returns the updated (m_i, s_i, t_i, target)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
+    target += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
+    m_new = tl.maximum(m_i, tl.max(z, 1))
+    alpha = tl.exp(m_i - m_new)
+    zc = z - m_new[:, None]
+    p = tl.exp(zc)
+    if WANT_ENT:
+        shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+        t_i = alpha * (t_i + shift * s_i) + tl.sum(p * tl.where(col_ok[None, :], zc, 0.0), 1)
+    s_i = s_i * alpha + tl.sum(p, 1)
+    return m_new, s_i, t_i, target
+
+
+@triton.jit
+def _store_partials(part_ptr, split, splits, N, rows, row_ok, m_i, s_i, t_i, target):
+    """Writes one (split, token block)'s 4 fp32 partials into part[4, splits, N]."""
+    out = part_ptr + split * N + rows
+    tl.store(out, m_i, mask=row_ok)
+    tl.store(out + splits * N, s_i, mask=row_ok)
+    tl.store(out + 2 * splits * N, t_i, mask=row_ok)
+    tl.store(out + 3 * splits * N, target, mask=row_ok)
+
+
+@triton.jit
+def _grad_tile_coords(tile, n_blocks, v_blocks, GROUP_V: tl.constexpr):
+    """(token block, vocab block) of grad tile number ``tile``: GROUP_V vocab blocks at a time, every token block
+    of the group before the next group, so that a group's lm-head tiles stay in L2."""
+    per_group = GROUP_V * n_blocks
+    first_v = (tile // per_group) * GROUP_V
+    group_v = tl.minimum(v_blocks - first_v, GROUP_V)
+    pid_v = first_v + (tile % per_group) % group_v
+    pid_n = (tile % per_group) // group_v
+    return pid_n, pid_v
+
+
+@triton.jit
+def _grad_tile_store(acc, rows, cols, local, row_ok, col_ok, Vc, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr,
+                     gent_ptr, out_ptr, inv_t, HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr):
+    """The grad's epilogue of one logits tile (acc = x @ w.T): writes dL/dlogits of the tile,
+    (g_logp * onehot + p * (g_lse - g_logp - g_ent * (log p + entropy))) / T, into the chunk buffer
+    out [N, Vc] at columns ``local`` (cols = v_lo + local are the vocab ids)."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -283,6 +276,58 @@ def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse
     grad = tl.where(row_ok[:, None] & col_ok[None, :], grad * inv_t, 0.0)
     out = out_ptr + rows.to(tl.int64)[:, None] * Vc + local[None, :]
     tl.store(out, grad.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (local < Vc)[None, :])
+
+
+# Kernel: grid (token blocks, vocab splits). A program owns BLOCK_N tokens and one contiguous vocab range; it
+# walks the range in BLOCK_V tiles (_logits_tile, then _lse_update). Never writes logits: only 4 fp32 partials
+# per (split, token) to part[4, SPLIT, N], combined by the host (``_combine``). pid 0 is the fastest grid axis,
+# so the token blocks of one split run together and read the same lm-head tiles from L2. Layout: x [N, H],
+# w [V, H] and b [V] contiguous. Backward recomputes the tiles (_flp_grad_kernel).
+@triton.jit
+def _flp_fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, part_ptr, N, V, H, v_per_split, inv_t,
+                    HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    v_lo = split * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+    t_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+    target = tl.zeros([BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_hi
+        acc = _logits_tile(x_rows, w_ptr + cols.to(tl.int64)[:, None] * H, row_ok, col_ok, H, DOT_F32, PREC,
+                           BLOCK_N, BLOCK_V, BLOCK_K)
+        m_i, s_i, t_i, target = _lse_update(acc, cols, col_ok, ids, b_ptr, inv_t, m_i, s_i, t_i, target, HAS_BIAS,
+                                            WANT_ENT)
+    _store_partials(part_ptr, split, tl.num_programs(1), N, rows, row_ok, m_i, s_i, t_i, target)
+
+
+# Kernel: grid over (token blocks x vocab blocks) of one vocab chunk [v_lo, v_lo + Vc), in _grad_tile_coords'
+# grouped order. Recomputes the logits tile exactly as the forward and writes its dL/dlogits into the chunk
+# buffer G [N, Vc] (hidden's dtype; _grad_tile_store). The host then does dX += G @ w[chunk],
+# dW[chunk] = G.T @ x, db[chunk] = G.sum(0) as GEMMs.
+@triton.jit
+def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr, gent_ptr, out_ptr,
+                     N, V, H, v_lo, Vc, inv_t,
+                     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr):
+    pid_n, pid_v = _grad_tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(Vc, BLOCK_V), GROUP_V)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = v_lo + local
+    row_ok = rows < N
+    col_ok = (local < Vc) & (cols < V)
+    acc = _logits_tile(x_ptr + rows.to(tl.int64)[:, None] * H, w_ptr + cols.to(tl.int64)[:, None] * H, row_ok,
+                       col_ok, H, DOT_F32, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
+    _grad_tile_store(acc, rows, cols, local, row_ok, col_ok, Vc, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr,
+                     gent_ptr, out_ptr, inv_t, HAS_BIAS, HAS_GENT)
 
 
 _SLOTS: dict = {}
