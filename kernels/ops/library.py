@@ -23,6 +23,8 @@ from torch import Tensor
 from .. import reference as ref
 
 BACKENDS = ("triton", "torch")
+#: Values of FASTPO_FLP_KERNEL: which Triton kernels run fused_linear_logprob (see :func:`flp_kernel`).
+FLP_KERNELS = ("tiled", "persistent", "persistent-ptr")
 
 
 def backend_for(t: Tensor) -> str:
@@ -48,6 +50,28 @@ def triton_module(name: str):
         raise ImportError("fastpo.kernels: the Triton path was selected (CUDA tensors or FASTPO_KERNELS=triton) but "
                           "triton is not importable; install it (pip install triton) or set FASTPO_KERNELS=torch"
                           ) from exc
+
+
+def flp_kernel() -> str:
+    """The Triton kernels of ``fused_linear_logprob`` (forward and backward), from ``FASTPO_FLP_KERNEL``, read at
+    every call: ``tiled`` (default: ``logprob.py``, one program per tile), ``persistent`` (``flp_persistent.py``:
+    ~one program per SM slot, one pipelined loop over vocab tiles x K, TMA descriptors on sm_90+) or
+    ``persistent-ptr`` (the persistent kernels with pointer loads everywhere). The default stays ``tiled`` until
+    a GPU run of ``fastpo.kernels.ab.ab_logprob`` says otherwise."""
+    choice = os.environ.get("FASTPO_FLP_KERNEL", "").strip().lower() or "tiled"
+    if choice not in FLP_KERNELS:
+        raise ValueError(f"FASTPO_FLP_KERNEL must be one of {FLP_KERNELS} (or unset), got {choice!r}")
+    return choice
+
+
+def _flp_impl(hidden: Tensor):
+    """(module, extra keyword arguments) serving fused_linear_logprob's forward / backward on ``hidden``."""
+    kind = flp_kernel()  # checked on either backend, so a misspelt value never passes silently
+    if backend_for(hidden) != "triton":
+        return ref, {}
+    if kind == "tiled":
+        return triton_module("logprob"), {}
+    return triton_module("flp_persistent"), ({"tma": False} if kind == "persistent-ptr" else {})
 
 
 def check_ids(ids: Tensor, vocab: int, name: str = "ids") -> None:
@@ -149,8 +173,8 @@ def fused_linear_logprob(hidden: Tensor, weight: Tensor, bias: Tensor | None, id
     if ids.numel() == 0:  # an empty batch: nothing to tile over, on either backend
         empty = hidden.new_empty((0,), dtype=ref.compute_dtype(hidden))
         return empty, empty.clone(), empty.clone()
-    impl = triton_module("logprob") if backend_for(hidden) == "triton" else ref
-    outs = impl.fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature, return_entropy)
+    impl, extra = _flp_impl(hidden)
+    outs = impl.fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature, return_entropy, **extra)
     return tuple(_out(x, hidden) for x in outs)
 
 
@@ -171,10 +195,10 @@ def fused_linear_logprob_backward(grad_logp: Tensor, grad_entropy: Tensor, grad_
     if ids.numel() == 0:  # no token contributes: zero gradients (the kernels' accumulators would stay unwritten)
         return (torch.zeros_like(hidden), torch.zeros_like(weight) if need_weight else _empty(hidden.device),
                 torch.zeros_like(bias) if bias is not None and need_bias else _empty(hidden.device))
-    impl = triton_module("logprob") if backend_for(hidden) == "triton" else ref
+    impl, extra = _flp_impl(hidden)
     d_hidden, d_weight, d_bias = impl.fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight,
                                                                bias, ids, lse, entropy, temperature, need_weight,
-                                                               need_bias)
+                                                               need_bias, **extra)
     return (d_hidden, d_weight if d_weight is not None else _empty(hidden.device),
             d_bias if d_bias is not None else _empty(hidden.device))
 

@@ -13,6 +13,7 @@ same signatures and results as their namesakes in ``reference.py``. CUDA tile co
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -333,19 +334,19 @@ def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse
 _SLOTS: dict = {}
 
 
-def _slots(hidden: torch.Tensor, args: tuple, consts: dict) -> int:
-    """SMs x resident CTAs per SM of the forward kernel as it will launch (compiled once per device and
-    specialisation through ``warmup``, which launches nothing); 1 under the interpreter, where splitting only
-    costs time."""
+def _slots(kernel, hidden: torch.Tensor, args: tuple, consts: dict) -> int:
+    """SMs x resident CTAs per SM of ``kernel`` (a JITFunction) as it will launch with ``args`` / ``consts``
+    (compiled once per kernel, device and specialisation through ``warmup``, which launches nothing); 1 under
+    the interpreter, where more programs only cost time."""
     if not hidden.is_cuda:
         return 1
-    key = (hidden.device.index, hidden.dtype, tuple(sorted(consts.items())))
+    key = (kernel.fn.__name__, hidden.device.index, hidden.dtype, tuple(sorted(consts.items())))
     if key not in _SLOTS:
         props = torch.cuda.get_device_properties(hidden.device)
         with torch.cuda.device(hidden.device):
-            kernel = _flp_fwd_kernel.warmup(*args, grid=(1, 1), **consts)
-            kernel._init_handles()  # loads the cubin: fills n_regs
-        per_sm = ctas_per_sm(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
+            compiled = kernel.warmup(*args, grid=(1,), **consts)
+            compiled._init_handles()  # loads the cubin: fills n_regs
+        per_sm = ctas_per_sm(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared,
                              getattr(props, "regs_per_multiprocessor", 65536),
                              getattr(props, "shared_memory_per_multiprocessor", 233472),
                              getattr(props, "max_threads_per_multi_processor", 2048))
@@ -353,7 +354,7 @@ def _slots(hidden: torch.Tensor, args: tuple, consts: dict) -> int:
     return _SLOTS[key]
 
 
-def _combine(part: torch.Tensor):
+def _combine(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[4, S, N] partials (max, sum, entropy acc, target) -> (lse, entropy, target) fp32 [N]."""
     m, s, t, target = part[0], part[1], part[2], part[3].sum(0)
     m_max = m.amax(0)
@@ -365,12 +366,18 @@ def _combine(part: torch.Tensor):
     return m_max + log_total, log_total - t_total / total, target
 
 
-def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, return_entropy: bool):
-    """hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, ids ``[N]`` -> fp32 (logp [N], entropy [N] or
-    [0], lse [N]). Contiguous inputs of one dtype."""
+#: launch(args, consts, splits, v_per_split): runs a forward kernel that fills args[4] = part [4, splits, N].
+FwdLaunch = Callable[[list, dict, int, int], None]
+
+
+def flp_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                temperature: float, return_entropy: bool, cfg: dict, slots: Callable[[list, dict], int],
+                launch: FwdLaunch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host side of a fused forward, shared by the tiled and the persistent kernels: the vocab splits
+    (``n_splits`` over ``slots(args, consts)`` resident programs), the [4, S, N] partials, one ``launch`` and
+    the combine. ``args`` are the common kernel arguments (x, w, b, ids, part, N, V, H, v_per_split, inv_t)."""
     n_tokens, hid = hidden.shape
     vocab = weight.shape[0]
-    cfg = _cfg(hidden, "fwd")
     block_v = cfg["BLOCK_V"]
     n_blocks = triton.cdiv(n_tokens, cfg["BLOCK_N"])
     consts = {"HAS_BIAS": bias is not None, "WANT_ENT": return_entropy, "DOT_F32": cfg["DOT_F32"],
@@ -380,32 +387,52 @@ def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, retu
             1.0 / temperature]
     splits = 1
     if n_tokens:
-        part = torch.empty(4, 1, n_tokens, dtype=torch.float32, device=hidden.device)  # for the warmup only
-        slots = _slots(hidden, tuple(args[:4]) + (part,) + tuple(args[5:]), consts)
-        splits = n_splits(n_blocks, triton.cdiv(vocab, block_v), slots)
+        args[4] = torch.empty(4, 1, n_tokens, dtype=torch.float32, device=hidden.device)  # for the warmup only
+        splits = n_splits(n_blocks, triton.cdiv(vocab, block_v), slots(args, consts))
     v_per_split = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
     splits = triton.cdiv(vocab, v_per_split)
     part = torch.empty(4, splits, n_tokens, dtype=torch.float32, device=hidden.device)
     if n_tokens:
         args[4], args[8] = part, v_per_split
-        _flp_fwd_kernel[(n_blocks, splits)](*args, **consts)
+        launch(args, consts, splits, v_per_split)
     lse, entropy, target = _combine(part)
     if not return_entropy:
         entropy = torch.empty(0, dtype=torch.float32, device=hidden.device)
     return target - lse, entropy, lse
 
 
-def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy,
-                             temperature, need_weight: bool = True, need_bias: bool = True):
-    """Recomputing backward. Loops over vocab chunks of at most GRAD_ELEMENTS / N columns (and token chunks when
-    N alone exceeds that): the Triton kernel writes the chunk's dL/dlogits, cuBLAS does the three GEMMs. Peak
-    extra memory: one [tokens, Vc] buffer in hidden's dtype plus an fp32 dX accumulator [N, H]. Returns
-    (d_hidden, d_weight or None when not need_weight, d_bias or None when there is no bias or not need_bias):
-    a frozen lm-head (LoRA) skips the 2NVH FLOP of dW."""
+def fused_linear_logprob_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             ids: torch.Tensor, temperature: float,
+                             return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, ids ``[N]`` -> fp32 (logp [N], entropy [N] or
+    [0], lse [N]). Contiguous inputs of one dtype. The tiled kernel: grid (token blocks, vocab splits)."""
+    n_blocks = triton.cdiv(hidden.shape[0], _cfg(hidden, "fwd")["BLOCK_N"])
+
+    def launch(args: list, consts: dict, splits: int, v_per_split: int) -> None:
+        _flp_fwd_kernel[(n_blocks, splits)](*args, **consts)
+
+    return flp_forward(hidden, weight, bias, ids, temperature, return_entropy, _cfg(hidden, "fwd"),
+                       lambda args, consts: _slots(_flp_fwd_kernel, hidden, tuple(args), consts), launch)
+
+
+#: launch(x, ids, lse, ent, g, g_lse, g_ent, out, rows, v_lo, width, has_gent): writes one [rows, width]
+#: dL/dlogits chunk (vocab columns [v_lo, v_lo + width) of the tokens in x) into ``out``.
+GradLaunch = Callable[..., None]
+
+
+def flp_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, grad_lse: torch.Tensor | None,
+                 hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                 lse: torch.Tensor, entropy: torch.Tensor, cfg: dict, launch: GradLaunch, need_weight: bool = True,
+                 need_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The host side of a recomputing backward, shared by the tiled and the persistent grad kernels. Loops over
+    vocab chunks of at most GRAD_ELEMENTS / N columns (and token chunks when N alone exceeds that): ``launch``
+    writes the chunk's dL/dlogits, cuBLAS does the three GEMMs. Peak extra memory: one [tokens, Vc] buffer in
+    hidden's dtype plus an fp32 dX accumulator [N, H]. Returns (d_hidden, d_weight or None when not
+    need_weight, d_bias or None when there is no bias or not need_bias): a frozen lm-head (LoRA) skips the
+    2NVH FLOP of dW."""
     n_tokens, hid = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    cfg = _cfg(hidden, "grad")
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     zeros = torch.zeros(n_tokens, dtype=torch.float32, device=dev)
     g = grad_logp.float().contiguous() if grad_logp is not None else zeros
@@ -416,7 +443,7 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
     token_chunk = max(bn, min(n_tokens, cfg["GRAD_ELEMENTS"] // bv))
     vocab_chunk = max(bv, min(triton.cdiv(vocab, bv) * bv, (cfg["GRAD_ELEMENTS"] // max(token_chunk, 1)) // bv * bv))
     d_hidden = torch.zeros(n_tokens, hid, dtype=torch.float32, device=dev)
-    single = token_chunk >= n_tokens
+    single = token_chunk >= n_tokens > 0  # one token chunk writes every row of dW (none to write for N = 0)
     d_weight = None
     if need_weight:
         d_weight = torch.empty_like(weight) if single else torch.zeros(weight.shape, dtype=torch.float32, device=dev)
@@ -429,14 +456,8 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
         for v0 in range(0, vocab, vocab_chunk):
             width = min(vocab_chunk, vocab - v0)
             grad = buf[: rows * width].view(rows, width)
-            grid = (triton.cdiv(rows, bn) * triton.cdiv(width, bv),)
-            _flp_grad_kernel[grid](
-                x, weight, bias if bias is not None else hidden, ids[n0:n1], lse[n0:n1], ent[n0:n1] if has_gent
-                else ent, g[n0:n1], g_lse[n0:n1], g_ent[n0:n1] if has_gent else g_ent, grad, rows, vocab, hid,
-                v0, width, 1.0 / temperature, HAS_BIAS=bias is not None, HAS_GENT=has_gent, DOT_F32=cfg["DOT_F32"],
-                PREC=cfg["PREC"], BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=cfg["BLOCK_K"], GROUP_V=cfg["GROUP_V"],
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            )
+            launch(x, ids[n0:n1], lse[n0:n1], ent[n0:n1] if has_gent else ent, g[n0:n1], g_lse[n0:n1],
+                   g_ent[n0:n1] if has_gent else g_ent, grad, rows, v0, width, has_gent)
             w_chunk = weight[v0 : v0 + width]
             d_hidden[n0:n1] += torch.mm(grad, w_chunk).float()
             if d_weight is not None and single:
@@ -447,3 +468,25 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
                 d_bias[v0 : v0 + width] += grad.sum(0, dtype=torch.float32)
     return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype) if d_weight is not None else None,
             d_bias.to(bias.dtype) if d_bias is not None else None)
+
+
+def fused_linear_logprob_bwd(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                             grad_lse: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None, ids: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                             temperature: float, need_weight: bool = True, need_bias: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Recomputing backward (see :func:`flp_backward`) with the tiled grad kernel: one program per tile."""
+    cfg = _cfg(hidden, "grad")
+    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
+
+    def launch(x, ids_c, lse_c, ent_c, g_c, glse_c, gent_c, out, rows, v0, width, has_gent) -> None:
+        grid = (triton.cdiv(rows, bn) * triton.cdiv(width, bv),)
+        _flp_grad_kernel[grid](
+            x, weight, bias if bias is not None else hidden, ids_c, lse_c, ent_c, g_c, glse_c, gent_c, out, rows,
+            weight.shape[0], hidden.shape[1], v0, width, 1.0 / temperature, HAS_BIAS=bias is not None,
+            HAS_GENT=has_gent, DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"], BLOCK_N=bn, BLOCK_V=bv,
+            BLOCK_K=cfg["BLOCK_K"], GROUP_V=cfg["GROUP_V"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    return flp_backward(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, cfg, launch,
+                        need_weight, need_bias)
