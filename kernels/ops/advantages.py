@@ -99,7 +99,7 @@ def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype == torch.bool else flat
 
 
-def row_offsets(mask: torch.Tensor, cu_seqlens) -> torch.Tensor:
+def row_offsets(mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """cu_seqlens as int64, or the row starts of a padded [B, T] tensor."""
     if cu_seqlens is not None:
         return cu_seqlens.to(torch.int64).contiguous()
@@ -107,7 +107,9 @@ def row_offsets(mask: torch.Tensor, cu_seqlens) -> torch.Tensor:
     return torch.arange(rows + 1, device=mask.device, dtype=torch.int64) * length
 
 
-def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, cu_seqlens=None):
+def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+             reset: torch.Tensor | None = None,
+             cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Un-whitened multi-turn GAE (semantics of ``reference.gae_scan``) on padded [B, T] tensors, or packed [N]
     ones with cu_seqlens. Returns fp32 (advantages, returns) of mask's shape, 0 off-mask."""
     cu = row_offsets(mask, cu_seqlens)
@@ -182,7 +184,8 @@ def _grpo_kernel(score_ptr, gid_ptr, mask_ptr, cu_ptr, seq_adv_ptr, out_ptr, B, 
         tl.store(out_ptr + pos, tl.where(trained, adv, 0.0), mask=ok)
 
 
-def grpo_advantages(scores, group_ids, mask, norm_by_std: bool, eps: float, cu_seqlens=None):
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, eps: float,
+                    cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-sequence advantages fp32 [B], token advantages fp32 of mask's shape)."""
     n_seq = scores.shape[0]
     cu = row_offsets(mask, cu_seqlens)

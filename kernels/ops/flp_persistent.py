@@ -51,6 +51,11 @@ GPU_TILES = {
     "tf32": {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4},
     "ieee": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2},
 }
+#: Stages of the grad kernel where they differ from GPU_TILES. Its epilogue (p, log p and the gradient of a whole
+#: tile live at once) leaves fewer registers than the forward's: with bf16 / fp16 tiles, 3 or 4 stages spill
+#: 28-32 bytes on sm_80 (255 registers); 2 stages do not (253), and still issue the next tile's first loads
+#: before the epilogue.
+GRAD_STAGES = {"half": 2}
 
 
 def gpu_config(kind: str, mode: str) -> dict:
@@ -59,7 +64,8 @@ def gpu_config(kind: str, mode: str) -> dict:
     if kind not in ("fwd", "grad") or mode not in GPU_TILES:
         raise ValueError(f"gpu_config: kind must be 'fwd' or 'grad' and mode one of {tuple(GPU_TILES)}, got "
                          f"{kind!r}, {mode!r}")
-    return dict(GPU_TILES[mode], GROUP_V=8, GRAD_ELEMENTS=GRAD_ELEMENTS, ROW_BLOCK=ROW_BLOCK,
+    stages = GRAD_STAGES.get(mode, GPU_TILES[mode]["num_stages"]) if kind == "grad" else GPU_TILES[mode]["num_stages"]
+    return dict(GPU_TILES[mode], num_stages=stages, GROUP_V=8, GRAD_ELEMENTS=GRAD_ELEMENTS, ROW_BLOCK=ROW_BLOCK,
                 DOT_F32=mode == "ieee", PREC="ieee" if mode == "ieee" else "tf32")
 
 
@@ -231,7 +237,9 @@ def fused_linear_logprob_bwd(grad_logp: torch.Tensor | None, grad_entropy: torch
     use_tma = tma_supported(hidden, weight) if tma is None else bool(tma)
     b_arg = bias if bias is not None else hidden
 
-    def launch(x, ids_c, lse_c, ent_c, g_c, glse_c, gent_c, out, rows, v0, width, has_gent) -> None:
+    def launch(x: torch.Tensor, ids_c: torch.Tensor, lse_c: torch.Tensor, ent_c: torch.Tensor, g_c: torch.Tensor,
+               glse_c: torch.Tensor, gent_c: torch.Tensor, out: torch.Tensor, rows: int, v0: int, width: int,
+               has_gent: bool) -> None:
         args = (x, weight, b_arg, ids_c, lse_c, ent_c, g_c, glse_c, gent_c, out, rows, weight.shape[0],
                 hidden.shape[1], v0, width, 1.0 / temperature)
         consts = {"HAS_BIAS": bias is not None, "HAS_GENT": has_gent, "DOT_F32": cfg["DOT_F32"],

@@ -68,8 +68,10 @@ def _scatter_kernel(tid_ptr, mask_ptr, turn_adv_ptr, out_ptr, N, BLOCK: tl.const
     tl.store(out_ptr + n, tl.where(trained, val, 0.0), mask=ok)
 
 
-def gigpo_advantages(scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_ids, mask, step_weight: float,
-                     step_gamma: float, norm_by_std: bool, eps: float):
+def gigpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_keys: torch.Tensor, turn_rewards: torch.Tensor,
+                     cu_turns: torch.Tensor, turn_ids: torch.Tensor, mask: torch.Tensor, step_weight: float,
+                     step_gamma: float, norm_by_std: bool,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token advantages fp32 [N], step advantages fp32 [M], step group sizes int64 [M]); inputs as
     ``reference.gigpo_advantages`` (checked by the caller)."""
     n_seq, n_turns, n_tok = scores.shape[0], turn_keys.shape[0], mask.shape[0]

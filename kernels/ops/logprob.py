@@ -144,7 +144,8 @@ def _row_layout(logits: torch.Tensor) -> tuple[int, int, int]:
     return max(logits.shape[1], 1), logits.stride(0), logits.stride(1)
 
 
-def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits ``[R, V]`` or ``[B, T, V]`` (vocab dim contiguous), ids of shape logits.shape[:-1] ->
     fp32 (logp, lse) of ids' shape."""
     vocab = logits.shape[-1]
@@ -158,7 +159,8 @@ def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: 
     return logp, lse
 
 
-def selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature: float) -> torch.Tensor:
+def selective_logprob_bwd(grad_logp: torch.Tensor, grad_lse: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
+                          lse: torch.Tensor, temperature: float) -> torch.Tensor:
     """Gradient w.r.t. logits (contiguous, logits' shape and dtype)."""
     vocab = logits.shape[-1]
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -334,7 +336,7 @@ def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse
 _SLOTS: dict = {}
 
 
-def _slots(kernel, hidden: torch.Tensor, args: tuple, consts: dict) -> int:
+def _slots(kernel: triton.JITFunction, hidden: torch.Tensor, args: tuple, consts: dict) -> int:
     """SMs x resident CTAs per SM of ``kernel`` (a JITFunction) as it will launch with ``args`` / ``consts``
     (compiled once per kernel, device and specialisation through ``warmup``, which launches nothing); 1 under
     the interpreter, where more programs only cost time."""
@@ -479,7 +481,9 @@ def fused_linear_logprob_bwd(grad_logp: torch.Tensor | None, grad_entropy: torch
     cfg = _cfg(hidden, "grad")
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
 
-    def launch(x, ids_c, lse_c, ent_c, g_c, glse_c, gent_c, out, rows, v0, width, has_gent) -> None:
+    def launch(x: torch.Tensor, ids_c: torch.Tensor, lse_c: torch.Tensor, ent_c: torch.Tensor, g_c: torch.Tensor,
+               glse_c: torch.Tensor, gent_c: torch.Tensor, out: torch.Tensor, rows: int, v0: int, width: int,
+               has_gent: bool) -> None:
         grid = (triton.cdiv(rows, bn) * triton.cdiv(width, bv),)
         _flp_grad_kernel[grid](
             x, weight, bias if bias is not None else hidden, ids_c, lse_c, ent_c, g_c, glse_c, gent_c, out, rows,

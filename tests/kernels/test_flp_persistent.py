@@ -126,3 +126,26 @@ def test_gpu_configs():
             assert cfg["DOT_F32"] == (mode == "ieee")
     with pytest.raises(ValueError, match="kind must be"):
         P.gpu_config("bwd", "half")
+
+
+def test_ab_logprob_rows_on_the_interpreter():
+    """The GPU suite's A/B entry point at a tiny shape on CPU: one row per kernel, same results (bitwise under the
+    interpreter), the switches restored afterwards; bad arguments name themselves."""
+    import os
+
+    from fastpo.kernels.ab import ab_logprob, main
+
+    before = os.environ.get("FASTPO_FLP_KERNEL")
+    rows = ab_logprob(40, 32, 700, "fp32", "cpu", kernels=list(lib.FLP_KERNELS), iters=1, warmup=0)
+    assert [r["kernel"] for r in rows] == list(lib.FLP_KERNELS)
+    assert os.environ.get("FASTPO_FLP_KERNEL") == before
+    for r in rows:
+        assert r["device"] == "cpu" and r["dtype"] == "float32" and r["peak_mib"] is None
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0
+        assert r["max_abs_diff_logp"] == r["max_rel_diff_d_hidden"] == r["max_rel_diff_d_weight"] == 0.0
+    with pytest.raises(ValueError, match=r"kernels must be a non-empty list of .*\['fast'\]"):
+        ab_logprob(4, 8, 10, device="cpu", kernels=["fast"])
+    with pytest.raises(ValueError, match="vocab must be an int >= 1, got 0"):
+        ab_logprob(4, 8, 0, device="cpu")
+    assert main(["--tokens", "3", "--hidden", "8", "--vocab", "20", "--dtype", "fp32", "--device", "cpu",
+                 "--iters", "1", "--no-backward"]) == 0
