@@ -32,6 +32,7 @@ from .logprob import (
     ROW_BLOCK,
     _cfg,
     _dot_acc,
+    _fwd_item,
     _grad_tile_coords,
     _grad_tile_store,
     _lse_update,
@@ -119,16 +120,8 @@ def _flp_fwd_persistent_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, part_ptr, N, V, H, 
     for item in range(tl.program_id(0), n_blocks * splits, tl.num_programs(0)):
         pid_n = item % n_blocks
         split = item // n_blocks
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
-        v_lo = split * v_per_split
-        v_hi = tl.minimum(v_lo + v_per_split, V)
-        m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        s_i = tl.zeros([BLOCK_N], dtype=tl.float32)
-        t_i = tl.zeros([BLOCK_N], dtype=tl.float32)
-        target = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rows, row_ok, ids, x_rows, v_lo, v_hi, m_i, s_i, t_i, target = _fwd_item(
+            x_ptr, ids_ptr, pid_n, split, N, V, H, v_per_split, BLOCK_N)
         acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         for it in tl.range(0, tl.cdiv(v_hi - v_lo, BLOCK_V) * k_tiles, num_stages=NUM_STAGES):
             vt = it // k_tiles

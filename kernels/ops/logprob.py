@@ -213,6 +213,23 @@ def _logits_tile(x_rows, w_rows, row_ok, col_ok, H, DOT_F32: tl.constexpr, PREC:
 
 
 @triton.jit
+def _fwd_item(x_ptr, ids_ptr, pid_n, split, N, V, H, v_per_split, BLOCK_N: tl.constexpr):
+    """The start of one forward work item (token block pid_n, vocab split): its rows, their mask, target ids and
+    x row pointers, the split's vocab range [v_lo, v_hi), and the zeroed online log-sum-exp state
+    (m_i = -inf, s_i, t_i, target)."""
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    v_lo = split * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+    t_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+    target = tl.zeros([BLOCK_N], dtype=tl.float32)
+    return rows, row_ok, ids, x_ptr + rows.to(tl.int64)[:, None] * H, v_lo, v_hi, m_i, s_i, t_i, target
+
+
+@triton.jit
 def _lse_update(acc, cols, col_ok, ids, b_ptr, inv_t, m_i, s_i, t_i, target, HAS_BIAS: tl.constexpr,
                 WANT_ENT: tl.constexpr):
     """The forward's epilogue of one logits tile: adds the bias, scales by 1 / T, and folds the tile into the
@@ -290,18 +307,9 @@ def _grad_tile_store(acc, rows, cols, local, row_ok, col_ok, Vc, b_ptr, ids_ptr,
 def _flp_fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, part_ptr, N, V, H, v_per_split, inv_t,
                     HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-    v_lo = split * v_per_split
-    v_hi = tl.minimum(v_lo + v_per_split, V)
-    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s_i = tl.zeros([BLOCK_N], dtype=tl.float32)
-    t_i = tl.zeros([BLOCK_N], dtype=tl.float32)
-    target = tl.zeros([BLOCK_N], dtype=tl.float32)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
+    rows, row_ok, ids, x_rows, v_lo, v_hi, m_i, s_i, t_i, target = _fwd_item(
+        x_ptr, ids_ptr, tl.program_id(0), split, N, V, H, v_per_split, BLOCK_N)
     for v0 in range(v_lo, v_hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_hi

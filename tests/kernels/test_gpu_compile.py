@@ -45,7 +45,7 @@ def test_every_jit_kernel_is_registered_and_helpers_are_told_apart():
     # inlined device functions: called by a kernel, or passed to tl.associative_scan
     assert set(found["helpers"]) == {
         "advantages._affine2", "advantages._affine3", "advantages._last", "advantages._same_group",
-        "advantages._group_advantage", "losses._ppo_token", "logprob._dot_acc", "logprob._xw_step",
+        "advantages._group_advantage", "losses._ppo_token", "logprob._dot_acc", "logprob._xw_step", "logprob._fwd_item",
         "logprob._logits_tile", "logprob._lse_update", "logprob._store_partials", "logprob._grad_tile_coords",
         "logprob._grad_tile_store"}
     assert {"flp_persistent._flp_fwd_persistent_kernel", "flp_persistent._flp_grad_persistent_kernel"} <= set(
