@@ -96,9 +96,10 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _prepare_tma(use: bool) -> None:
-    # set per launch: the allocator is a context variable, and autograd runs the backward on another thread
-    if use and hasattr(triton, "set_allocator"):
+def _prepare_tma(use: bool, t: torch.Tensor) -> None:
+    # set per launch: the allocator is a context variable, and autograd runs the backward on another thread; the
+    # interpreter (CPU tensors) emulates descriptors without scratch
+    if use and t.is_cuda and hasattr(triton, "set_allocator"):
         triton.set_allocator(_scratch)
 
 
@@ -210,7 +211,7 @@ def fused_linear_logprob_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: t
 
     def launch(args: list, consts: dict, splits: int, v_per_split: int) -> None:
         grid = (_programs(programs, slots(args, consts), n_blocks * splits),)
-        _prepare_tma(use_tma)
+        _prepare_tma(use_tma, hidden)
         _flp_fwd_persistent_kernel[grid](*with_splits(args, splits), **consts, **extra)
 
     return flp_forward(hidden, weight, bias, ids, temperature, return_entropy, cfg, slots, launch)
@@ -241,7 +242,7 @@ def fused_linear_logprob_bwd(grad_logp: torch.Tensor | None, grad_entropy: torch
                   "num_stages": cfg["num_stages"]}
         tiles = triton.cdiv(rows, bn) * triton.cdiv(width, bv)
         grid = (_programs(programs, _slots(_flp_grad_persistent_kernel, hidden, args, consts), tiles),)
-        _prepare_tma(use_tma)
+        _prepare_tma(use_tma, hidden)
         _flp_grad_persistent_kernel[grid](*args, **consts)
 
     return flp_backward(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, cfg, launch,

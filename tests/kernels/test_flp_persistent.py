@@ -149,3 +149,22 @@ def test_ab_logprob_rows_on_the_interpreter():
         ab_logprob(4, 8, 0, device="cpu")
     assert main(["--tokens", "3", "--hidden", "8", "--vocab", "20", "--dtype", "fp32", "--device", "cpu",
                  "--iters", "1", "--no-backward"]) == 0
+
+
+@pytest.mark.gpu
+def test_tma_choice_on_cuda():
+    """CUDA only: descriptors on sm_90+ with a Triton that has them, for 16-byte rows; pointers for 40-byte rows
+    and on sm_80; both paths agree with the tiled kernels."""
+    import triton.language as tl
+
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(5000, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+    ids = torch.randint(0, 5000, (300,), device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] >= 9 and hasattr(tl, "make_tensor_descriptor")
+    assert P.tma_supported(x, w) == hopper
+    assert not P.tma_supported(x[:, :20].contiguous(), w[:, :20].contiguous())
+    want = L.fused_linear_logprob_fwd(x, w, None, ids, 1.0, True)
+    for tma in ((False, True) if hopper else (False,)):
+        got = P.fused_linear_logprob_fwd(x, w, None, ids, 1.0, True, tma=tma)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -209,8 +209,11 @@ def test_fp32_takes_tf32_tensor_cores_by_default(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_linear_logprob_gpu_large():
-    """CUDA only: a Qwen-like vocab, several vocab splits and grad chunks, bf16, against the CPU reference."""
+@pytest.mark.parametrize("kernel", ["tiled", "persistent", "persistent-ptr"])
+def test_fused_linear_logprob_gpu_large(monkeypatch, kernel):
+    """CUDA only: a Qwen-like vocab, several vocab splits and grad chunks, bf16, against the CPU reference; once
+    per Triton implementation (persistent: TMA on sm_90+)."""
+    monkeypatch.setenv("FASTPO_FLP_KERNEL", kernel)
     hidden, weight, _, ids = _inputs(1000, 256, 151936, torch.bfloat16, "cuda", bias=False, scale=0.05)
     logp, ent = K.fused_linear_logprob(hidden, weight, ids, return_entropy=True)
     (logp.sum() + ent.sum()).backward()
