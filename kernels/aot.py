@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 #: The compile targets: name -> (compute capability, registers per SM, shared memory per SM in bytes, the
 #: tensor-core instruction expected in the PTX). H100/H200 (sm_90a) and A100 (sm_80) figures.
@@ -47,7 +48,8 @@ class Spec:
 
     ``signature`` maps every runtime argument to its Triton type (``*bf16``, ``i32``, ``fp32``...); ``constexprs``
     the compile-time ones; ``divisible`` the arguments Triton's launcher would mark 16-divisible (aligned pointers,
-    integers that are multiples of 16); ``tensor_cores`` whether the kernel must emit tensor-core instructions."""
+    integers that are multiples of 16); ``tensor_cores`` whether the kernel must emit tensor-core instructions;
+    ``archs`` the targets it is launched on (empty: every one of ARCHS)."""
 
     kernel: str
     label: str
@@ -57,6 +59,7 @@ class Spec:
     num_warps: int = 4
     num_stages: int = 3
     tensor_cores: bool = False
+    archs: tuple = ()  # the ARCHS it is compiled for; empty: all (a TMA path exists on sm_90a only)
 
     @property
     def key(self) -> str:
@@ -90,7 +93,7 @@ class Result:
 
 
 # ------------------------------------------------------------------------------------------- discovery
-def _is_jit(obj) -> bool:
+def _is_jit(obj: object) -> bool:
     # JITFunction normally; InterpretedFunction when TRITON_INTERPRET=1 was set before the kernels were imported
     return type(obj).__name__ in ("JITFunction", "InterpretedFunction") and hasattr(obj, "fn")
 
@@ -124,7 +127,8 @@ def discover() -> dict[str, dict[str, object]]:
 _DT = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
-def _spec(kernel, label, fn_args, types, constexprs, aligned, always=(), **kw) -> Spec:
+def _spec(kernel: str, label: str, fn_args: list[str], types: dict[str, str], constexprs: dict, aligned: bool,
+          always: tuple[str, ...] = (), **kw: Any) -> Spec:
     """types: runtime argument -> Triton type; pointers are always 16-aligned (fresh torch allocations),
     integers only in the aligned variant (plus the ``always`` ones, e.g. a model's hidden size)."""
     sig = {a: types[a] for a in fn_args if a not in constexprs}
@@ -133,11 +137,11 @@ def _spec(kernel, label, fn_args, types, constexprs, aligned, always=(), **kw) -
     return Spec(kernel, label + (" aligned" if aligned else " ragged"), sig, dict(constexprs), div, **kw)
 
 
-def _args(fn) -> list[str]:
+def _args(fn: Any) -> list[str]:
     return list(fn.arg_names)
 
 
-def _selective_specs(name, fn, backward):
+def _selective_specs(name: str, fn: Any, backward: bool) -> list[Spec]:
     from .ops import logprob
 
     out = []
@@ -152,33 +156,43 @@ def _selective_specs(name, fn, backward):
     return out
 
 
-def _flp_specs(name, fn, backward):
-    from .ops import logprob
+def _flp_specs(name: str, fn: Any, backward: bool, persistent: bool = False) -> list[Spec]:
+    """The fused linear-logprob kernels (forward or grad; tiled, or persistent with pointer loads on every arch
+    and TMA descriptors on sm_90a) in each dot mode's shipped config."""
+    from .ops import flp_persistent, logprob
 
     out = []
+    switch = "HAS_GENT" if backward else "WANT_ENT"
+    # tiled: every switch combination on 16-divisible sizes, ragged token / vocab counts with both switches on;
+    # persistent (twice as many variants, one per load path): no switch, both switches, both on ragged sizes
+    combos = ((False, False, True), (False, True, True), (True, False, True), (True, True, True), (True, True, False))
+    if persistent:
+        combos = ((False, False, True), (True, True, True), (True, True, False))
     for mode, dt in (("half", "bf16"), ("half", "fp16"), ("tf32", "fp32"), ("ieee", "fp32")):
-        cfg = logprob.gpu_config("grad" if backward else "fwd", mode)
-        switch = "HAS_GENT" if backward else "WANT_ENT"
-        # every switch combination on 16-divisible sizes; ragged token / vocab counts with both switches on
-        for bias, second, aligned in ((False, False, True), (False, True, True), (True, False, True),
-                                      (True, True, True), (True, True, False)):
-            types = {"x_ptr": _DT[dt], "w_ptr": _DT[dt], "b_ptr": _DT[dt], "ids_ptr": "*i64", "part_ptr": "*fp32",
-                     "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "glse_ptr": "*fp32",
-                     "gent_ptr": "*fp32", "out_ptr": _DT[dt], "N": _INT_ARG, "V": _INT_ARG, "H": _INT_ARG,
-                     "v_per_split": _INT_ARG, "v_lo": _INT_ARG, "Vc": _INT_ARG, "inv_t": "fp32"}
-            types = {a: types[a] for a in _args(fn) if a in types}
-            const = {"HAS_BIAS": bias, switch: second, "DOT_F32": cfg["DOT_F32"], "PREC": cfg["PREC"],
-                     "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_K": cfg["BLOCK_K"]}
-            if backward:
-                const["GROUP_V"] = cfg["GROUP_V"]
-            label = f"{dt}{'-exact' if mode == 'ieee' else ''}{' bias' if bias else ''}{' ' + switch if second else ''}"
-            out.append(_spec(name, label, _args(fn), types, const, aligned, always=("H", "v_per_split", "v_lo"),
-                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                             tensor_cores=mode != "ieee"))
+        cfg = (flp_persistent if persistent else logprob).gpu_config("grad" if backward else "fwd", mode)
+        for tma in ((False, True) if persistent else (None,)):
+            for bias, second, aligned in combos:
+                types = {"x_ptr": _DT[dt], "w_ptr": _DT[dt], "b_ptr": _DT[dt], "ids_ptr": "*i64", "part_ptr": "*fp32",
+                         "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "glse_ptr": "*fp32",
+                         "gent_ptr": "*fp32", "out_ptr": _DT[dt], "N": _INT_ARG, "V": _INT_ARG, "H": _INT_ARG,
+                         "v_per_split": _INT_ARG, "splits": _INT_ARG, "v_lo": _INT_ARG, "Vc": _INT_ARG,
+                         "inv_t": "fp32"}
+                types = {a: types[a] for a in _args(fn) if a in types}
+                const = {"HAS_BIAS": bias, switch: second, "DOT_F32": cfg["DOT_F32"], "PREC": cfg["PREC"],
+                         "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_K": cfg["BLOCK_K"]}
+                if backward:
+                    const["GROUP_V"] = cfg["GROUP_V"]
+                if persistent:
+                    const.update(USE_TMA=tma, NUM_STAGES=cfg["num_stages"])
+                label = (f"{dt}{'-exact' if mode == 'ieee' else ''}{' tma' if tma else ''}{' bias' if bias else ''}"
+                         f"{' ' + switch if second else ''}")
+                out.append(_spec(name, label, _args(fn), types, const, aligned, always=("H", "v_per_split", "v_lo"),
+                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                 tensor_cores=mode != "ieee", archs=("sm_90a",) if tma else ()))
     return out
 
 
-def _ppo_specs(name, fn):
+def _ppo_specs(name: str, fn: Any) -> list[Spec]:
     from .ops import losses
     from .reference import LOG_RATIO_CLAMP
 
@@ -203,7 +217,7 @@ def _ppo_specs(name, fn):
     return out
 
 
-def _value_specs(name, fn):
+def _value_specs(name: str, fn: Any) -> list[Spec]:
     from .ops import losses
 
     out = []
@@ -218,7 +232,7 @@ def _value_specs(name, fn):
     return out
 
 
-def _gae_specs(name, fn):
+def _gae_specs(name: str, fn: Any) -> list[Spec]:
     from .ops import advantages
 
     out = []
@@ -231,7 +245,7 @@ def _gae_specs(name, fn):
     return out
 
 
-def _grpo_specs(name, fn):
+def _grpo_specs(name: str, fn: Any) -> list[Spec]:
     from .ops import advantages
 
     out = []
@@ -245,7 +259,7 @@ def _grpo_specs(name, fn):
     return out
 
 
-def _gigpo_specs(name, fn):
+def _gigpo_specs(name: str, fn: Any) -> list[Spec]:
     """GiGPO's three kernels (ops/gigpo.py) as launched on CUDA: BLOCK 1024, fp32 scores / turn rewards (the
     launcher casts the [B] / [M] inputs), the NORM switch (mean_std / mean)."""
     out = []
@@ -272,6 +286,8 @@ _BUILDERS = {
     "logprob._selective_bwd_kernel": lambda n, f: _selective_specs(n, f, True),
     "logprob._flp_fwd_kernel": lambda n, f: _flp_specs(n, f, False),
     "logprob._flp_grad_kernel": lambda n, f: _flp_specs(n, f, True),
+    "flp_persistent._flp_fwd_persistent_kernel": lambda n, f: _flp_specs(n, f, False, persistent=True),
+    "flp_persistent._flp_grad_persistent_kernel": lambda n, f: _flp_specs(n, f, True, persistent=True),
     "losses._ppo_fwd_kernel": _ppo_specs,
     "losses._value_fwd_kernel": _value_specs,
     "advantages._gae_kernel": _gae_specs,
@@ -331,7 +347,7 @@ def _run_ptxas(ptx: str, cc: int) -> str:
     return done.stderr
 
 
-def compile_one(spec: Spec, arch: str, fn) -> Result:
+def compile_one(spec: Spec, arch: str, fn: Any) -> Result:
     """Compile ``spec`` of the JITFunction ``fn`` for ``arch`` (a key of ARCHS) and read its resources."""
     import triton
     from triton import knobs
@@ -365,20 +381,21 @@ def compile_one(spec: Spec, arch: str, fn) -> Result:
 _FOUND: dict = {}
 
 
-def _worker(job):
+def _worker(job: tuple[Spec, str]) -> Result:
     spec, arch = job
     if not _FOUND:  # once per process
         _FOUND.update(discover())
     return compile_one(spec, arch, _FOUND["kernels"][spec.kernel])
 
 
-def compile_all(archs=tuple(ARCHS), jobs: int | None = None, only: str | None = None) -> list[Result]:
+def compile_all(archs: tuple[str, ...] = tuple(ARCHS), jobs: int | None = None,
+                only: str | None = None) -> list[Result]:
     """Compile every spec for every arch (``jobs`` processes; default: the usable CPUs, at most 4). ``only``
     keeps the kernels whose name contains it."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("fastpo.kernels.aot compiles for CUDA targets: run it with TRITON_INTERPRET unset "
                            "(python -m fastpo.kernels.aot)")
-    work = [(s, a) for s in specs() if only is None or only in s.kernel for a in archs]
+    work = [(s, a) for s in specs() if only is None or only in s.kernel for a in archs if not s.archs or a in s.archs]
     jobs = jobs or min(4, len(os.sched_getaffinity(0)))
     if jobs <= 1:
         return [_worker(w) for w in work]
@@ -403,8 +420,11 @@ def table(results: list[Result]) -> str:
         cells = [kernel.split(".")[-1], label, str(next(iter(per.values())).num_warps)]
         for a in archs:
             r = per.get(a)
-            if r is None or r.error:
-                cells += ["FAIL" if r else "", r.error if r else "", "", "", ""]
+            if r is None:  # not launched there (a TMA path on sm_80)
+                cells += ["n/a"] * 5
+                continue
+            if r.error:
+                cells += ["FAIL", r.error, "", "", ""]
                 continue
             cells += [str(r.regs), f"{r.spill_stores}/{r.spill_loads}", str(r.shared), r.tensor_cores,
                       str(r.ctas_per_sm)]
@@ -412,7 +432,7 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines instead of a table")
     parser.add_argument("--arch", action="append", choices=list(ARCHS), help="compile for these only")

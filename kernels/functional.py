@@ -10,6 +10,7 @@ the input dtype. Bad arguments raise ValueError naming the argument, before any 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -24,7 +25,7 @@ KL_TYPES = {"k1": 0, "kl": 0, "k3": 1, "low_var_kl": 1}
 
 
 # -------------------------------------------------------------------------------------------- validation
-def _tensor(x, name: str, kind: str = "float") -> Tensor:
+def _tensor(x: object, name: str, kind: str = "float") -> Tensor:
     if not isinstance(x, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if kind == "float" and not x.is_floating_point():
@@ -34,12 +35,12 @@ def _tensor(x, name: str, kind: str = "float") -> Tensor:
     return x
 
 
-def _same_shape(x: Tensor, name: str, shape, what: str) -> None:
+def _same_shape(x: Tensor, name: str, shape: Sequence[int], what: str) -> None:
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(x.shape)}")
 
 
-def _same_device(**tensors) -> None:
+def _same_device(**tensors: Tensor | None) -> None:
     items = [(k, v) for k, v in tensors.items() if v is not None]
     first_name, first = items[0]
     for name, t in items[1:]:
@@ -47,7 +48,7 @@ def _same_device(**tensors) -> None:
             raise ValueError(f"{name} must be on {first_name}'s device {first.device}, got {t.device}")
 
 
-def _number(value, name: str, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
+def _number(value: object, name: str, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
@@ -56,12 +57,12 @@ def _number(value, name: str, low: float = -math.inf, high: float = math.inf, lo
     return float(value)
 
 
-def _choice(value, name: str, choices) -> None:
+def _choice(value: object, name: str, choices: Iterable) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
-def _token_layout(mask: Tensor, cu_seqlens, name: str = "mask") -> None:
+def _token_layout(mask: Tensor, cu_seqlens: Tensor | None, name: str = "mask") -> None:
     """mask is [B, T] (cu_seqlens None) or [N] (cu_seqlens int [B + 1] on the same device)."""
     _tensor(mask, name, kind="any")
     if cu_seqlens is None:
@@ -76,14 +77,14 @@ def _token_layout(mask: Tensor, cu_seqlens, name: str = "mask") -> None:
     _same_device(**{name: mask, "cu_seqlens": cu_seqlens})
 
 
-def _like(tensors: dict, shape, what: str) -> None:
+def _like(tensors: dict[str, Tensor | None], shape: Sequence[int], what: str) -> None:
     for name, t in tensors.items():
         if t is not None:
             _tensor(t, name, kind="float" if name != "mask" else "any")
             _same_shape(t, name, shape, what)
 
 
-def _temperature(temperature) -> float:
+def _temperature(temperature: float) -> float:
     t = _number(temperature, "temperature", 0.0, math.inf, low_open=True)
     if math.isinf(t):
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
@@ -116,7 +117,7 @@ def selective_logprob(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> 
 
 
 def fused_linear_logprob(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None = None,
-                         temperature: float = 1.0, return_entropy: bool = False):
+                         temperature: float = 1.0, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token logp (and entropy) of ``ids`` under softmax((hidden @ weight.T + bias) / temperature), without
     materialising the N x V logits (forward and backward both tile the vocab).
 
@@ -151,7 +152,7 @@ def fused_linear_logprob(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
 
 
 # ----------------------------------------------------------------------------------------------- losses
-def _weights(mask: Tensor, loss_agg_mode: str, cu_seqlens, norm_len) -> Tensor:
+def _weights(mask: Tensor, loss_agg_mode: str, cu_seqlens: Tensor | None, norm_len: float | None) -> Tensor:
     _choice(loss_agg_mode, "loss_agg_mode", LOSS_AGG_MODES)
     if norm_len is not None:
         _number(norm_len, "norm_len", 0.0, math.inf, low_open=True)
@@ -164,7 +165,7 @@ def _weights(mask: Tensor, loss_agg_mode: str, cu_seqlens, norm_len) -> Tensor:
     return ref.aggregation_weights(mask, loss_agg_mode, cu_seqlens, norm_len)
 
 
-def _per_token(x: Tensor, name: str, shape) -> Tensor:
+def _per_token(x: Tensor, name: str, shape: Sequence[int]) -> Tensor:
     """A [B] per-sequence tensor broadcast over a padded [B, T] layout, or a tensor of the token shape."""
     _tensor(x, name)
     if len(shape) == 2 and tuple(x.shape) == (shape[0],):
@@ -175,7 +176,8 @@ def _per_token(x: Tensor, name: str, shape) -> Tensor:
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor,
                 eps_low: float, eps_high: float, clip_c: float, ref_logp: Tensor | None, kl_coef: float,
-                kl_type: str, entropy: Tensor | None, entropy_coef: float, is_weight: Tensor | None = None):
+                kl_type: str, entropy: Tensor | None, entropy_coef: float,
+                is_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`ppo_loss` with explicit per-token aggregation weights (fp32, logp's shape): the shared core of
     ppo_loss and the TRL-style modules. is_weight: see :func:`ppo_loss`. Returns (loss fp32 [], stats fp32 [6],
     see ``reference.ppo_loss_fwd``)."""
@@ -206,7 +208,7 @@ def ppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, e
              eps_high: float = 0.28, clip_c: float = 3.0, loss_agg_mode: str = "token-mean",
              ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k1",
              entropy: Tensor | None = None, entropy_coef: float = 0.0, *, cu_seqlens: Tensor | None = None,
-             norm_len: float | None = None, is_weight: Tensor | None = None):
+             norm_len: float | None = None, is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss with dual clip, KL to a reference and an entropy bonus (docs/SEMANTICS.md section 5).
 
     Per trained token, r = exp(logp - old_logp) (log-ratio clamped to +-20 as verl), l = max(-A r,
@@ -282,7 +284,7 @@ def offpolicy_weights(old_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode:
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float = 0.5,
                loss_agg_mode: str = "token-mean", *, cu_seqlens: Tensor | None = None,
-               norm_len: float | None = None):
+               norm_len: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped critic loss 0.5 * agg(max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)) (verl).
 
     values ``[B, T]`` or packed ``[N]`` (differentiable), old_values / returns / mask the same shape. Returns
@@ -301,7 +303,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 # ------------------------------------------------------------------------------------------- advantages
-def _advantage_inputs(tensors: dict, mask: Tensor, cu_seqlens) -> None:
+def _advantage_inputs(tensors: dict[str, Tensor], mask: Tensor, cu_seqlens: Tensor | None) -> None:
     _token_layout(mask, cu_seqlens)
     for name, t in tensors.items():
         _tensor(t, name, kind="float" if name in ("rewards", "values") else "any")
@@ -329,7 +331,7 @@ def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float =
     _number(gamma, "gamma", 0.0, 1.0)
     _number(lam, "lam", 0.0, 1.0)
     if not skip_observations:
-        def scan(rw, vals, span, g, lm):
+        def scan(rw: Tensor, vals: Tensor, span: Tensor, g: float, lm: float) -> tuple[Tensor, Tensor]:
             return lib.gae_advantages(rw, vals, span, None, cu_seqlens, float(g), float(lm), False)
 
         return ref.verl_gae(rewards.detach(), values.detach(), mask, gamma, lam, bool(whiten), cu_seqlens,
@@ -363,7 +365,8 @@ def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_e
     if turns == "reward":
         te = ref.reward_turn_ends(r, m)
 
-    def scan(rw, vals, msk, g, lm, reset=None):
+    def scan(rw: Tensor, vals: Tensor, msk: Tensor, g: float, lm: float,
+             reset: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return lib.gae_advantages(rw, vals, msk, reset, None, float(g), float(lm), False)
 
     adv, ret = ref.bilevel_gae_scan(r, v, m, te, gamma, lam, gamma_high, lam_high, scan=scan)

@@ -66,7 +66,8 @@ class _GRPOLossBase(nn.Module):
         self.use_ref_model = use_ref_model
         self.compiled, self.chunk_size = compiled, chunk_size  # accepted for Liger compatibility; unused
 
-    def _loss(self, logp: Tensor, completion_mask: Tensor, advantages: Tensor, ref_logp, old_logp):
+    def _loss(self, logp: Tensor, completion_mask: Tensor, advantages: Tensor, ref_logp: Tensor | None,
+              old_logp: Tensor | None) -> tuple[Tensor, list[Tensor]]:
         if completion_mask.dim() != 2 or tuple(completion_mask.shape) != tuple(logp.shape):
             raise ValueError(f"completion_mask must be [B, T] = {tuple(logp.shape)}, got "
                              f"{tuple(completion_mask.shape)}")
@@ -98,7 +99,7 @@ class FastPOFusedLinearGRPOLoss(_GRPOLossBase):
     def forward(self, hidden: Tensor, lm_head_weight: Tensor, completion_ids: Tensor, completion_mask: Tensor,
                 advantages: Tensor, bias: Tensor | None = None, ref_logp: Tensor | None = None,
                 old_logp: Tensor | None = None, ref_input: Tensor | None = None, ref_weight: Tensor | None = None,
-                ref_bias: Tensor | None = None):
+                ref_bias: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
         if hidden.dim() != 3:
             raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
         logp = F.fused_linear_logprob(hidden, lm_head_weight, completion_ids, bias, self.temperature)
@@ -116,7 +117,7 @@ class FastPOGRPOLoss(_GRPOLossBase):
     completion_mask [B, T], advantages [B] or [B, T], ref_logp = None, old_logp = None) -> (loss, metrics)."""
 
     def forward(self, logits: Tensor, completion_ids: Tensor, completion_mask: Tensor, advantages: Tensor,
-                ref_logp: Tensor | None = None, old_logp: Tensor | None = None):
+                ref_logp: Tensor | None = None, old_logp: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
         if logits.dim() != 3:
             raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
         logp = F.selective_logprob(logits, completion_ids, self.temperature)

@@ -32,7 +32,8 @@ OFFPOLICY_MODES = ("none", "tis", "mis", "decoupled")
 STAT_NAMES = ("ratio_mean", "ratio_max", "ratio_min", "clipped_frac", "masked_seq_frac", "masked_token_frac")
 
 
-def _sequence_log_ratio(log_ratio: torch.Tensor, m: torch.Tensor, cu_seqlens) -> tuple[torch.Tensor, ...]:
+def _sequence_log_ratio(log_ratio: torch.Tensor, m: torch.Tensor,
+                        cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """(mean log-ratio per sequence [B], trained tokens per sequence [B], sequence id of each token or None).
     Padded [B, T]: rows are sequences. Packed [N]: cu_seqlens; tokens past cu_seqlens[-1] belong to no sequence
     (id B)."""

@@ -13,8 +13,11 @@ Layouts: token tensors are padded ``[B, T]`` or packed ``[N]`` with ``cu_seqlens
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import Tensor
 
 # Elements of one fp32 logits block (token chunk x vocab chunk) in the chunked logprob code: 2**24 = 64 MiB.
 CHUNK_ELEMENTS = 1 << 24
@@ -31,7 +34,7 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------------------------------- logprob
-def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """log softmax(logits / temperature)[ids]. logits ``[R, V]`` (any float dtype, rows may be strided),
     ids ``[R]`` int. Returns (logp fp32 [R], lse fp32 [R]) where lse = logsumexp(logits / temperature)."""
     rows, vocab = logits.shape
@@ -46,7 +49,8 @@ def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: 
     return logp, lse
 
 
-def selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature: float) -> torch.Tensor:
+def selective_logprob_bwd(grad_logp: Tensor | None, grad_lse: Tensor | None, logits: Tensor, ids: Tensor, lse: Tensor,
+                          temperature: float) -> torch.Tensor:
     """Gradient of (logp, lse) w.r.t. logits: (g_logp * onehot - (g_logp - g_lse) * softmax) / temperature,
     in logits' dtype and shape. grad_lse may be None."""
     rows, vocab = logits.shape
@@ -65,14 +69,14 @@ def selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature: fl
 
 class _SelectiveLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, temperature):
+    def forward(ctx: Any, logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
         logp, lse = selective_logprob_fwd(logits, ids, temperature)
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature = temperature
         return logp
 
     @staticmethod
-    def backward(ctx, grad_logp):
+    def backward(ctx: Any, grad_logp: Tensor) -> tuple[Tensor, None, None]:
         logits, ids, lse = ctx.saved_tensors
         return selective_logprob_bwd(grad_logp, None, logits, ids, lse, ctx.temperature), None, None
 
@@ -89,7 +93,8 @@ def _chunk_sizes(n_tokens: int, vocab: int) -> tuple[int, int]:
     return token_chunk, vocab_chunk
 
 
-def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, return_entropy: bool):
+def fused_linear_logprob_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float,
+                             return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
     """logp of ``ids`` under softmax((hidden @ weight.T + bias) / temperature), never forming N x V logits.
 
     hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, ids ``[N]``. Token chunks x vocab chunks with an
@@ -137,8 +142,10 @@ def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, retu
     return logp, entropy, lse
 
 
-def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, temperature,
-                             need_weight=True, need_bias=True):
+def fused_linear_logprob_bwd(grad_logp: Tensor | None, grad_entropy: Tensor | None, grad_lse: Tensor | None,
+                             hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, lse: Tensor,
+                             entropy: Tensor, temperature: float, need_weight: bool = True,
+                             need_bias: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Backward of :func:`fused_linear_logprob_fwd`: recomputes each logits block from hidden and weight.
 
     dL/dz = g_logp * onehot + p * (-(g_logp - g_lse) - g_ent * (log p + entropy)), z = logits / temperature.
@@ -189,7 +196,8 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
 
 class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, return_entropy):
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float,
+                return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
         logp, entropy, lse = fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature, return_entropy)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
         ctx.temperature = temperature
@@ -197,7 +205,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
         return logp, entropy, lse
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    def backward(ctx: Any, grad_logp: Tensor, grad_entropy: Tensor, _grad_lse: Tensor) -> tuple:
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         dh, dw, db = fused_linear_logprob_bwd(
             grad_logp, grad_entropy, None, hidden, weight, bias, ids, lse, entropy, ctx.temperature,
@@ -206,7 +214,8 @@ class _FusedLinearLogprob(torch.autograd.Function):
         return dh, dw, db, None, None, None
 
 
-def fused_linear_logprob(hidden, weight, ids, bias=None, temperature: float = 1.0, return_entropy: bool = False):
+def fused_linear_logprob(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None = None,
+                         temperature: float = 1.0, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Autograd version of :func:`fused_linear_logprob_fwd`; hidden ``[..., H]``, ids ``[...]`` -> fp32 ``[...]``
     (and entropy ``[...]`` when return_entropy)."""
     shape = ids.shape
@@ -222,7 +231,8 @@ def sequence_index(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].long(), pos, right=True)
 
 
-def aggregation_weights(mask, loss_agg_mode: str, cu_seqlens=None, norm_len=None) -> torch.Tensor:
+def aggregation_weights(mask: Tensor, loss_agg_mode: str, cu_seqlens: Tensor | None = None,
+                        norm_len: float | None = None) -> torch.Tensor:
     """Per-token weights w (fp32, mask's shape) such that agg(x) = sum(w * x) for a loss_agg_mode:
 
     token-mean: 1 / n_masked; seq-mean-token-sum: 1 / B; seq-mean-token-mean: 1 / (B * n_masked_in_seq);
@@ -254,8 +264,10 @@ def aggregation_weights(mask, loss_agg_mode: str, cu_seqlens=None, norm_len=None
     raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
 
 
-def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low, eps_high, clip_c, kl_coef,
-                 kl_type, entropy_coef, need_grad=True, is_weight=None):
+def ppo_loss_fwd(logp: Tensor, old_logp: Tensor, advantages: Tensor, weights: Tensor, mask: Tensor,
+                 ref_logp: Tensor | None, entropy: Tensor | None, eps_low: float, eps_high: float, clip_c: float,
+                 kl_coef: float, kl_type: int, entropy_coef: float, need_grad: bool = True,
+                 is_weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted PPO loss sum(w * (c * pg + kl_coef * kl - entropy_coef * entropy)), w from
     :func:`aggregation_weights`, c the off-policy correction ``is_weight`` (logp's shape, detached; None = 1).
 
@@ -312,7 +324,8 @@ def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, e
     return loss, stats, d_logp
 
 
-def value_loss_fwd(values, old_values, returns, weights, mask, clip, need_grad=True):
+def value_loss_fwd(values: Tensor, old_values: Tensor, returns: Tensor, weights: Tensor, mask: Tensor, clip: float,
+                   need_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """0.5 * sum(w * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)); the clipped branch is taken only
     when strictly larger. Returns (loss [] in compute_dtype(values), stats fp32 [2] = [n_clipped, n_masked],
     dloss/dvalues (w * (V - R), or w * (V_clip - R) on the clipped branch, 0 where the clip is active) or [0])."""
@@ -336,7 +349,7 @@ def value_loss_fwd(values, old_values, returns, weights, mask, clip, need_grad=T
 
 
 # -------------------------------------------------------------------------------------------------- advantages
-def packed_to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor, fill=0) -> torch.Tensor:
+def packed_to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0) -> torch.Tensor:
     """``[N]`` packed -> ``[B, T_max]`` padded with ``fill`` (one host sync for T_max)."""
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]
@@ -378,7 +391,8 @@ def _geometric_suffix_sum(x: torch.Tensor, c: float, block: int = 64) -> torch.T
     return y.reshape(rows, -1)[:, :k]
 
 
-def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, whiten: bool = False):
+def gae_scan(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, reset: Tensor | None = None,
+             whiten: bool = False) -> tuple[Tensor, Tensor]:
     """Multi-turn GAE on padded ``[B, T]`` tensors; returns fp32 (advantages, returns), 0 off-mask.
 
     The recursion runs over trained positions only (mask != 0): with p_1 < ... < p_K the trained positions of a
@@ -446,7 +460,8 @@ def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, whiten
     return adv, ret
 
 
-def _position_gae(rewards, values, m, gamma: float, lam: float, whiten: bool):
+def _position_gae(rewards: Tensor, values: Tensor, m: Tensor, gamma: float, lam: float,
+                  whiten: bool) -> tuple[Tensor, Tensor]:
     """fp32 multi-turn GAE in position space (no compaction, no index tensors), c = gamma * lam > 0.
 
     With N_j the number of trained tokens at or before j, the rule of :func:`gae_scan` unrolls to
@@ -545,22 +560,23 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return torch.where(m, (xd - mean) * torch.rsqrt(var + eps), 0.0).float()
 
 
-def padded_view(tensors, cu_seqlens):
+def padded_view(tensors: list[Tensor | None], cu_seqlens: Tensor | None) -> list[Tensor | None]:
     """The tensors as padded [B, T] (unchanged when cu_seqlens is None); None entries stay None."""
     if cu_seqlens is None:
         return tensors
     return [packed_to_padded(t, cu_seqlens) if t is not None else None for t in tensors]
 
 
-def unpad(outs, cu_seqlens, n_tokens):
+def unpad(outs: tuple[Tensor, ...], cu_seqlens: Tensor | None, n_tokens: int) -> tuple[Tensor, ...]:
     """Inverse of :func:`padded_view` for a tuple of outputs."""
     if cu_seqlens is None:
         return outs
     return tuple(padded_to_packed(o, cu_seqlens, n_tokens) for o in outs)
 
 
-def gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_seqlens=None,
-                   skip_observations=True):
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0,
+                   whiten: bool = True, cu_seqlens: Tensor | None = None,
+                   skip_observations: bool = True) -> tuple[Tensor, Tensor]:
     """Multi-turn GAE (see :func:`gae_scan`), then masked whitening over the batch. Padded ``[B, T]`` or packed
     ``[N]`` + cu_seqlens; returns fp32 (advantages, returns). ``skip_observations=False``: verl's per-position
     GAE over every token from each row's first trained token on (see :func:`verl_gae`)."""
@@ -570,7 +586,7 @@ def gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_se
     return unpad(gae_scan(r, v, m, gamma, lam, whiten=whiten), cu_seqlens, mask.shape[0])
 
 
-def response_span(mask, cu_seqlens=None):
+def response_span(mask: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
     """bool, mask's shape: True from each row's (sequence's) first trained token to its end, the positions verl
     calls the response when the prompt is everything before the first model token."""
     m = (mask != 0).long()
@@ -584,7 +600,9 @@ def response_span(mask, cu_seqlens=None):
     return inside & ((total - before[seq.clamp(max=max(n_seq - 1, 0))]) > 0)
 
 
-def verl_gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_seqlens=None, scan=None):
+def verl_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
+             cu_seqlens: Tensor | None = None,
+             scan: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
     """GAE as verl@1e47e41 ``compute_gae_advantage_return`` (the version RAGEN pins): the recursion
     delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1} walks every position of the
     response span (:func:`response_span`), observation tokens included (their values are read and gamma / lam
@@ -606,7 +624,7 @@ def verl_gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True, cu_seqlens=
     return adv.float(), torch.where(m, ret, 0.0).float()
 
 
-def turn_structure(mask, turn_end):
+def turn_structure(mask: Tensor, turn_end: Tensor) -> tuple[Tensor, Tensor]:
     """For padded ``[B, T]``: (is_end, owner_end). is_end marks the last trained token of every turn: a turn is
     a maximal run of trained tokens with no ``turn_end`` flag between them (the flag on position t separates
     t from t + 1; the row end always closes a turn). owner_end[t] is the position of the turn end at or after t."""
@@ -622,7 +640,7 @@ def turn_structure(mask, turn_end):
     return is_end, owner_end
 
 
-def reward_turn_ends(rewards, mask):
+def reward_turn_ends(rewards: Tensor, mask: Tensor) -> Tensor:
     """bool ``[B, T]``: RAGEN's turn ends (ragen/trainer/core_algos.py bi-level GAE), the trained tokens that hold a
     non-zero reward once rewards are credited to trained tokens as in :func:`gae_scan`. With one end-of-episode
     reward this gives one turn per trajectory, so the turn-level discount gamma_high never applies."""
@@ -637,7 +655,9 @@ def reward_turn_ends(rewards, mask):
     return m & (credited != 0)
 
 
-def bilevel_gae_scan(rewards, values, mask, turn_end, gamma, lam, gamma_high, lam_high, scan=None):
+def bilevel_gae_scan(rewards: Tensor, values: Tensor, mask: Tensor, turn_end: Tensor, gamma: float, lam: float,
+                     gamma_high: float, lam_high: float,
+                     scan: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
     """Un-whitened bi-level GAE on padded tensors (RAGEN's turn-level + token-level estimator).
 
     1. Rewards are credited to trained tokens as in :func:`gae_scan`; a turn's reward R_i is the sum over its
@@ -663,8 +683,10 @@ def bilevel_gae_scan(rewards, values, mask, turn_end, gamma, lam, gamma_high, la
     return scan(turn_return, values, m, gamma, lam, reset=is_end)
 
 
-def bilevel_gae_advantages(rewards, values, mask, turn_end, gamma=1.0, lam=1.0, gamma_high=0.95, lam_high=None,
-                           whiten=True, cu_seqlens=None, turns="turn_end"):
+def bilevel_gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, turn_end: Tensor, gamma: float = 1.0,
+                           lam: float = 1.0, gamma_high: float = 0.95, lam_high: float | None = None,
+                           whiten: bool = True, cu_seqlens: Tensor | None = None,
+                           turns: str = "turn_end") -> tuple[Tensor, Tensor]:
     """Bi-level GAE (see :func:`bilevel_gae_scan`) + masked whitening; padded or packed; fp32 (adv, returns).
     ``turns``: "turn_end" (the explicit flags) or "reward" (RAGEN's rule, :func:`reward_turn_ends`; turn_end is
     then not read)."""
@@ -693,7 +715,8 @@ def grpo_scores(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool
     return (dev / (std[inv] + eps)).float()
 
 
-def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor,
+                        cu_seqlens: Tensor | None = None) -> torch.Tensor:
     """``[B]`` -> the mask's shape, 0 on untrained tokens (padded ``[B, T]`` or packed ``[N]`` + cu_seqlens)."""
     m = mask if mask.dtype == torch.bool else mask != 0  # seq_values are finite: a product zeroes off-mask tokens
     if cu_seqlens is None:
@@ -703,7 +726,8 @@ def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor, cu_seqlens
     return seq_values[seq.clamp(max=max(seq_values.shape[0] - 1, 0))] * (m & inside)
 
 
-def grpo_advantages(scores, group_ids, mask, norm_by_std=True, eps=1e-6, cu_seqlens=None):
+def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, norm_by_std: bool = True, eps: float = 1e-6,
+                    cu_seqlens: Tensor | None = None) -> Tensor:
     """GRPO advantages broadcast to trained tokens: fp32, mask's shape."""
     return broadcast_to_tokens(grpo_scores(scores, group_ids, norm_by_std, eps), mask, cu_seqlens)
 
@@ -738,8 +762,9 @@ def gigpo_turn_returns(turn_rewards: torch.Tensor, cu_turns: torch.Tensor, gamma
     return padded[traj, pos]
 
 
-def gigpo_advantages(scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_ids, mask, step_weight=1.0,
-                     step_gamma=0.95, norm_by_std=True, eps=1e-6):
+def gigpo_advantages(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_rewards: Tensor, cu_turns: Tensor,
+                     turn_ids: Tensor, mask: Tensor, step_weight: float = 1.0, step_gamma: float = 0.95,
+                     norm_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
     """GiGPO (docs/KERNELS.md): per turn, A = episode advantage of its trajectory + step_weight * step advantage.
 
     scores float [B] (trajectory returns), group_ids int [B]; turn_keys int64 [M] (state each turn starts from),

@@ -99,7 +99,7 @@ def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype == torch.bool else flat
 
 
-def row_offsets(mask: torch.Tensor, cu_seqlens) -> torch.Tensor:
+def row_offsets(mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """cu_seqlens as int64, or the row starts of a padded [B, T] tensor."""
     if cu_seqlens is not None:
         return cu_seqlens.to(torch.int64).contiguous()
@@ -107,7 +107,9 @@ def row_offsets(mask: torch.Tensor, cu_seqlens) -> torch.Tensor:
     return torch.arange(rows + 1, device=mask.device, dtype=torch.int64) * length
 
 
-def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, cu_seqlens=None):
+def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+             reset: torch.Tensor | None = None,
+             cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Un-whitened multi-turn GAE (semantics of ``reference.gae_scan``) on padded [B, T] tensors, or packed [N]
     ones with cu_seqlens. Returns fp32 (advantages, returns) of mask's shape, 0 off-mask."""
     cu = row_offsets(mask, cu_seqlens)
@@ -124,7 +126,45 @@ def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, cu_seq
     return adv, ret
 
 
-# Kernel: one program per sequence i; loops over all sequences in BLOCK_B tiles comparing group ids (O(B^2)
+@triton.jit
+def _same_group(j, n, key_ptr, key, key2_ptr, key2, TWO_KEYS: tl.constexpr):
+    """Which of the entries j (< n) share ``key`` (and ``key2`` when TWO_KEYS)."""
+    ok = j < n
+    same = ok & (tl.load(key_ptr + j, mask=ok, other=0) == key)
+    if TWO_KEYS:
+        same = same & (tl.load(key2_ptr + j, mask=ok, other=0) == key2)
+    return same
+
+
+@triton.jit
+def _group_advantage(value, val_ptr, key_ptr, key, key2_ptr, key2, n, eps, NORM: tl.constexpr,
+                     TWO_KEYS: tl.constexpr, BLOCK: tl.constexpr):
+    """(value - mean) [/ (std + eps)] over the group of entries j < n whose key_ptr[j] == key (and
+    key2_ptr[j] == key2 when TWO_KEYS), and the group's size (fp32). The group is found by comparing all n
+    entries in BLOCK tiles (no sort, no host sync); two passes (sum, then squared deviations), unbiased std, 0
+    for a group of one. Shared by the GRPO kernel and both GiGPO group levels (episode, step)."""
+    count = 0.0
+    total = 0.0
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        same = _same_group(j, n, key_ptr, key, key2_ptr, key2, TWO_KEYS)
+        count += tl.sum(same.to(tl.float32), 0)
+        total += tl.sum(tl.load(val_ptr + j, mask=same, other=0.0).to(tl.float32), 0)
+    mean = total / count
+    adv = value - mean
+    if NORM:
+        sq = 0.0
+        for j0 in range(0, n, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            same = _same_group(j, n, key_ptr, key, key2_ptr, key2, TWO_KEYS)
+            dev = tl.load(val_ptr + j, mask=same, other=0.0).to(tl.float32) - mean
+            sq += tl.sum(tl.where(same, dev * dev, 0.0), 0)
+        std = tl.where(count > 1, tl.sqrt(sq / tl.maximum(count - 1.0, 1.0)), 0.0)
+        adv = adv / (std + eps)
+    return adv, count
+
+
+# Kernel: one program per sequence i; its group advantage (_group_advantage over the B group ids: O(B^2)
 # compares, no sort, no host sync): group count and sum, then the sum of squared deviations (two-pass, exact).
 # Writes the sequence's advantage (R_i - mean) / (std + eps) (unbiased std, 0 for a group of one) to
 # seq_adv[i] and broadcasts it to the sequence's tokens [start, end) of the flat output where mask != 0.
@@ -132,26 +172,8 @@ def gae_scan(rewards, values, mask, gamma: float, lam: float, reset=None, cu_seq
 def _grpo_kernel(score_ptr, gid_ptr, mask_ptr, cu_ptr, seq_adv_ptr, out_ptr, B, eps,
                  NORM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     i = tl.program_id(0)
-    gid = tl.load(gid_ptr + i)
-    score = tl.load(score_ptr + i).to(tl.float32)
-    count = 0.0
-    total = 0.0
-    for j0 in range(0, B, BLOCK_B):
-        j = j0 + tl.arange(0, BLOCK_B)
-        same = (j < B) & (tl.load(gid_ptr + j, mask=j < B, other=0) == gid)
-        count += tl.sum(same.to(tl.float32), 0)
-        total += tl.sum(tl.load(score_ptr + j, mask=same, other=0.0).to(tl.float32), 0)
-    mean = total / count
-    adv = score - mean
-    if NORM:
-        sq = 0.0
-        for j0 in range(0, B, BLOCK_B):
-            j = j0 + tl.arange(0, BLOCK_B)
-            same = (j < B) & (tl.load(gid_ptr + j, mask=j < B, other=0) == gid)
-            dev = tl.load(score_ptr + j, mask=same, other=0.0).to(tl.float32) - mean
-            sq += tl.sum(tl.where(same, dev * dev, 0.0), 0)
-        std = tl.where(count > 1, tl.sqrt(sq / tl.maximum(count - 1.0, 1.0)), 0.0)
-        adv = adv / (std + eps)
+    adv, _ = _group_advantage(tl.load(score_ptr + i).to(tl.float32), score_ptr, gid_ptr, tl.load(gid_ptr + i),
+                              gid_ptr, 0, B, eps, NORM, False, BLOCK_B)
     tl.store(seq_adv_ptr + i, adv)
     start = tl.load(cu_ptr + i).to(tl.int64)
     end = tl.load(cu_ptr + i + 1).to(tl.int64)
@@ -162,7 +184,8 @@ def _grpo_kernel(score_ptr, gid_ptr, mask_ptr, cu_ptr, seq_adv_ptr, out_ptr, B, 
         tl.store(out_ptr + pos, tl.where(trained, adv, 0.0), mask=ok)
 
 
-def grpo_advantages(scores, group_ids, mask, norm_by_std: bool, eps: float, cu_seqlens=None):
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, norm_by_std: bool, eps: float,
+                    cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-sequence advantages fp32 [B], token advantages fp32 of mask's shape)."""
     n_seq = scores.shape[0]
     cu = row_offsets(mask, cu_seqlens)

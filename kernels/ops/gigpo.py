@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .advantages import _mask_arg
+from .advantages import _group_advantage, _mask_arg
 
 
 # Kernel 1: program i = trajectory i. Episode advantage (R_i - mean) [/ (std + eps)] over the trajectories with
@@ -30,26 +30,8 @@ from .advantages import _mask_arg
 def _episode_kernel(score_ptr, gid_ptr, cu_turn_ptr, reward_ptr, ep_ptr, ret_ptr, B, eps, gamma,
                     NORM: tl.constexpr, BLOCK_B: tl.constexpr):
     i = tl.program_id(0)
-    gid = tl.load(gid_ptr + i)
-    score = tl.load(score_ptr + i).to(tl.float32)
-    count = 0.0
-    total = 0.0
-    for j0 in range(0, B, BLOCK_B):
-        j = j0 + tl.arange(0, BLOCK_B)
-        same = (j < B) & (tl.load(gid_ptr + j, mask=j < B, other=0) == gid)
-        count += tl.sum(same.to(tl.float32), 0)
-        total += tl.sum(tl.load(score_ptr + j, mask=same, other=0.0).to(tl.float32), 0)
-    mean = total / count
-    adv = score - mean
-    if NORM:
-        sq = 0.0
-        for j0 in range(0, B, BLOCK_B):
-            j = j0 + tl.arange(0, BLOCK_B)
-            same = (j < B) & (tl.load(gid_ptr + j, mask=j < B, other=0) == gid)
-            dev = tl.load(score_ptr + j, mask=same, other=0.0).to(tl.float32) - mean
-            sq += tl.sum(tl.where(same, dev * dev, 0.0), 0)
-        std = tl.where(count > 1, tl.sqrt(sq / tl.maximum(count - 1.0, 1.0)), 0.0)
-        adv = adv / (std + eps)
+    adv, _ = _group_advantage(tl.load(score_ptr + i).to(tl.float32), score_ptr, gid_ptr, tl.load(gid_ptr + i),
+                              gid_ptr, 0, B, eps, NORM, False, BLOCK_B)
     tl.store(ep_ptr + i, adv)
     t0 = tl.load(cu_turn_ptr + i).to(tl.int64)
     t1 = tl.load(cu_turn_ptr + i + 1).to(tl.int64)
@@ -67,30 +49,8 @@ def _episode_kernel(score_ptr, gid_ptr, cu_turn_ptr, reward_ptr, ep_ptr, ret_ptr
 def _step_kernel(key_ptr, tgid_ptr, ttraj_ptr, ret_ptr, ep_ptr, step_ptr, size_ptr, turn_adv_ptr, M, eps, w,
                  NORM: tl.constexpr, BLOCK_M: tl.constexpr):
     m = tl.program_id(0)
-    key = tl.load(key_ptr + m)
-    gid = tl.load(tgid_ptr + m)
-    ret = tl.load(ret_ptr + m)
-    count = 0.0
-    total = 0.0
-    for u0 in range(0, M, BLOCK_M):
-        u = u0 + tl.arange(0, BLOCK_M)
-        ok = u < M
-        same = ok & (tl.load(key_ptr + u, mask=ok, other=0) == key) & (tl.load(tgid_ptr + u, mask=ok, other=0) == gid)
-        count += tl.sum(same.to(tl.float32), 0)
-        total += tl.sum(tl.load(ret_ptr + u, mask=same, other=0.0), 0)
-    mean = total / count
-    adv = ret - mean
-    if NORM:
-        sq = 0.0
-        for u0 in range(0, M, BLOCK_M):
-            u = u0 + tl.arange(0, BLOCK_M)
-            ok = u < M
-            same = (ok & (tl.load(key_ptr + u, mask=ok, other=0) == key)
-                    & (tl.load(tgid_ptr + u, mask=ok, other=0) == gid))
-            dev = tl.load(ret_ptr + u, mask=same, other=0.0) - mean
-            sq += tl.sum(tl.where(same, dev * dev, 0.0), 0)
-        std = tl.where(count > 1, tl.sqrt(sq / tl.maximum(count - 1.0, 1.0)), 0.0)
-        adv = adv / (std + eps)
+    adv, count = _group_advantage(tl.load(ret_ptr + m), ret_ptr, key_ptr, tl.load(key_ptr + m), tgid_ptr,
+                                  tl.load(tgid_ptr + m), M, eps, NORM, True, BLOCK_M)
     tl.store(step_ptr + m, adv)
     tl.store(size_ptr + m, count.to(tl.int64))
     traj = tl.load(ttraj_ptr + m)
@@ -108,8 +68,10 @@ def _scatter_kernel(tid_ptr, mask_ptr, turn_adv_ptr, out_ptr, N, BLOCK: tl.const
     tl.store(out_ptr + n, tl.where(trained, val, 0.0), mask=ok)
 
 
-def gigpo_advantages(scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_ids, mask, step_weight: float,
-                     step_gamma: float, norm_by_std: bool, eps: float):
+def gigpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_keys: torch.Tensor, turn_rewards: torch.Tensor,
+                     cu_turns: torch.Tensor, turn_ids: torch.Tensor, mask: torch.Tensor, step_weight: float,
+                     step_gamma: float, norm_by_std: bool,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token advantages fp32 [N], step advantages fp32 [M], step group sizes int64 [M]); inputs as
     ``reference.gigpo_advantages`` (checked by the caller)."""
     n_seq, n_turns, n_tok = scores.shape[0], turn_keys.shape[0], mask.shape[0]

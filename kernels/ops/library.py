@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import os
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,6 +25,8 @@ from torch import Tensor
 from .. import reference as ref
 
 BACKENDS = ("triton", "torch")
+#: Values of FASTPO_FLP_KERNEL: which Triton kernels run fused_linear_logprob (see :func:`flp_kernel`).
+FLP_KERNELS = ("tiled", "persistent", "persistent-ptr")
 
 
 def backend_for(t: Tensor) -> str:
@@ -38,7 +42,7 @@ def backend_for(t: Tensor) -> str:
     return choice
 
 
-def triton_module(name: str):
+def triton_module(name: str) -> ModuleType:
     """Import ``fastpo.kernels.ops.<name>`` (which imports triton), with a clear error when triton is missing."""
     try:
         return importlib.import_module(f"{__package__}.{name}")
@@ -48,6 +52,28 @@ def triton_module(name: str):
         raise ImportError("fastpo.kernels: the Triton path was selected (CUDA tensors or FASTPO_KERNELS=triton) but "
                           "triton is not importable; install it (pip install triton) or set FASTPO_KERNELS=torch"
                           ) from exc
+
+
+def flp_kernel() -> str:
+    """The Triton kernels of ``fused_linear_logprob`` (forward and backward), from ``FASTPO_FLP_KERNEL``, read at
+    every call: ``tiled`` (default: ``logprob.py``, one program per tile), ``persistent`` (``flp_persistent.py``:
+    ~one program per SM slot, one pipelined loop over vocab tiles x K, TMA descriptors on sm_90+) or
+    ``persistent-ptr`` (the persistent kernels with pointer loads everywhere). The default stays ``tiled`` until
+    a GPU run of ``fastpo.kernels.ab.ab_logprob`` says otherwise."""
+    choice = os.environ.get("FASTPO_FLP_KERNEL", "").strip().lower() or "tiled"
+    if choice not in FLP_KERNELS:
+        raise ValueError(f"FASTPO_FLP_KERNEL must be one of {FLP_KERNELS} (or unset), got {choice!r}")
+    return choice
+
+
+def _flp_impl(hidden: Tensor) -> tuple[ModuleType, dict]:
+    """(module, extra keyword arguments) serving fused_linear_logprob's forward / backward on ``hidden``."""
+    kind = flp_kernel()  # checked on either backend, so a misspelt value never passes silently
+    if backend_for(hidden) != "triton":
+        return ref, {}
+    if kind == "tiled":
+        return triton_module("logprob"), {}
+    return triton_module("flp_persistent"), ({"tma": False} if kind == "persistent-ptr" else {})
 
 
 def check_ids(ids: Tensor, vocab: int, name: str = "ids") -> None:
@@ -72,7 +98,7 @@ def check_cu_seqlens(cu_seqlens: Tensor | None, n_tokens: int) -> None:
                          f"start {first}, end {last}, smallest step {low}")
 
 
-def _empty(device) -> Tensor:
+def _empty(device: torch.device) -> Tensor:
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
@@ -99,7 +125,7 @@ def selective_logprob(logits: Tensor, ids: Tensor, temperature: float) -> tuple[
 
 
 @selective_logprob.register_fake
-def _(logits, ids, temperature):
+def _(logits: Tensor, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     cd = ref.compute_dtype(logits)
     return logits.new_empty(ids.shape, dtype=cd), logits.new_empty(ids.shape, dtype=cd)
 
@@ -122,17 +148,17 @@ def selective_logprob_backward(grad_logp: Tensor, grad_lse: Tensor, logits: Tens
 
 
 @selective_logprob_backward.register_fake
-def _(grad_logp, grad_lse, logits, ids, lse, temperature):
+def _(grad_logp: Tensor, grad_lse: Tensor, logits: Tensor, ids: Tensor, lse: Tensor, temperature: float) -> Tensor:
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-def _selective_setup(ctx, inputs, output):
+def _selective_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     logits, ids, temperature = inputs
     ctx.save_for_backward(logits, ids, output[1])
     ctx.temperature = temperature
 
 
-def _selective_backward(ctx, grad_logp, grad_lse):
+def _selective_backward(ctx: Any, grad_logp: Tensor, grad_lse: Tensor) -> tuple[Tensor, None, None]:
     logits, ids, lse = ctx.saved_tensors
     grad = selective_logprob_backward(grad_logp, grad_lse, logits, ids, lse, ctx.temperature)
     return grad, None, None
@@ -149,13 +175,14 @@ def fused_linear_logprob(hidden: Tensor, weight: Tensor, bias: Tensor | None, id
     if ids.numel() == 0:  # an empty batch: nothing to tile over, on either backend
         empty = hidden.new_empty((0,), dtype=ref.compute_dtype(hidden))
         return empty, empty.clone(), empty.clone()
-    impl = triton_module("logprob") if backend_for(hidden) == "triton" else ref
-    outs = impl.fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature, return_entropy)
+    impl, extra = _flp_impl(hidden)
+    outs = impl.fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature, return_entropy, **extra)
     return tuple(_out(x, hidden) for x in outs)
 
 
 @fused_linear_logprob.register_fake
-def _(hidden, weight, bias, ids, temperature, return_entropy):
+def _(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float,
+      return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
     n = hidden.shape[0]
     new = lambda size: hidden.new_empty(size, dtype=ref.compute_dtype(hidden))
     return new((n,)), new((n if return_entropy else 0,)), new((n,))
@@ -171,29 +198,30 @@ def fused_linear_logprob_backward(grad_logp: Tensor, grad_entropy: Tensor, grad_
     if ids.numel() == 0:  # no token contributes: zero gradients (the kernels' accumulators would stay unwritten)
         return (torch.zeros_like(hidden), torch.zeros_like(weight) if need_weight else _empty(hidden.device),
                 torch.zeros_like(bias) if bias is not None and need_bias else _empty(hidden.device))
-    impl = triton_module("logprob") if backend_for(hidden) == "triton" else ref
+    impl, extra = _flp_impl(hidden)
     d_hidden, d_weight, d_bias = impl.fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight,
                                                                bias, ids, lse, entropy, temperature, need_weight,
-                                                               need_bias)
+                                                               need_bias, **extra)
     return (d_hidden, d_weight if d_weight is not None else _empty(hidden.device),
             d_bias if d_bias is not None else _empty(hidden.device))
 
 
 @fused_linear_logprob_backward.register_fake
-def _(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, temperature, need_weight=True,
-      need_bias=True):
+def _(grad_logp: Tensor, grad_entropy: Tensor, grad_lse: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None,
+      ids: Tensor, lse: Tensor, entropy: Tensor, temperature: float, need_weight: bool = True,
+      need_bias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     empty = hidden.new_empty((0,), dtype=torch.float32)
     d_bias = torch.empty_like(bias) if bias is not None and need_bias else empty
     return torch.empty_like(hidden), torch.empty_like(weight) if need_weight else empty, d_bias
 
 
-def _flp_setup(ctx, inputs, output):
+def _flp_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     hidden, weight, bias, ids, temperature, _ = inputs
     ctx.save_for_backward(hidden, weight, bias, ids, output[2], output[1])
     ctx.temperature = temperature
 
 
-def _flp_backward(ctx, grad_logp, grad_entropy, grad_lse):
+def _flp_backward(ctx: Any, grad_logp: Tensor, grad_entropy: Tensor, grad_lse: Tensor) -> tuple:
     hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
     need_weight, need_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
     d_hidden, d_weight, d_bias = fused_linear_logprob_backward(grad_logp, grad_entropy, grad_lse, hidden, weight,
@@ -222,20 +250,21 @@ def ppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, weights: Tensor
 
 
 @ppo_loss.register_fake
-def _(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low, eps_high, clip_c, kl_coef, kl_type,
-      entropy_coef, need_grad, is_weight=None):
+def _(logp: Tensor, old_logp: Tensor, advantages: Tensor, weights: Tensor, mask: Tensor, ref_logp: Tensor | None,
+      entropy: Tensor | None, eps_low: float, eps_high: float, clip_c: float, kl_coef: float, kl_type: int,
+      entropy_coef: float, need_grad: bool, is_weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     cd = ref.compute_dtype(logp)
     return (logp.new_empty((), dtype=cd), logp.new_empty((6,), dtype=torch.float32),
             logp.new_empty(logp.shape if need_grad else (0,), dtype=cd))
 
 
-def _ppo_setup(ctx, inputs, output):
+def _ppo_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     logp, entropy, weights, entropy_coef = inputs[0], inputs[6], inputs[3], inputs[12]
     ctx.save_for_backward(output[2], weights if entropy is not None else None)
     ctx.meta = (logp.dtype, entropy.dtype if entropy is not None else None, entropy_coef, inputs[13])
 
 
-def _ppo_backward(ctx, grad_loss, _grad_stats, _grad_d):
+def _ppo_backward(ctx: Any, grad_loss: Tensor, _grad_stats: Tensor, _grad_d: Tensor) -> tuple:
     d_logp, weights = ctx.saved_tensors
     logp_dtype, entropy_dtype, entropy_coef, need_grad = ctx.meta
     if not need_grad and ctx.needs_input_grad[0]:  # (not d_logp.numel(): an empty logp has an empty gradient)
@@ -258,18 +287,19 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, weights: Ten
 
 
 @value_loss.register_fake
-def _(values, old_values, returns, weights, mask, clip, need_grad):
+def _(values: Tensor, old_values: Tensor, returns: Tensor, weights: Tensor, mask: Tensor, clip: float,
+      need_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     cd = ref.compute_dtype(values)
     return (values.new_empty((), dtype=cd), values.new_empty((2,), dtype=torch.float32),
             values.new_empty(values.shape if need_grad else (0,), dtype=cd))
 
 
-def _value_setup(ctx, inputs, output):
+def _value_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(output[2])
     ctx.values_dtype = inputs[0].dtype
 
 
-def _value_backward(ctx, grad_loss, _grad_stats, _grad_d):
+def _value_backward(ctx: Any, grad_loss: Tensor, _grad_stats: Tensor, _grad_d: Tensor) -> tuple:
     (d_values,) = ctx.saved_tensors
     if d_values.numel() == 0 and ctx.needs_input_grad[0]:
         raise RuntimeError("fastpo::value_loss was called with need_grad=False; pass values that require grad")
@@ -295,7 +325,8 @@ def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, reset: Tensor 
 
 
 @gae_advantages.register_fake
-def _(rewards, values, mask, reset, cu_seqlens, gamma, lam, whiten):
+def _(rewards: Tensor, values: Tensor, mask: Tensor, reset: Tensor | None, cu_seqlens: Tensor | None, gamma: float,
+      lam: float, whiten: bool) -> tuple[Tensor, Tensor]:
     return mask.new_empty(mask.shape, dtype=torch.float32), mask.new_empty(mask.shape, dtype=torch.float32)
 
 
@@ -310,7 +341,8 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor, cu_seqlens:
 
 
 @grpo_advantages.register_fake
-def _(scores, group_ids, mask, cu_seqlens, norm_by_std, eps):
+def _(scores: Tensor, group_ids: Tensor, mask: Tensor, cu_seqlens: Tensor | None, norm_by_std: bool,
+      eps: float) -> Tensor:
     return mask.new_empty(mask.shape, dtype=torch.float32)
 
 
@@ -344,8 +376,9 @@ def gigpo_advantages(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_
 
 
 @gigpo_advantages.register_fake
-def _(scores, group_ids, turn_keys, turn_rewards, cu_turns, turn_ids, mask, step_weight, step_gamma, norm_by_std,
-      eps):
+def _(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_rewards: Tensor, cu_turns: Tensor, turn_ids: Tensor,
+      mask: Tensor, step_weight: float, step_gamma: float, norm_by_std: bool,
+      eps: float) -> tuple[Tensor, Tensor, Tensor]:
     m = turn_keys.shape[0]
     return (mask.new_empty(mask.shape, dtype=torch.float32), turn_keys.new_empty((m,), dtype=torch.float32),
             turn_keys.new_empty((m,), dtype=torch.int64))

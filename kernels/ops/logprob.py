@@ -13,6 +13,7 @@ same signatures and results as their namesakes in ``reference.py``. CUDA tile co
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -143,7 +144,8 @@ def _row_layout(logits: torch.Tensor) -> tuple[int, int, int]:
     return max(logits.shape[1], 1), logits.stride(0), logits.stride(1)
 
 
-def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits ``[R, V]`` or ``[B, T, V]`` (vocab dim contiguous), ids of shape logits.shape[:-1] ->
     fp32 (logp, lse) of ids' shape."""
     vocab = logits.shape[-1]
@@ -157,7 +159,8 @@ def selective_logprob_fwd(logits: torch.Tensor, ids: torch.Tensor, temperature: 
     return logp, lse
 
 
-def selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature: float) -> torch.Tensor:
+def selective_logprob_bwd(grad_logp: torch.Tensor, grad_lse: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor,
+                          lse: torch.Tensor, temperature: float) -> torch.Tensor:
     """Gradient w.r.t. logits (contiguous, logits' shape and dtype)."""
     vocab = logits.shape[-1]
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -172,20 +175,48 @@ def selective_logprob_bwd(grad_logp, grad_lse, logits, ids, lse, temperature: fl
 
 
 # ------------------------------------------------------------------------------------- fused linear logprob
-# Kernel: grid (token blocks, vocab splits). A program owns BLOCK_N tokens and one contiguous vocab range; it
-# walks the range in BLOCK_V tiles, each tile z = (x @ w.T + b) / T computed by tl.dot over H in BLOCK_K steps
-# (fp32 accumulator), and keeps per token an online log-sum-exp (max m, sum s), the entropy accumulator
-# t = sum exp(z - m) (z - m) and the target logit. Never writes logits: only 4 fp32 partials per (split, token)
-# to part[4, SPLIT, N], combined by the host (``_combine``). pid 0 is the fastest grid axis, so the token
-# blocks of one split run together and read the same lm-head tiles from L2. Layout: x [N, H], w [V, H] and b
-# [V] contiguous. Backward recomputes the tiles (_flp_grad_kernel).
+# Tile helpers shared by the tiled kernels below and the persistent ones (flp_persistent.py); @triton.jit
+# functions called from a kernel are inlined into it, so the kernels compute exactly what they did when these
+# lines were written out in each. A logits tile is z = (x @ w.T + b) / T for BLOCK_N tokens x BLOCK_V vocab
+# columns, accumulated in fp32 over H in BLOCK_K steps.
 @triton.jit
-def _flp_fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, part_ptr, N, V, H, v_per_split, inv_t,
-                    HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
+def _dot_acc(x, w, acc, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """acc + x @ w.T for an x [BLOCK_N, BLOCK_K] and w [BLOCK_V, BLOCK_K] tile (operands cast to fp32 first when
+    DOT_F32: the exact path and the interpreter)."""
+    if DOT_F32:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(x, tl.trans(w), acc=acc, input_precision=PREC)
+
+
+@triton.jit
+def _xw_step(x_rows, w_rows, row_ok, col_ok, k0, H, acc, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """One K step of a logits tile through pointer loads: x_rows / w_rows are [BLOCK_N, 1] / [BLOCK_V, 1] row
+    pointers, k0 the first hidden column; masked rows, columns and the ragged end of H read 0."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < H
+    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    return _dot_acc(x, w, acc, DOT_F32, PREC)
+
+
+@triton.jit
+def _logits_tile(x_rows, w_rows, row_ok, col_ok, H, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x @ w.T for one [BLOCK_N, BLOCK_V] tile (fp32, bias and temperature not applied): the K loop of the
+    tiled kernels."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        acc = _xw_step(x_rows, w_rows, row_ok, col_ok, k0, H, acc, DOT_F32, PREC, BLOCK_K)
+    return acc
+
+
+@triton.jit
+def _fwd_item(x_ptr, ids_ptr, pid_n, split, N, V, H, v_per_split, BLOCK_N: tl.constexpr):
+    """The start of one forward work item (token block pid_n, vocab split): its rows, their mask, target ids and
+    x row pointers, the split's vocab range [v_lo, v_hi), and the zeroed online log-sum-exp state
+    (m_i = -inf, s_i, t_i, target)."""
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
@@ -195,76 +226,58 @@ def _flp_fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, part_ptr, N, V, H, v_per_split
     s_i = tl.zeros([BLOCK_N], dtype=tl.float32)
     t_i = tl.zeros([BLOCK_N], dtype=tl.float32)
     target = tl.zeros([BLOCK_N], dtype=tl.float32)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
-    for v0 in range(v_lo, v_hi, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_hi
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * H
-        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < H
-            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT_F32:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc=acc, input_precision=PREC)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
-        target += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
-        m_new = tl.maximum(m_i, tl.max(z, 1))
-        alpha = tl.exp(m_i - m_new)
-        zc = z - m_new[:, None]
-        p = tl.exp(zc)
-        if WANT_ENT:
-            shift = tl.where(s_i > 0, m_i - m_new, 0.0)
-            t_i = alpha * (t_i + shift * s_i) + tl.sum(p * tl.where(col_ok[None, :], zc, 0.0), 1)
-        s_i = s_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+    return rows, row_ok, ids, x_ptr + rows.to(tl.int64)[:, None] * H, v_lo, v_hi, m_i, s_i, t_i, target
+
+
+@triton.jit
+def _lse_update(acc, cols, col_ok, ids, b_ptr, inv_t, m_i, s_i, t_i, target, HAS_BIAS: tl.constexpr,
+                WANT_ENT: tl.constexpr):
+    """The forward's epilogue of one logits tile: adds the bias, scales by 1 / T, and folds the tile into the
+    per-token online log-sum-exp (max m_i, sum s_i), the entropy accumulator t_i = sum exp(z - m) (z - m) and
+    the target logit. Returns the updated (m_i, s_i, t_i, target)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
+    target += tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), 1)
+    m_new = tl.maximum(m_i, tl.max(z, 1))
+    alpha = tl.exp(m_i - m_new)
+    zc = z - m_new[:, None]
+    p = tl.exp(zc)
+    if WANT_ENT:
+        shift = tl.where(s_i > 0, m_i - m_new, 0.0)
+        t_i = alpha * (t_i + shift * s_i) + tl.sum(p * tl.where(col_ok[None, :], zc, 0.0), 1)
+    s_i = s_i * alpha + tl.sum(p, 1)
+    return m_new, s_i, t_i, target
+
+
+@triton.jit
+def _store_partials(part_ptr, split, splits, N, rows, row_ok, m_i, s_i, t_i, target):
+    """Writes one (split, token block)'s 4 fp32 partials into part[4, splits, N]."""
     out = part_ptr + split * N + rows
     tl.store(out, m_i, mask=row_ok)
-    tl.store(out + n_splits * N, s_i, mask=row_ok)
-    tl.store(out + 2 * n_splits * N, t_i, mask=row_ok)
-    tl.store(out + 3 * n_splits * N, target, mask=row_ok)
+    tl.store(out + splits * N, s_i, mask=row_ok)
+    tl.store(out + 2 * splits * N, t_i, mask=row_ok)
+    tl.store(out + 3 * splits * N, target, mask=row_ok)
 
 
-# Kernel: grid over (token blocks x vocab blocks) of one vocab chunk [v_lo, v_lo + Vc), grouped GROUP_V vocab
-# blocks at a time so that a group's lm-head tiles stay in L2 while every token block passes over them.
-# Recomputes the logits tile exactly as the forward (tl.dot over H) and writes dL/dlogits of the tile,
-# (g_logp * onehot + p * (g_lse - g_logp - g_ent * (log p + entropy))) / T, into the chunk buffer G [N, Vc]
-# (hidden's dtype). The host then does dX += G @ w[chunk], dW[chunk] = G.T @ x, db[chunk] = G.sum(0) as GEMMs.
 @triton.jit
-def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr, gent_ptr, out_ptr,
-                     N, V, H, v_lo, Vc, inv_t,
-                     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr):
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    v_blocks = tl.cdiv(Vc, BLOCK_V)
+def _grad_tile_coords(tile, n_blocks, v_blocks, GROUP_V: tl.constexpr):
+    """(token block, vocab block) of grad tile number ``tile``: GROUP_V vocab blocks at a time, every token block
+    of the group before the next group, so that a group's lm-head tiles stay in L2."""
     per_group = GROUP_V * n_blocks
-    first_v = (pid // per_group) * GROUP_V
+    first_v = (tile // per_group) * GROUP_V
     group_v = tl.minimum(v_blocks - first_v, GROUP_V)
-    pid_v = first_v + (pid % per_group) % group_v
-    pid_n = (pid % per_group) // group_v
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols = v_lo + local
-    row_ok = rows < N
-    col_ok = (local < Vc) & (cols < V)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * H
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * H
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < H
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc=acc, input_precision=PREC)
+    pid_v = first_v + (tile % per_group) % group_v
+    pid_n = (tile % per_group) // group_v
+    return pid_n, pid_v
+
+
+@triton.jit
+def _grad_tile_store(acc, rows, cols, local, row_ok, col_ok, Vc, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr,
+                     gent_ptr, out_ptr, inv_t, HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr):
+    """The grad's epilogue of one logits tile (acc = x @ w.T): writes dL/dlogits of the tile,
+    (g_logp * onehot + p * (g_lse - g_logp - g_ent * (log p + entropy))) / T, into the chunk buffer
+    out [N, Vc] at columns ``local`` (cols = v_lo + local are the vocab ids)."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -285,22 +298,65 @@ def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse
     tl.store(out, grad.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (local < Vc)[None, :])
 
 
+# Kernel: grid (token blocks, vocab splits). A program owns BLOCK_N tokens and one contiguous vocab range; it
+# walks the range in BLOCK_V tiles (_logits_tile, then _lse_update). Never writes logits: only 4 fp32 partials
+# per (split, token) to part[4, SPLIT, N], combined by the host (``_combine``). pid 0 is the fastest grid axis,
+# so the token blocks of one split run together and read the same lm-head tiles from L2. Layout: x [N, H],
+# w [V, H] and b [V] contiguous. Backward recomputes the tiles (_flp_grad_kernel).
+@triton.jit
+def _flp_fwd_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, part_ptr, N, V, H, v_per_split, inv_t,
+                    HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    split = tl.program_id(1)
+    rows, row_ok, ids, x_rows, v_lo, v_hi, m_i, s_i, t_i, target = _fwd_item(
+        x_ptr, ids_ptr, tl.program_id(0), split, N, V, H, v_per_split, BLOCK_N)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_hi
+        acc = _logits_tile(x_rows, w_ptr + cols.to(tl.int64)[:, None] * H, row_ok, col_ok, H, DOT_F32, PREC,
+                           BLOCK_N, BLOCK_V, BLOCK_K)
+        m_i, s_i, t_i, target = _lse_update(acc, cols, col_ok, ids, b_ptr, inv_t, m_i, s_i, t_i, target, HAS_BIAS,
+                                            WANT_ENT)
+    _store_partials(part_ptr, split, tl.num_programs(1), N, rows, row_ok, m_i, s_i, t_i, target)
+
+
+# Kernel: grid over (token blocks x vocab blocks) of one vocab chunk [v_lo, v_lo + Vc), in _grad_tile_coords'
+# grouped order. Recomputes the logits tile exactly as the forward and writes its dL/dlogits into the chunk
+# buffer G [N, Vc] (hidden's dtype; _grad_tile_store). The host then does dX += G @ w[chunk],
+# dW[chunk] = G.T @ x, db[chunk] = G.sum(0) as GEMMs.
+@triton.jit
+def _flp_grad_kernel(x_ptr, w_ptr, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr, gent_ptr, out_ptr,
+                     N, V, H, v_lo, Vc, inv_t,
+                     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr):
+    pid_n, pid_v = _grad_tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(Vc, BLOCK_V), GROUP_V)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = v_lo + local
+    row_ok = rows < N
+    col_ok = (local < Vc) & (cols < V)
+    acc = _logits_tile(x_ptr + rows.to(tl.int64)[:, None] * H, w_ptr + cols.to(tl.int64)[:, None] * H, row_ok,
+                       col_ok, H, DOT_F32, PREC, BLOCK_N, BLOCK_V, BLOCK_K)
+    _grad_tile_store(acc, rows, cols, local, row_ok, col_ok, Vc, b_ptr, ids_ptr, lse_ptr, ent_ptr, g_ptr, glse_ptr,
+                     gent_ptr, out_ptr, inv_t, HAS_BIAS, HAS_GENT)
+
+
 _SLOTS: dict = {}
 
 
-def _slots(hidden: torch.Tensor, args: tuple, consts: dict) -> int:
-    """SMs x resident CTAs per SM of the forward kernel as it will launch (compiled once per device and
-    specialisation through ``warmup``, which launches nothing); 1 under the interpreter, where splitting only
-    costs time."""
+def _slots(kernel: triton.JITFunction, hidden: torch.Tensor, args: tuple, consts: dict) -> int:
+    """SMs x resident CTAs per SM of ``kernel`` (a JITFunction) as it will launch with ``args`` / ``consts``
+    (compiled once per kernel, device and specialisation through ``warmup``, which launches nothing); 1 under
+    the interpreter, where more programs only cost time."""
     if not hidden.is_cuda:
         return 1
-    key = (hidden.device.index, hidden.dtype, tuple(sorted(consts.items())))
+    key = (kernel.fn.__name__, hidden.device.index, hidden.dtype, tuple(sorted(consts.items())))
     if key not in _SLOTS:
         props = torch.cuda.get_device_properties(hidden.device)
         with torch.cuda.device(hidden.device):
-            kernel = _flp_fwd_kernel.warmup(*args, grid=(1, 1), **consts)
-            kernel._init_handles()  # loads the cubin: fills n_regs
-        per_sm = ctas_per_sm(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
+            compiled = kernel.warmup(*args, grid=(1,), **consts)
+            compiled._init_handles()  # loads the cubin: fills n_regs
+        per_sm = ctas_per_sm(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared,
                              getattr(props, "regs_per_multiprocessor", 65536),
                              getattr(props, "shared_memory_per_multiprocessor", 233472),
                              getattr(props, "max_threads_per_multi_processor", 2048))
@@ -308,7 +364,7 @@ def _slots(hidden: torch.Tensor, args: tuple, consts: dict) -> int:
     return _SLOTS[key]
 
 
-def _combine(part: torch.Tensor):
+def _combine(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[4, S, N] partials (max, sum, entropy acc, target) -> (lse, entropy, target) fp32 [N]."""
     m, s, t, target = part[0], part[1], part[2], part[3].sum(0)
     m_max = m.amax(0)
@@ -320,12 +376,18 @@ def _combine(part: torch.Tensor):
     return m_max + log_total, log_total - t_total / total, target
 
 
-def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, return_entropy: bool):
-    """hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, ids ``[N]`` -> fp32 (logp [N], entropy [N] or
-    [0], lse [N]). Contiguous inputs of one dtype."""
+#: launch(args, consts, splits, v_per_split): runs a forward kernel that fills args[4] = part [4, splits, N].
+FwdLaunch = Callable[[list, dict, int, int], None]
+
+
+def flp_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                temperature: float, return_entropy: bool, cfg: dict, slots: Callable[[list, dict], int],
+                launch: FwdLaunch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host side of a fused forward, shared by the tiled and the persistent kernels: the vocab splits
+    (``n_splits`` over ``slots(args, consts)`` resident programs), the [4, S, N] partials, one ``launch`` and
+    the combine. ``args`` are the common kernel arguments (x, w, b, ids, part, N, V, H, v_per_split, inv_t)."""
     n_tokens, hid = hidden.shape
     vocab = weight.shape[0]
-    cfg = _cfg(hidden, "fwd")
     block_v = cfg["BLOCK_V"]
     n_blocks = triton.cdiv(n_tokens, cfg["BLOCK_N"])
     consts = {"HAS_BIAS": bias is not None, "WANT_ENT": return_entropy, "DOT_F32": cfg["DOT_F32"],
@@ -335,32 +397,52 @@ def fused_linear_logprob_fwd(hidden, weight, bias, ids, temperature: float, retu
             1.0 / temperature]
     splits = 1
     if n_tokens:
-        part = torch.empty(4, 1, n_tokens, dtype=torch.float32, device=hidden.device)  # for the warmup only
-        slots = _slots(hidden, tuple(args[:4]) + (part,) + tuple(args[5:]), consts)
-        splits = n_splits(n_blocks, triton.cdiv(vocab, block_v), slots)
+        args[4] = torch.empty(4, 1, n_tokens, dtype=torch.float32, device=hidden.device)  # for the warmup only
+        splits = n_splits(n_blocks, triton.cdiv(vocab, block_v), slots(args, consts))
     v_per_split = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
     splits = triton.cdiv(vocab, v_per_split)
     part = torch.empty(4, splits, n_tokens, dtype=torch.float32, device=hidden.device)
     if n_tokens:
         args[4], args[8] = part, v_per_split
-        _flp_fwd_kernel[(n_blocks, splits)](*args, **consts)
+        launch(args, consts, splits, v_per_split)
     lse, entropy, target = _combine(part)
     if not return_entropy:
         entropy = torch.empty(0, dtype=torch.float32, device=hidden.device)
     return target - lse, entropy, lse
 
 
-def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy,
-                             temperature, need_weight: bool = True, need_bias: bool = True):
-    """Recomputing backward. Loops over vocab chunks of at most GRAD_ELEMENTS / N columns (and token chunks when
-    N alone exceeds that): the Triton kernel writes the chunk's dL/dlogits, cuBLAS does the three GEMMs. Peak
-    extra memory: one [tokens, Vc] buffer in hidden's dtype plus an fp32 dX accumulator [N, H]. Returns
-    (d_hidden, d_weight or None when not need_weight, d_bias or None when there is no bias or not need_bias):
-    a frozen lm-head (LoRA) skips the 2NVH FLOP of dW."""
+def fused_linear_logprob_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             ids: torch.Tensor, temperature: float,
+                             return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]`` or None, ids ``[N]`` -> fp32 (logp [N], entropy [N] or
+    [0], lse [N]). Contiguous inputs of one dtype. The tiled kernel: grid (token blocks, vocab splits)."""
+    n_blocks = triton.cdiv(hidden.shape[0], _cfg(hidden, "fwd")["BLOCK_N"])
+
+    def launch(args: list, consts: dict, splits: int, v_per_split: int) -> None:
+        _flp_fwd_kernel[(n_blocks, splits)](*args, **consts)
+
+    return flp_forward(hidden, weight, bias, ids, temperature, return_entropy, _cfg(hidden, "fwd"),
+                       lambda args, consts: _slots(_flp_fwd_kernel, hidden, tuple(args), consts), launch)
+
+
+#: launch(x, ids, lse, ent, g, g_lse, g_ent, out, rows, v_lo, width, has_gent): writes one [rows, width]
+#: dL/dlogits chunk (vocab columns [v_lo, v_lo + width) of the tokens in x) into ``out``.
+GradLaunch = Callable[..., None]
+
+
+def flp_backward(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, grad_lse: torch.Tensor | None,
+                 hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                 lse: torch.Tensor, entropy: torch.Tensor, cfg: dict, launch: GradLaunch, need_weight: bool = True,
+                 need_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The host side of a recomputing backward, shared by the tiled and the persistent grad kernels. Loops over
+    vocab chunks of at most GRAD_ELEMENTS / N columns (and token chunks when N alone exceeds that): ``launch``
+    writes the chunk's dL/dlogits, cuBLAS does the three GEMMs. Peak extra memory: one [tokens, Vc] buffer in
+    hidden's dtype plus an fp32 dX accumulator [N, H]. Returns (d_hidden, d_weight or None when not
+    need_weight, d_bias or None when there is no bias or not need_bias): a frozen lm-head (LoRA) skips the
+    2NVH FLOP of dW."""
     n_tokens, hid = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    cfg = _cfg(hidden, "grad")
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     zeros = torch.zeros(n_tokens, dtype=torch.float32, device=dev)
     g = grad_logp.float().contiguous() if grad_logp is not None else zeros
@@ -371,7 +453,7 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
     token_chunk = max(bn, min(n_tokens, cfg["GRAD_ELEMENTS"] // bv))
     vocab_chunk = max(bv, min(triton.cdiv(vocab, bv) * bv, (cfg["GRAD_ELEMENTS"] // max(token_chunk, 1)) // bv * bv))
     d_hidden = torch.zeros(n_tokens, hid, dtype=torch.float32, device=dev)
-    single = token_chunk >= n_tokens
+    single = token_chunk >= n_tokens > 0  # one token chunk writes every row of dW (none to write for N = 0)
     d_weight = None
     if need_weight:
         d_weight = torch.empty_like(weight) if single else torch.zeros(weight.shape, dtype=torch.float32, device=dev)
@@ -384,14 +466,8 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
         for v0 in range(0, vocab, vocab_chunk):
             width = min(vocab_chunk, vocab - v0)
             grad = buf[: rows * width].view(rows, width)
-            grid = (triton.cdiv(rows, bn) * triton.cdiv(width, bv),)
-            _flp_grad_kernel[grid](
-                x, weight, bias if bias is not None else hidden, ids[n0:n1], lse[n0:n1], ent[n0:n1] if has_gent
-                else ent, g[n0:n1], g_lse[n0:n1], g_ent[n0:n1] if has_gent else g_ent, grad, rows, vocab, hid,
-                v0, width, 1.0 / temperature, HAS_BIAS=bias is not None, HAS_GENT=has_gent, DOT_F32=cfg["DOT_F32"],
-                PREC=cfg["PREC"], BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=cfg["BLOCK_K"], GROUP_V=cfg["GROUP_V"],
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            )
+            launch(x, ids[n0:n1], lse[n0:n1], ent[n0:n1] if has_gent else ent, g[n0:n1], g_lse[n0:n1],
+                   g_ent[n0:n1] if has_gent else g_ent, grad, rows, v0, width, has_gent)
             w_chunk = weight[v0 : v0 + width]
             d_hidden[n0:n1] += torch.mm(grad, w_chunk).float()
             if d_weight is not None and single:
@@ -402,3 +478,27 @@ def fused_linear_logprob_bwd(grad_logp, grad_entropy, grad_lse, hidden, weight, 
                 d_bias[v0 : v0 + width] += grad.sum(0, dtype=torch.float32)
     return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype) if d_weight is not None else None,
             d_bias.to(bias.dtype) if d_bias is not None else None)
+
+
+def fused_linear_logprob_bwd(grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                             grad_lse: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None, ids: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                             temperature: float, need_weight: bool = True, need_bias: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Recomputing backward (see :func:`flp_backward`) with the tiled grad kernel: one program per tile."""
+    cfg = _cfg(hidden, "grad")
+    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
+
+    def launch(x: torch.Tensor, ids_c: torch.Tensor, lse_c: torch.Tensor, ent_c: torch.Tensor, g_c: torch.Tensor,
+               glse_c: torch.Tensor, gent_c: torch.Tensor, out: torch.Tensor, rows: int, v0: int, width: int,
+               has_gent: bool) -> None:
+        grid = (triton.cdiv(rows, bn) * triton.cdiv(width, bv),)
+        _flp_grad_kernel[grid](
+            x, weight, bias if bias is not None else hidden, ids_c, lse_c, ent_c, g_c, glse_c, gent_c, out, rows,
+            weight.shape[0], hidden.shape[1], v0, width, 1.0 / temperature, HAS_BIAS=bias is not None,
+            HAS_GENT=has_gent, DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"], BLOCK_N=bn, BLOCK_V=bv,
+            BLOCK_K=cfg["BLOCK_K"], GROUP_V=cfg["GROUP_V"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    return flp_backward(grad_logp, grad_entropy, grad_lse, hidden, weight, bias, ids, lse, entropy, cfg, launch,
+                        need_weight, need_bias)

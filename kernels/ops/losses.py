@@ -99,7 +99,7 @@ def _ppo_fwd_kernel(lp_ptr, old_ptr, adv_ptr, w_ptr, mask_ptr, ref_ptr, ent_ptr,
     tl.store(out + 6, tl.sum(mk.to(tl.float32), 0))
 
 
-def _flat(t):
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.reshape(-1) if t is not None else None
 
 
@@ -107,8 +107,11 @@ def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
     return mask.reshape(-1).view(torch.uint8) if mask.dtype == torch.bool else mask.reshape(-1)
 
 
-def ppo_loss_fwd(logp, old_logp, advantages, weights, mask, ref_logp, entropy, eps_low, eps_high, clip_c, kl_coef,
-                 kl_type, entropy_coef, need_grad=True, is_weight=None):
+def ppo_loss_fwd(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+                 mask: torch.Tensor, ref_logp: torch.Tensor | None, entropy: torch.Tensor | None, eps_low: float,
+                 eps_high: float, clip_c: float, kl_coef: float, kl_type: int, entropy_coef: float,
+                 need_grad: bool = True, is_weight: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.ppo_loss_fwd``: (loss fp32 [], stats fp32 [6], dlogp fp32 or [0])."""
     n = logp.numel()
     block = _block(logp)
@@ -156,7 +159,9 @@ def _value_fwd_kernel(v_ptr, old_ptr, ret_ptr, w_ptr, mask_ptr, part_ptr, dv_ptr
     tl.store(out + 2, tl.sum(mk.to(tl.float32), 0))
 
 
-def value_loss_fwd(values, old_values, returns, weights, mask, clip, need_grad=True):
+def value_loss_fwd(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, weights: torch.Tensor,
+                   mask: torch.Tensor, clip: float,
+                   need_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.value_loss_fwd``: (loss fp32 [], stats fp32 [2], dvalues fp32 or [0])."""
     n = values.numel()
     block = _block(values)

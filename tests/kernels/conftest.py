@@ -32,6 +32,29 @@ def backend(request, monkeypatch):
     return request.param
 
 
+#: fused_linear_logprob's backends: torch, then the Triton path with each of its kernels (FASTPO_FLP_KERNEL):
+#: the tiled ones, the persistent ones with pointer loads, the persistent ones with TMA descriptors.
+FUSED_BACKENDS = ["torch", "triton", "triton-persistent-ptr", "triton-persistent-tma"]
+
+
+@pytest.fixture(params=FUSED_BACKENDS)
+def fused_backend(request, monkeypatch):
+    """The ``backend`` fixture for tests of fused_linear_logprob, once per Triton kernel variant. The interpreter
+    emulates TMA descriptors, so on CPU tensors the TMA variant forces them on by patching the capability check
+    (on a GPU run it is the real check: TMA on sm_90+, pointers on sm_80)."""
+    kind = request.param
+    monkeypatch.setenv("FASTPO_KERNELS", "torch" if kind == "torch" else "triton")
+    if kind.startswith("triton-persistent"):
+        monkeypatch.setenv("FASTPO_FLP_KERNEL", kind.removeprefix("triton-").replace("-tma", ""))
+        if kind.endswith("-tma") and not ON_GPU:
+            from fastpo.kernels.ops import flp_persistent
+
+            monkeypatch.setattr(flp_persistent, "tma_supported", lambda *tensors: True)
+    else:
+        monkeypatch.delenv("FASTPO_FLP_KERNEL", raising=False)
+    return kind
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

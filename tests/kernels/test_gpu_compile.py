@@ -23,13 +23,13 @@ from fastpo.kernels.ops import logprob
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "KERNELS.md"
 SPECS = aot.specs()
-CASES = [(s.key, arch) for s in SPECS for arch in aot.ARCHS]
+CASES = [(s.key, arch) for s in SPECS for arch in aot.ARCHS if not s.archs or arch in s.archs]
 
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
     """{(spec key, arch): result dict} from one subprocess compile of everything (Triton's cache makes reruns
-    cheaper; the first run compiles ~170 variants on the available CPUs). Once per test run, not once per
+    cheaper; the first run compiles ~270 variants on the available CPUs). Once per test run, not once per
     pytest-xdist worker: the first worker to get here compiles under a file lock in the folder the workers share,
     the others read its output."""
     from filelock import FileLock
@@ -54,8 +54,13 @@ def test_every_jit_kernel_is_registered_and_helpers_are_told_apart():
     assert aot.unregistered(found) == []
     assert {"logprob._flp_fwd_kernel", "losses._ppo_fwd_kernel", "advantages._gae_kernel"} <= set(found["kernels"])
     # inlined device functions: called by a kernel, or passed to tl.associative_scan
-    assert set(found["helpers"]) == {"advantages._affine2", "advantages._affine3", "advantages._last",
-                                     "losses._ppo_token"}
+    assert set(found["helpers"]) == {
+        "advantages._affine2", "advantages._affine3", "advantages._last", "advantages._same_group",
+        "advantages._group_advantage", "losses._ppo_token", "logprob._dot_acc", "logprob._xw_step", "logprob._fwd_item",
+        "logprob._logits_tile", "logprob._lse_update", "logprob._store_partials", "logprob._grad_tile_coords",
+        "logprob._grad_tile_store"}
+    assert {"flp_persistent._flp_fwd_persistent_kernel", "flp_persistent._flp_grad_persistent_kernel"} <= set(
+        found["kernels"])
     assert {s.kernel for s in SPECS} == set(found["kernels"])
 
 
@@ -81,6 +86,24 @@ def test_specs_use_the_shipped_cuda_configs():
     assert "N" not in exact.divisible and "H" in exact.divisible and "x_ptr" in exact.divisible
     labels = {s.label for s in SPECS if s.kernel == "logprob._flp_fwd_kernel"}
     assert {f"{dt} bias WANT_ENT aligned" for dt in ("bf16", "fp16", "fp32", "fp32-exact")} <= labels
+
+
+def test_persistent_specs_compile_tma_for_sm90a_only():
+    """The persistent kernels ship their own configs; their TMA variants are compiled for sm_90a alone (sm_80 has
+    no TMA: the launcher gives it the pointer variant, compiled for both)."""
+    from fastpo.kernels.ops import flp_persistent
+
+    by_key = {s.key: s for s in SPECS}
+    for kernel, kind, switch in (("_flp_fwd_persistent_kernel", "fwd", "WANT_ENT"),
+                                 ("_flp_grad_persistent_kernel", "grad", "HAS_GENT")):
+        cfg = flp_persistent.gpu_config(kind, "half")
+        tma = by_key[f"flp_persistent.{kernel}[bf16 tma bias {switch} aligned]"]
+        ptr = by_key[f"flp_persistent.{kernel}[bf16 bias {switch} aligned]"]
+        assert tma.archs == ("sm_90a",) and ptr.archs == () and tma.constexprs["USE_TMA"]
+        assert not ptr.constexprs["USE_TMA"] and ptr.constexprs["NUM_STAGES"] == cfg["num_stages"] == ptr.num_stages
+        assert (ptr.constexprs["BLOCK_N"], ptr.constexprs["BLOCK_K"], ptr.num_warps) == (
+            cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"])
+    assert all(arch == "sm_90a" for key, arch in CASES if " tma " in key)
 
 
 @pytest.mark.slow

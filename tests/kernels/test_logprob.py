@@ -30,7 +30,7 @@ def _truth_grads(hidden, weight, bias, ids, temperature, g_logp, g_ent):
 
 @pytest.mark.parametrize("dtype,atol,gtol", DTYPES)
 @pytest.mark.parametrize("vocab,temperature,bias", [(1000, 1.0, False), (1000, 0.7, True), (32001, 1.3, True)])
-def test_fused_linear_logprob_matches_truth(backend, device, dtype, atol, gtol, vocab, temperature, bias):
+def test_fused_linear_logprob_matches_truth(fused_backend, device, dtype, atol, gtol, vocab, temperature, bias):
     hidden, weight, b, ids = _inputs(11, 24, vocab, dtype, device, bias)
     logp, ent = K.fused_linear_logprob(hidden, weight, ids, b, temperature, return_entropy=True)
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32 and logp.shape == ids.shape
@@ -46,7 +46,7 @@ def test_fused_linear_logprob_matches_truth(backend, device, dtype, atol, gtol, 
         torch.testing.assert_close(got.double(), want, atol=gtol * scale, rtol=gtol)
 
 
-def test_fused_linear_logprob_batched_shape_and_logp_only_grad(backend, device):
+def test_fused_linear_logprob_batched_shape_and_logp_only_grad(fused_backend, device):
     hidden, weight, _, _ = _inputs(6, 16, 257, torch.float32, device, bias=False)
     hidden3 = hidden.detach().view(2, 3, 16).requires_grad_(True)
     ids = torch.randint(0, 257, (2, 3), device=device)
@@ -85,7 +85,7 @@ def test_selective_logprob_2d_and_4d(backend, device):
     torch.testing.assert_close(flat.double(), t_logp.reshape(-1), atol=1e-5, rtol=1e-5)
 
 
-def test_vocab_of_one_gives_zero_logp(backend, device):
+def test_vocab_of_one_gives_zero_logp(fused_backend, device):
     hidden, weight, b, ids = _inputs(5, 8, 1, torch.float32, device)
     logp, ent = K.fused_linear_logprob(hidden, weight, ids, b, return_entropy=True)
     assert torch.equal(logp, torch.zeros_like(logp)) or logp.abs().max() < 1e-6
@@ -118,17 +118,25 @@ def test_reference_chunks_and_never_builds_full_logits(monkeypatch):
     assert logits_sized and max(logits_sized) <= 6 * 128, sizes
 
 
-def test_triton_backward_chunking(monkeypatch, device):
-    """The Triton backward with token chunks and vocab chunks (GRAD_ELEMENTS small) matches the truth."""
+@pytest.mark.parametrize("kernel", ["tiled", "persistent-ptr", "persistent-tma"])
+def test_triton_backward_chunking(monkeypatch, device, kernel):
+    """The Triton backward with token chunks and vocab chunks (GRAD_ELEMENTS small) matches the truth, with the
+    tiled and the persistent kernels (the latter with pointer loads and with TMA descriptors)."""
+    from fastpo.kernels.ops import flp_persistent
     from fastpo.kernels.ops import logprob as tlp
 
     monkeypatch.setitem(tlp._CPU, "GRAD_ELEMENTS", 16 * 512)
     monkeypatch.setattr(tlp, "GRAD_ELEMENTS", 64 * 256)
+    monkeypatch.setattr(flp_persistent, "GRAD_ELEMENTS", 64 * 256)
+    # TMA: forced on under the interpreter (which emulates it), the capability check's choice on a GPU
+    tma = False if kernel == "persistent-ptr" else (True if device == "cpu" else None)
+    impl, extra = (tlp, {}) if kernel == "tiled" else (flp_persistent, {"tma": tma})
     hidden, weight, b, ids = _inputs(137, 20, 1500, torch.float32, device)
-    logp, ent, lse = tlp.fused_linear_logprob_fwd(hidden.detach(), weight.detach(), b.detach(), ids, 1.1, True)
+    logp, ent, lse = impl.fused_linear_logprob_fwd(hidden.detach(), weight.detach(), b.detach(), ids, 1.1, True,
+                                                   **extra)
     g, ge = torch.randn(137, device=device), torch.randn(137, device=device)
-    d_h, d_w, d_b = tlp.fused_linear_logprob_bwd(g, ge, None, hidden.detach(), weight.detach(), b.detach(), ids,
-                                                 lse, ent, 1.1)
+    d_h, d_w, d_b = impl.fused_linear_logprob_bwd(g, ge, None, hidden.detach(), weight.detach(), b.detach(), ids,
+                                                  lse, ent, 1.1, **extra)
     _, _, (t_h, t_w, t_b) = _truth_grads(hidden, weight, b, ids, 1.1, g, ge)
     for got, want in zip([d_h, d_w, d_b], [t_h, t_w, t_b], strict=True):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
@@ -155,14 +163,15 @@ def test_gradcheck_fused_linear_logprob_custom_op(monkeypatch):
 
 
 @pytest.mark.parametrize("frozen", ["weight", "bias", "both"])
-def test_frozen_lm_head_skips_its_gradient(backend, device, monkeypatch, frozen):
+def test_frozen_lm_head_skips_its_gradient(fused_backend, device, monkeypatch, frozen):
     """A weight / bias that needs no gradient gets None, the backward is told to skip dW / db (no 2NVH FLOP for
     a frozen or LoRA head), and the other gradients are bit-identical to the full backward's."""
     from fastpo.kernels.ops import library as lib
 
-    impl = lib.triton_module("logprob") if backend == "triton" else ref
+    impl = ref if fused_backend == "torch" else lib.triton_module(
+        "logprob" if fused_backend == "triton" else "flp_persistent")
     real, calls = impl.fused_linear_logprob_bwd, []
-    monkeypatch.setattr(impl, "fused_linear_logprob_bwd", lambda *a: calls.append(a[-2:]) or real(*a))
+    monkeypatch.setattr(impl, "fused_linear_logprob_bwd", lambda *a, **kw: calls.append(a[-2:]) or real(*a, **kw))
     hidden, weight, b, ids = _inputs(9, 16, 300, torch.float32, device)
     g_logp, g_ent = torch.randn(9, device=device), torch.randn(9, device=device)
 
@@ -200,8 +209,11 @@ def test_fp32_takes_tf32_tensor_cores_by_default(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_linear_logprob_gpu_large():
-    """CUDA only: a Qwen-like vocab, several vocab splits and grad chunks, bf16, against the CPU reference."""
+@pytest.mark.parametrize("kernel", ["tiled", "persistent", "persistent-ptr"])
+def test_fused_linear_logprob_gpu_large(monkeypatch, kernel):
+    """CUDA only: a Qwen-like vocab, several vocab splits and grad chunks, bf16, against the CPU reference; once
+    per Triton implementation (persistent: TMA on sm_90+)."""
+    monkeypatch.setenv("FASTPO_FLP_KERNEL", kernel)
     hidden, weight, _, ids = _inputs(1000, 256, 151936, torch.bfloat16, "cuda", bias=False, scale=0.05)
     logp, ent = K.fused_linear_logprob(hidden, weight, ids, return_entropy=True)
     (logp.sum() + ent.sum()).backward()

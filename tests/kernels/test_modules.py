@@ -47,7 +47,7 @@ def _batch(device, b=4, t=6, h=16, v=300):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_fused_linear_grpo_loss_matches_trl(backend, device, loss_type, beta):
+def test_fused_linear_grpo_loss_matches_trl(fused_backend, device, loss_type, beta):
     hidden, weight, bias, ids, mask, advantages, old, ref = _batch(device)
     module = FastPOFusedLinearGRPOLoss(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type,
                                        temperature=0.9, max_completion_length=8)
