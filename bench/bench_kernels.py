@@ -16,6 +16,7 @@ vectorised over the batch); "ragen-loop" = RAGEN's GAE (a loop over rows and tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,6 +46,7 @@ from common import (  # noqa: E402
 )
 
 import fastpo.kernels as K  # noqa: E402
+from fastpo.kernels.ab import kernel_choice  # noqa: E402
 
 HIDDEN, VOCAB = 896, 151_936  # Qwen2.5-0.5B
 #: Dense bf16 tensor-core peaks from the vendors' spec sheets (TFLOP/s), by a substring of the device name; a device
@@ -326,12 +328,24 @@ def _liger_loss():
     return lambda x, w, ids: -loss(w, x, ids)  # sum of logp (Liger's cross entropy, negated)
 
 
+class _KernelVariant:
+    """``K.fused_linear_logprob`` under one ``FASTPO_FLP_KERNEL`` choice. The choice is read at every forward AND
+    backward call, so the benchmark sets it for a provider's whole measurement (``kernel`` attribute), not per call."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+
+    def __call__(self, x, weight, ids):
+        return K.fused_linear_logprob(x, weight, ids)
+
+
 def fused_logprob_variants() -> dict[str, object]:
     """The A/B hook of the fused-logprob benchmark: {provider name: fn(x [N, H], weight [V, H], ids [N]) -> logp [N]}
-    timed side by side with the baselines. The shipped kernel is "fastpo"; an alternative implementation of the same
-    function (a persistent Hopper kernel, say) is added here under its own name, so one GPU run times old and new
-    on the same inputs and the rows decide the default."""
-    return {"fastpo": K.fused_linear_logprob}
+    timed side by side with the baselines. "fastpo" is the shipped default (the tiled kernels); "fastpo-persistent"
+    is the persistent kernel (TMA on sm_90+) and "fastpo-persistent-ptr" the same with pointer loads. One GPU run
+    times them on the same inputs, and the rows decide the default."""
+    return {"fastpo": _KernelVariant("tiled"), "fastpo-persistent": _KernelVariant("persistent"),
+            "fastpo-persistent-ptr": _KernelVariant("persistent-ptr")}
 
 
 def gemm_reference(mode: str, x, weight, grad_logits):
@@ -382,33 +396,36 @@ def _gpu_fused(n, providers, hidden, vocab, dtype, device, timer) -> list[dict]:
             x.grad = weight.grad = None
             (fn(x, weight, ids) * grad).sum().backward()
 
-        for mode, work in (("forward", fwd), ("full", full)):
-            if name == "liger-flce" and mode == "forward":
-                continue  # Liger computes its gradients inside the forward
-            try:
-                t = timer(work)
-                mem = _peak_mib(work, device)
-            except RuntimeError as err:
-                if not _is_oom(err):
-                    raise
-                x.grad = weight.grad = None
-                rows.append(_row("fused_linear_logprob", name, mode, "time", "ms", "tokens", n, (float("nan"),) * 3,
-                                 f"{shape} out of memory"))
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            tflops = flops[mode] / t[0] / 1e12
-            ms = t[0] * 1e3
-            config = f"{shape} {tflops:.1f} TFLOP/s = {100 * tflops / peak:.1f}% of spec peak {peak:g}"
-            rows.append(_row("fused_linear_logprob", name, mode, "time", "ms", "tokens", n,
-                             tuple(v * 1e3 for v in t), config))
-            rows.append(_row("fused_linear_logprob", name, mode, "pct_of_gemm", "%", "tokens", n,
-                             (100 * gemm_ms.get(mode, float("nan")) / ms,) * 3,
-                             f"{shape} cuBLAS GEMM time / this time (same shape, {mode})"))
-            rows.append(_row("fused_linear_logprob", name, mode, "pct_of_spec_peak", "%", "tokens", n,
-                             (100 * tflops / peak,) * 3, f"{shape} {flops[mode]:.3g} FLOP / time / {peak:g} TFLOP/s"))
-            rows.append(_row("fused_linear_logprob", name, mode, "peak_memory", "MiB", "tokens", n, (mem,) * 3,
-                             f"{shape} max_memory_allocated - allocated before"))
+        choice = kernel_choice(fn.kernel) if isinstance(fn, _KernelVariant) else contextlib.nullcontext()
+        with choice:  # set for forward and backward alike
+            for mode, work in (("forward", fwd), ("full", full)):
+                if name == "liger-flce" and mode == "forward":
+                    continue  # Liger computes its gradients inside the forward
+                try:
+                    t = timer(work)
+                    mem = _peak_mib(work, device)
+                except RuntimeError as err:
+                    if not _is_oom(err):
+                        raise
+                    x.grad = weight.grad = None
+                    rows.append(_row("fused_linear_logprob", name, mode, "time", "ms", "tokens", n, (float("nan"),) * 3,
+                                     f"{shape} out of memory"))
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                tflops = flops[mode] / t[0] / 1e12
+                ms = t[0] * 1e3
+                config = f"{shape} {tflops:.1f} TFLOP/s = {100 * tflops / peak:.1f}% of spec peak {peak:g}"
+                rows.append(_row("fused_linear_logprob", name, mode, "time", "ms", "tokens", n,
+                                 tuple(v * 1e3 for v in t), config))
+                rows.append(_row("fused_linear_logprob", name, mode, "pct_of_gemm", "%", "tokens", n,
+                                 (100 * gemm_ms.get(mode, float("nan")) / ms,) * 3,
+                                 f"{shape} cuBLAS GEMM time / this time (same shape, {mode})"))
+                rows.append(_row("fused_linear_logprob", name, mode, "pct_of_spec_peak", "%", "tokens", n,
+                                 (100 * tflops / peak,) * 3,
+                                 f"{shape} {flops[mode]:.3g} FLOP / time / {peak:g} TFLOP/s"))
+                rows.append(_row("fused_linear_logprob", name, mode, "peak_memory", "MiB", "tokens", n, (mem,) * 3,
+                                 f"{shape} max_memory_allocated - allocated before"))
     return rows
 
 

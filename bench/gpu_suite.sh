@@ -18,8 +18,8 @@
 #   tests  kernel correctness on CUDA vs fp32 / fp64 torch truth: forward, backward, every dtype (tests/kernels,
 #          TRITON_INTERPRET unset; the static sm_90a / sm_80 compile check is left to CI), and the CUDA training-path
 #          tests (tests/test_cuda_paths.py); pytest-xdist when present
-#   bench  fused logprob at 8K and 32K tokens (Qwen2.5-0.5B head, bf16): time and peak memory of the kernel(s) of
-#          bench_kernels.fused_logprob_variants() vs naive eager vs torch.compile of it vs the same-shape cuBLAS
+#   bench  fused logprob at 8K and 32K tokens (Qwen2.5-0.5B head, bf16): time and peak memory of the tiled and the
+#          persistent kernels (bench_kernels.fused_logprob_variants(): the A/B that decides the default) vs naive eager vs torch.compile of it vs the same-shape cuBLAS
 #          GEMMs (% of their time, % of the device's spec peak)
 #   train  the tiny preset on FrozenLake (Bandit when fastpo._C did not build) under torchrun, 1 GPU, bf16 mixed
 #          precision under FSDP2, 40 iterations, validation at 0, 20 and 40; fails when validation success (first

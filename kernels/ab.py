@@ -27,7 +27,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @contextlib.contextmanager
-def _kernel_choice(kernel: str) -> Iterator[None]:
+def kernel_choice(kernel: str) -> Iterator[None]:
     """FASTPO_FLP_KERNEL = kernel inside the block (and the Triton backend), restored after."""
     saved = {k: os.environ.get(k) for k in ("FASTPO_FLP_KERNEL", "FASTPO_KERNELS")}
     os.environ["FASTPO_FLP_KERNEL"] = kernel
@@ -120,7 +120,7 @@ def ab_logprob(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype | str 
     rows: list[dict] = []
     first: dict = {}
     for kernel in kernels:
-        with _kernel_choice(kernel), torch.no_grad():
+        with kernel_choice(kernel), torch.no_grad():
             logp = fused_linear_logprob(x, w, ids)
             fwd_ms = _median_ms(lambda: fused_linear_logprob(x, w, ids), device, warmup, iters)
         row = {"kernel": kernel, "device": name, "n_tokens": n_tokens, "hidden": hidden, "vocab": vocab,
@@ -129,7 +129,7 @@ def ab_logprob(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype | str 
                "max_abs_diff_logp": (logp - first["logp"]).abs().max().item() if first else 0.0,
                "max_rel_diff_d_hidden": None, "max_rel_diff_d_weight": None}
         if backward:
-            with _kernel_choice(kernel):
+            with kernel_choice(kernel):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     base = torch.cuda.memory_allocated(device)
