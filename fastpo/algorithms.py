@@ -95,11 +95,63 @@ def _lookup(registry: dict, name: str, field: str):
 
 
 def compute_advantages(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor | None]:
-    """Advantages fp32 [N] (0 on untrained tokens) and returns fp32 [N] (critic estimators) or None."""
+    """Advantages fp32 [N] (0 on untrained tokens) and returns fp32 [N] (critic estimators) or None.
+
+    After the estimator, RAGEN-2's options (in this order, each a no-op when off): with adv_estimator grpo,
+    soft_advantage_reweight (:func:`soft_reweight`) and grpo_length_weight (:func:`length_weight`); then, for
+    every estimator, zero_task_advantage sets every advantage to 0 (the critic's returns stay). They run in torch
+    around the estimator (the Triton kernels compute the plain estimator)."""
     fn = _lookup(ADV_ESTIMATORS, cfg.adv_estimator, "algorithm.adv_estimator")
     if needs_critic(cfg) and batch.values is None:
         raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r} needs batch.values (the critic's)")
-    return fn(batch, cfg)
+    adv, ret = fn(batch, cfg)
+    if cfg.adv_estimator == "grpo" and cfg.soft_advantage_reweight:
+        weight = soft_reweight(batch.scores, _grpo_groups(batch.group_ids, cfg.grpo_norm))
+        batch.metrics["adv/soft_reweight_mean"] = float(weight.mean()) if weight.numel() else 0.0
+        adv = adv * _broadcast(weight, batch)
+    if cfg.adv_estimator == "grpo" and cfg.grpo_length_weight:
+        adv = adv * _broadcast(length_weight(batch.loss_mask, batch.cu_seqlens), batch)
+    if cfg.zero_task_advantage:
+        adv = torch.zeros_like(adv)
+    return adv, ret
+
+
+def _grpo_groups(group_ids: Tensor, grpo_norm: str) -> Tensor:
+    """The labels grpo normalises within: the groups (group), one batch group (batch), or one per row (none)."""
+    if grpo_norm == "batch":
+        return torch.zeros_like(group_ids)
+    if grpo_norm == "none":
+        return torch.arange(group_ids.shape[0], device=group_ids.device)
+    return group_ids
+
+
+def soft_reweight(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """RAGEN-2's soft_advantage_reweight: fp32 [B] weight of each trajectory = std of its group's returns /
+    (largest group std in the batch + 1e-6). Unbiased std; a group of one counts as std 1 (RAGEN's GRPO
+    convention), so a batch of singletons weighs every row 1 / (1 + 1e-6). scores fp32 [B], group_ids int [B].
+    Groups with more spread (more to learn from) keep their advantages; flat ones fade towards 0."""
+    if scores.numel() == 0:
+        return scores.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    g = int(inverse.max()) + 1
+    x = scores.double()
+    count = torch.bincount(inverse, minlength=g).to(torch.float64)
+    mean = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, x) / count
+    sq = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 1.0)
+    return (std / (std.max() + _GRPO_EPS))[inverse].float()
+
+
+def length_weight(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """RAGEN-2's grpo_advantage_length_weight: fp32 [B] factor mean(L) / (L_i + 1e-6), L_i = trajectory i's
+    trained tokens (loss_mask bool [N], cu_seqlens int [B + 1]); mean over the batch. Longer answers get smaller
+    advantages per token, so each trajectory's summed advantage weighs about the same."""
+    lengths = torch.zeros(cu_seqlens.shape[0] - 1, dtype=torch.float64, device=loss_mask.device)
+    if lengths.numel():
+        seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=loss_mask.device), cu_seqlens.diff(),
+                                      output_size=loss_mask.shape[0])
+        lengths.index_add_(0, seq, (loss_mask != 0).double())
+    return (lengths.mean() / (lengths + _GRPO_EPS)).float() if lengths.numel() else lengths.float()
 
 
 @register_adv_estimator("gae", needs_critic=True)

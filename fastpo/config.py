@@ -244,6 +244,15 @@ class AlgorithmConfig:
     default is 5)."""
     filter_loss_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Multiply the advantages (so the policy-gradient term) by 1, the kept share of groups, or its square root."""
+    zero_task_advantage: bool = False
+    """RAGEN-2 ablation: set every advantage to 0 after the estimator, so only the KL and entropy terms train the
+    actor (the critic still learns its returns)."""
+    soft_advantage_reweight: bool = False
+    """grpo only: multiply each trajectory's advantage by its group's reward std / the batch's largest group std
+    (+1e-6); a group of one counts as std 1 (RAGEN-2's soft reweight)."""
+    grpo_length_weight: bool = False
+    """grpo only: multiply each trajectory's advantage by mean trained tokens / its trained tokens (+1e-6), over
+    the kept batch [grpo_advantage_length_weight]. Needs rollout.train_on_observations false."""
     refill_rounds: int = 0
     """Dynamic sampling (DAPO's filter_groups), in [0, 16]: while fewer than int(rollout_filter_ratio *
     env.env_groups) groups have a non-zero reward std, sample up to this many extra rounds of env.env_groups new
@@ -510,7 +519,8 @@ HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
     ("algorithm", "rollout_filter_metric"): "reward_variance", ("algorithm", "rollout_filter_direction"): "largest",
     ("algorithm", "rollout_filter_include_zero"): True, ("algorithm", "rollout_filter_top_p_prob_mode"): "linear",
     ("algorithm", "rollout_filter_selection_eps"): 0.01, ("algorithm", "rollout_filter_empty_stop_steps"): 0,
-    ("algorithm", "filter_loss_scaling"): "none",
+    ("algorithm", "filter_loss_scaling"): "none", ("algorithm", "zero_task_advantage"): False,
+    ("algorithm", "soft_advantage_reweight"): False, ("algorithm", "grpo_length_weight"): False,
 }
 
 
@@ -781,11 +791,27 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     seed_max = (2**32 - 1 if r.engine == "vllm" else INT64_MAX) - (world_size - 1)
     check(t.seed <= seed_max, f"trainer.seed must be <= {seed_max} (trainer.seed + rank seeds "
                               f"{'vLLM (numpy: < 2**32)' if r.engine == 'vllm' else 'torch (int64)'}), got {t.seed}")
+    errors += _check_ragen2_fields(cfg)
     if not errors:  # the checks that touch files and build envs, only on a config that is sound in itself
         errors += preflight.check_inputs(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _check_ragen2_fields(cfg: Config) -> list[str]:
+    """One error line per bad combination of RAGEN-2's advantage options (algorithm.soft_advantage_reweight,
+    grpo_length_weight; their types are checked with every field); kept in one place so it can move with its
+    section."""
+    a, errors = cfg.algorithm, []
+    for key in ("soft_advantage_reweight", "grpo_length_weight"):
+        if getattr(a, key) is True and a.adv_estimator != "grpo":
+            errors.append(f"algorithm.{key}=true applies to adv_estimator 'grpo' only, got adv_estimator="
+                          f"{a.adv_estimator!r}")
+    if a.grpo_length_weight is True and cfg.rollout.train_on_observations:
+        errors.append("algorithm.grpo_length_weight=true needs rollout.train_on_observations=false: the weight "
+                      "counts the model's own tokens, as RAGEN's response mask does")
+    return errors
 
 
 from . import presets  # noqa: E402,F401  (registers the presets; it imports this module's classes)
