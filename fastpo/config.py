@@ -253,6 +253,11 @@ class AlgorithmConfig:
     grpo_length_weight: bool = False
     """grpo only: multiply each trajectory's advantage by mean trained tokens / its trained tokens (+1e-6), over
     the kept batch [grpo_advantage_length_weight]. Needs rollout.train_on_observations false."""
+    batch_adjust_mode: Literal["none", "copy", "delete"] = "none"
+    """After the filter, make the kept trajectories a multiple of lcm(env.env_groups, optim.mini_batch_size, world
+    size): copy = repeat randomly drawn kept ones, delete = drop randomly drawn ones, none = train on them as they
+    are (the last mini-batch may be smaller) [agent_proxy.batch_adjust_mode]. Draws are seeded by trainer.seed and
+    the iteration."""
     refill_rounds: int = 0
     """Dynamic sampling (DAPO's filter_groups), in [0, 16]: while fewer than int(rollout_filter_ratio *
     env.env_groups) groups have a non-zero reward std, sample up to this many extra rounds of env.env_groups new
@@ -521,6 +526,7 @@ HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
     ("algorithm", "rollout_filter_selection_eps"): 0.01, ("algorithm", "rollout_filter_empty_stop_steps"): 0,
     ("algorithm", "filter_loss_scaling"): "none", ("algorithm", "zero_task_advantage"): False,
     ("algorithm", "soft_advantage_reweight"): False, ("algorithm", "grpo_length_weight"): False,
+    ("algorithm", "batch_adjust_mode"): "none",
 }
 
 

@@ -86,6 +86,18 @@ def _must_equal(expected: Any, why: str) -> Callable[[Any], None]:
     return check
 
 
+def _adjust_mode(v: Any) -> str:
+    if v not in ("copy", "delete"):
+        raise ValueError("accepted: copy, delete")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("expected true or false")
+    return v
+
+
 #: RAGEN key -> (fastpo field, conversion). A conversion returning None with field None is a pure check.
 KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "model_path": ("model.path", str),
@@ -136,8 +148,16 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "actor_rollout_ref.rollout.val_kwargs.temperature": ("rollout.val_temperature", float),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": (None, _must_equal(1, "fastpo's vLLM runs TP 1")),
     "enable_response_mask": ("rollout.train_on_observations", lambda v: not bool(v)),
-    "grpo_advantage_length_weight": (None, _must_equal(False, "fastpo has no length-weighted GRPO")),
-    "actor_rollout_ref.actor.grpo_advantage_length_weight": (None, _must_equal(False, "no length-weighted GRPO")),
+    "grpo_advantage_length_weight": ("algorithm.grpo_length_weight", _bool),
+    "actor_rollout_ref.actor.grpo_advantage_length_weight": ("algorithm.grpo_length_weight", _bool),
+    "algorithm.zero_task_advantage": ("algorithm.zero_task_advantage", _bool),
+    "algorithm.norm_adv_by_std_in_grpo": ("algorithm.norm_adv_by_std", _bool),
+    "algorithm.soft_advantage_reweight": ("algorithm.soft_advantage_reweight", _bool),
+    "agent_proxy.context_window_mode": (None, _must_equal(
+        "full", "fastpo trains on the whole multi-turn conversation; single_turn and limited_multi_turn (one "
+        "training sequence per turn) are not implemented")),
+    "trainer.generations_to_log_to_wandb.val": ("trainer.log_generations", lambda v: max(int(v), 0)),
+    "agent_proxy.batch_adjust_mode": ("algorithm.batch_adjust_mode", _adjust_mode),
     "algorithm.gamma": ("algorithm.gamma", float),
     "algorithm.lam": ("algorithm.lam", float),
     "algorithm.high_level_gamma": ("algorithm.gamma_high", float),
@@ -159,8 +179,9 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "agent_proxy.use_turn_scores": ("rollout.reward_level", lambda v: "turn" if v else "trajectory"),
     "agent_proxy.enable_think": ("rollout.enable_think", bool),
     "agent_proxy.reward_normalization.method": (None, _must_equal(
-        "identity", "fastpo does not normalise scores before the advantage on this branch (RAGEN's identity); "
-        "asym_clip / mean_std have no fastpo option yet")),
+        "identity", "fastpo passes the scores to the advantage estimator as they are (RAGEN's identity); "
+        "RAGEN's mean_std / asym_clip score normalisation has no fastpo option (grpo's own baseline: "
+        "algorithm.grpo_norm)")),
     "es_manager.format_penalty": ("rollout.format_penalty", float),
     "es_manager.train.env_groups": ("env.env_groups", int),
     "es_manager.train.group_size": ("env.group_size", int),
@@ -171,6 +192,11 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
 #: RAGEN keys with no effect in fastpo (listed as comments in the output), with the reason.
 INERT: dict[str, str] = {
     "micro_batch_size_per_gpu": "fastpo sizes micro-batches by tokens (optim.micro_batch_tokens)",
+    "log_prob_micro_batch_size_per_gpu": "token-budget micro-batches (optim.micro_batch_tokens)",
+    "actor_rollout_ref.rollout.name": "RAGEN's generation engine; fastpo's is rollout.engine (hf, its built-in "
+                                      "engine, by default; vllm where installed)",
+    "actor_rollout_ref.rollout.load_format": "how vLLM loads weights; fastpo's engine takes the actor's weights",
+    "hydra.searchpath": "where Hydra finds verl's default files; fastpo does not read them (docs/RAGEN.md)",
     "actor_rollout_ref.actor.micro_batch_size_per_gpu": "token-budget micro-batches (optim.micro_batch_tokens)",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "token-budget micro-batches",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "token-budget micro-batches",
@@ -195,9 +221,9 @@ INERT: dict[str, str] = {
     "system.CUDA_VISIBLE_DEVICES": "choose GPUs with CUDA_VISIBLE_DEVICES / torchrun",
     "trainer.n_gpus_per_node": "launch with torchrun --nproc_per_node N",
     "trainer.local_log_dir": "logs go to trainer.run_dir",
-    "trainer.wandb_id": "not mapped on this branch (W&B resume by id is another change)",
-    "trainer.generations_to_log_to_wandb.train": "not mapped on this branch (generation tables are another change)",
-    "trainer.generations_to_log_to_wandb.val": "not mapped on this branch (generation tables are another change)",
+    "trainer.wandb_id": "fastpo resumes the W&B run whose id it keeps in <run_dir>/wandb_run_id; a run id from "
+                        "the config is not read",
+    "trainer.generations_to_log_to_wandb.train": "fastpo logs validation generations only (trainer.log_generations)",
     "data.max_prompt_length": "unused", "data.max_response_length": "unused", "data.train_batch_size": "unused",
     "ctx_manager.generation.gen_config.response_length": "= rollout.response_length",
     "ctx_manager.generation.gen_config.temperature": "= rollout.temperature",
@@ -205,8 +231,33 @@ INERT: dict[str, str] = {
         "= rollout.top_k", "ctx_manager.generation.gen_config.kwargs": "unused",
 }
 
+# ---- RAGEN-2's diagnostics and checkpoint counts: fastpo's side is being added. One table, so that each entry
+# moves to KEY_MAP (or INERT) when its fastpo field exists.
+#: RAGEN key -> (values ported as a note because they leave the training unchanged, or None for any value; what
+#: fastpo does not do). Another value is refused, naming the key, the value and the accepted values.
+NOT_PORTED_YET: dict[str, tuple[tuple[Any, ...] | None, str]] = {
+    **{f"collapse_detection.{k}": (None, "RAGEN-2's collapse-detection metrics (mutual-information proxies) are not "
+                                         "computed by fastpo")
+       for k in ("compute_freq", "micro_batch_size", "first_turn_enabled", "multi_turn_enabled", "num_samples")},
+    **{k: ((False,), "gradient analysis by reward-variance bucket is not implemented in fastpo")
+       for k in ("trainer.gradient_analysis_mode", "trainer.gradient_analysis_only",
+                 "trainer.exit_after_gradient_analysis")},
+    **{k: (None, "gradient analysis by reward-variance bucket is not implemented in fastpo")
+       for k in ("trainer.gradient_analysis_every", "trainer.gradient_analysis_env_groups",
+                 "trainer.gradient_analysis_group_size", "trainer.gradient_analysis_log_prefilter",
+                 "actor_rollout_ref.rollout.gradient_analysis_num_buckets",
+                 "actor_rollout_ref.rollout.gradient_analysis_bucket_mode")},
+    "trainer.log_group_rv_table": ((False,), "the per-group reward-variance table is not logged by fastpo"),
+    **{k: (None, "RAGEN's checkpoint count is not ported; fastpo keeps the last trainer.keep_last checkpoints "
+                 "(default 2)") for k in ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep")},
+}
+
+#: Paper-time (April 2025) LoRA switches: ``lora.enabled`` and the per-role copies of the ``lora`` block.
+_LORA_ROLES = ("actor_rollout_ref.actor.lora", "actor_rollout_ref.rollout.lora", "critic.lora")
+_LORA_FIELDS = {"rank": "model.lora_rank", "alpha": "model.lora_alpha", "target_modules": "model.lora_target_modules"}
+
 #: Top-level keys of RAGEN's configs (a --config with one of them as a section is a RAGEN file, not a fastpo one).
-RAGEN_SECTIONS = frozenset(k.split(".")[0] for k in (*KEY_MAP, *INERT) if "." in k)
+RAGEN_SECTIONS = frozenset(k.split(".")[0] for k in (*KEY_MAP, *INERT, *NOT_PORTED_YET) if "." in k)
 
 
 def ragen_equivalents(name: str) -> tuple[str, list[str]]:
@@ -225,14 +276,15 @@ def ragen_equivalents(name: str) -> tuple[str, list[str]]:
 _ENV_CONFIG_KEYS = {  # per fastpo env: RAGEN env_config key -> fastpo kwargs key (None: checked separately)
     "sokoban": {"num_boxes": "num_boxes", "max_steps": "max_steps", "search_depth": "search_depth",
                 "dim_room": "dim_room", "dim_x": None, "dim_y": None, "grid_lookup": None, "grid_vocab": None,
-                "render_mode": None, "action_lookup": None},
+                "render_mode": None, "action_lookup": None, "observation_format": "observation_format"},
     "frozenlake": {"size": "size", "p": "p", "is_slippery": "is_slippery", "max_steps": "max_steps",
                    "render_mode": None, "grid_lookup": None, "grid_vocab": None, "action_lookup": None,
-                   "map_seed": None, "action_map": None, "map_lookup": None},
+                   "map_seed": None, "action_map": None, "map_lookup": None,
+                   "observation_format": "observation_format", "success_rate": "success_rate"},
     "bandit": {"lo_arm_name": "lo_arm_name", "hi_arm_name": "hi_arm_name", "lo_arm_score": "lo_arm_score",
                "hi_arm_loscore": "hi_arm_loscore", "hi_arm_hiscore": "hi_arm_hiscore",
                "hi_arm_hiscore_prob": "hi_arm_hiscore_prob", "render_mode": None, "action_space_start": None,
-               "action_lookup": None},
+               "action_lookup": None, "split": "split"},
     "countdown": {"max_instances": "max_instances", "render_mode": None, "train_path": None},
     "metamathqa": {"dataset_path": None, "split": None, "dataset": None},
 }
@@ -426,13 +478,18 @@ def _port_env_list(split: str, manager: dict, custom: dict, ignore: Sequence[str
             if key == "max_actions_per_traj":
                 entry["max_actions_per_traj"] = int(value)
             elif key == "max_tokens":
-                if int(value) != 100:
-                    errors.append(f"{at}: fastpo's built-in prompts print 'Max response length: 100 words'; "
-                                  f"{value} has no option here")
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    errors.append(f"{at}={value!r}: the 'Max response length' number must be an int >= 1")
+                elif value != 100:
+                    entry.setdefault("prompt", {})["max_tokens"] = value
             elif key == "env_instruction":
-                if value != _INSTRUCTIONS[name]:
-                    errors.append(f"{at}: fastpo's built-in {name} prompt is RAGEN's stock instruction; another "
-                                  "instruction needs a plug-in env (docs/ENVS.md)")
+                if not isinstance(value, str):
+                    errors.append(f"{at}={value!r}: the instruction must be a string")
+                elif value != _INSTRUCTIONS[name]:
+                    entry.setdefault("prompt", {})["env_instruction"] = value
+            elif key in ("parallel_friendly", "max_workers"):
+                notes.append(f"{at}={value!r}: no effect in fastpo (RAGEN's thread pool for stepping Python envs; "
+                             f"fastpo steps each env as one batch)")
             else:
                 errors.append(f"{at}: no fastpo equivalent")
         kwargs = _port_env_config(tag, name, spec.get("env_config"), ignore, errors, notes)
@@ -455,8 +512,16 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
     manager = ragen.get("es_manager") or {}
     flat.update({f"es_manager.{k}": v for k, v in _flatten(manager).items() if ".env_configs." not in f".{k}."})
     bi_level = bool(flat.get("algorithm.bi_level_gae", False))
+    handled = _port_lora({k: v for k, v in flat.items() if not _ignored(k, ignore)}, out, errors, notes)
     for key, value in flat.items():
-        if _ignored(key, ignore):
+        if _ignored(key, ignore) or key in handled:
+            continue
+        if key in NOT_PORTED_YET:
+            accepted, why = NOT_PORTED_YET[key]
+            if accepted is None or any(type(value) is type(a) and value == a for a in accepted):
+                notes.append(f"{key}={value!r}: not ported ({why})")
+            else:
+                errors.append(f"{key}={value!r}: {why}; accepted: {', '.join(repr(a) for a in accepted)}")
             continue
         if key in INERT:
             notes.append(f"{key}={value!r}: no effect in fastpo ({INERT[key]})")
@@ -483,12 +548,54 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
             if entries is not None:
                 _set(out, field, entries)
     _port_filter(out.get("algorithm", {}), notes)
+    alg = out.get("algorithm", {})
+    for key in ("soft_advantage_reweight", "grpo_length_weight"):  # RAGEN applies them to GRPO only
+        if alg.get(key) and alg.get("adv_estimator", "gae") != "grpo":
+            del alg[key]
+            notes.append(f"algorithm.{key}: no effect with adv_estimator {alg.get('adv_estimator', 'gae')!r} (RAGEN "
+                         f"applies it to GRPO only); not set")
     if out.get("algorithm", {}).get("adv_estimator") == "grpo":
         notes.append("algorithm.adv_estimator=grpo: fastpo standardises each trajectory's return within its group of "
                      "group_size; RAGEN's code gives every trajectory its own group (docs/RAGEN.md)")
     if errors:
-        raise PortError("cannot port these RAGEN keys:\n  " + "\n  ".join(errors))
-    return out, notes
+        raise PortError("cannot port these RAGEN keys:\n  " + "\n  ".join(dict.fromkeys(errors)))
+    return out, list(dict.fromkeys(notes))  # a tag used for training and validation is read twice
+
+
+def _port_lora(flat: dict[str, Any], out: dict, errors: list[str], notes: list[str]) -> set[str]:
+    """The paper-time ``lora`` block: ``lora.enabled`` false means no LoRA whatever its rank (fastpo's
+    model.lora_rank 0); its per-role copies (actor, rollout, critic) must agree with it, as fastpo has one LoRA
+    setting for all three. Returns the keys handled here (the rest go through KEY_MAP)."""
+    role_keys = [k for k in flat if any(k.startswith(r + ".") for r in _LORA_ROLES)]
+    if "lora.enabled" not in flat and not role_keys:
+        return set()
+    handled = {"lora.enabled", "lora.local_temp_dir", *role_keys}
+    enabled = flat.get("lora.enabled", True)
+    if not isinstance(enabled, bool):
+        errors.append(f"lora.enabled={enabled!r}: expected true or false")
+        return handled
+    if not enabled:
+        handled |= {f"lora.{f}" for f in _LORA_FIELDS}
+        _set(out, "model.lora_rank", 0)
+        notes.extend(f"{k}={flat[k]!r}: no effect (lora.enabled is false: full fine-tuning, model.lora_rank 0)"
+                     for k in sorted(handled) if k in flat and k != "lora.enabled")
+        return handled
+    for key in role_keys:
+        field = key.rsplit(".", 1)[-1]
+        top = flat.get(f"lora.{field}", flat[key])
+        if field == "local_temp_dir":
+            notes.append(f"{key}={flat[key]!r}: no effect (RAGEN's scratch folder for handing adapters to vLLM)")
+        elif field not in (*_LORA_FIELDS, "enabled"):
+            errors.append(f"{key}: no fastpo equivalent (accepted: enabled, {', '.join(_LORA_FIELDS)}, local_temp_dir)")
+        elif flat[key] != top:
+            errors.append(f"{key}={flat[key]!r}: fastpo uses one LoRA setting for actor, rollout and critic; "
+                          f"accepted: lora.{field}'s value {top!r}")
+        elif field in _LORA_FIELDS and f"lora.{field}" not in flat:
+            _set(out, _LORA_FIELDS[field], KEY_MAP[f"lora.{field}"][1](flat[key]))
+    if "lora.local_temp_dir" in flat:
+        notes.append(f"lora.local_temp_dir={flat['lora.local_temp_dir']!r}: no effect (RAGEN's scratch folder for "
+                     f"handing adapters to vLLM)")
+    return handled
 
 
 def _port_filter(alg: dict[str, Any], notes: list[str]) -> None:

@@ -392,3 +392,31 @@ def filter_loss_scale(kept_fraction: float, mode: str = "none") -> float:
     if not 0.0 <= kept_fraction <= 1.0:
         raise ValueError(f"kept_fraction must lie in [0, 1], got {kept_fraction}")
     return {"none": 1.0, "linear": float(kept_fraction), "sqrt": math.sqrt(kept_fraction)}[mode]
+
+
+# ------------------------------------------------------------------------------------------- batch adjust
+BATCH_ADJUST_MODES = ("none", "copy", "delete")
+ADJUST_STREAM = 3
+"""The numpy stream id of the batch adjustment's draws: default_rng([trainer.seed, ADJUST_STREAM, step])."""
+
+
+def adjust_batch(kept: list[int], divisor: int, mode: str, rng: np.random.Generator) -> list[int]:
+    """RAGEN-2's batch_adjust_mode: make the kept trajectories a multiple of ``divisor`` (RAGEN: lcm of the env
+    groups, the mini-batch size and the GPU count). kept: trajectory indices, in order; divisor int >= 1.
+    none: unchanged. copy: append ``divisor - remainder`` indices drawn from kept (without replacement when
+    there are enough, else with), so those trajectories count twice in the update. delete: drop ``remainder``
+    indices drawn without replacement (all of them when fewer than divisor are kept: the update is skipped).
+    Returns the new index list (kept order, copies appended)."""
+    if mode not in BATCH_ADJUST_MODES:
+        raise ValueError(f"batch_adjust_mode: unknown {mode!r}; choose from {list(BATCH_ADJUST_MODES)}")
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"divisor must be an int >= 1, got {divisor!r}")
+    n = len(kept)
+    remainder = n % divisor
+    if mode == "none" or n == 0 or remainder == 0:
+        return list(kept)
+    if mode == "delete":
+        drop = set(rng.choice(n, remainder, replace=False).tolist())
+        return [k for j, k in enumerate(kept) if j not in drop]
+    extra = divisor - remainder
+    return list(kept) + [kept[j] for j in rng.choice(n, extra, replace=extra > n).tolist()]

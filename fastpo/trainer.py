@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter, deque
@@ -523,8 +524,14 @@ class Trainer:
             raise TrainingAborted(f"iteration {self.step}: the rollout filter kept no group in "
                                   f"{self.empty_stop.count} iterations in a row (algorithm."
                                   f"rollout_filter_empty_stop_steps={self.empty_stop.steps})")
+        if kept and cfg.algorithm.batch_adjust_mode != "none":  # RAGEN-2's batch_adjust_mode, after the empty check
+            divisor = math.lcm(cfg.env.env_groups, cfg.optim.mini_batch_size, self.world)
+            rng = np.random.default_rng([cfg.trainer.seed, rollout_filter.ADJUST_STREAM, self.step])
+            kept = rollout_filter.adjust_batch(kept, divisor, cfg.algorithm.batch_adjust_mode, rng)
+            metrics["rollout/adjusted_batch_size"] = float(len(kept))
         if not kept:
-            logger.info(f"step {self.step}: the rollout filter kept no group; update skipped")
+            logger.info(f"step {self.step}: no trajectory left to train (the rollout filter kept no group, or "
+                        f"batch_adjust_mode delete dropped all); update skipped")
             return metrics
         # from here on one value, the iteration's batch: the kept trajectories (positions 0..K-1), each phase
         # returning new trajectories with its fields added; the rollout's own are never written

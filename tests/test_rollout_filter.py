@@ -374,3 +374,47 @@ def test_top_k_count_rounding():
     keep, m = rf.select_groups(rewards, torch.arange(100), strategy="top_k", value=0.29, metric="reward")
     assert keep.nonzero().squeeze(-1).tolist() == list(range(71, 100))  # 29 groups, not int(28.999...) = 28
     assert m["rollout/filter_kept_count"] == 29.0
+
+
+class _Draws:
+    """A stand-in for numpy's Generator: choice returns the given positions (to check adjust_batch's arithmetic
+    by hand)."""
+
+    def __init__(self, picks):
+        self.picks, self.calls = picks, []
+
+    def choice(self, n, size, replace):
+        import numpy as np
+
+        self.calls.append((n, size, replace))
+        return np.array(self.picks[:size])
+
+
+def test_adjust_batch_by_hand():
+    kept = [3, 4, 5, 9, 10, 11, 20]  # 7 kept, divisor 4: remainder 3
+    rng = _Draws([6, 0, 2])
+    assert rf.adjust_batch(kept, 4, "copy", rng) == kept + [20]  # 4 - 3 = 1 copy: position 6
+    assert rng.calls == [(7, 1, False)]
+    rng = _Draws([6, 0, 2])
+    assert rf.adjust_batch(kept, 4, "delete", rng) == [4, 9, 10, 11]  # drop positions 6, 0, 2
+    assert rng.calls == [(7, 3, False)]
+    rng = _Draws([0, 1, 0, 1, 0, 1, 0])
+    assert rf.adjust_batch([7, 8], 9, "copy", rng) == [7, 8, 7, 8, 7, 8, 7, 8, 7]  # 7 copies of 2: replacement
+    assert rng.calls == [(2, 7, True)]
+    assert rf.adjust_batch([7, 8], 9, "delete", _Draws([1, 0])) == []  # fewer than the divisor: all dropped
+    for mode in ("none", "copy", "delete"):
+        assert rf.adjust_batch(kept[:4], 4, mode, _Draws([])) == kept[:4]  # divisible (or none): unchanged
+    assert rf.adjust_batch([], 4, "copy", _Draws([])) == []
+
+
+def test_adjust_batch_with_numpy_draws():
+    import numpy as np
+
+    for mode, size in (("copy", 8), ("delete", 4)):
+        out = rf.adjust_batch(list(range(6)), 4, mode, np.random.default_rng(0))
+        assert len(out) == size and set(out) <= set(range(6))
+        assert out == rf.adjust_batch(list(range(6)), 4, mode, np.random.default_rng(0))  # seeded: reproducible
+    with pytest.raises(ValueError, match=r"batch_adjust_mode: unknown 'pad'; choose from \['none', 'copy', 'delete'\]"):
+        rf.adjust_batch([1], 2, "pad", np.random.default_rng(0))
+    with pytest.raises(ValueError, match="divisor must be an int >= 1, got 0"):
+        rf.adjust_batch([1], 0, "copy", np.random.default_rng(0))
