@@ -229,8 +229,8 @@ class AlgorithmConfig:
     (0, 1]; top_k_abs: the number of groups (a whole number >= 1); min_p: the share of the best score, in (0, 1]."""
     rollout_filter_metric: str = "reward_variance"
     """RAGEN-2 filter: the group score: reward_variance (in-group std of the returns, RAGEN's name), reward (mean),
-    reward_sum, length (mean trained tokens). entropy / entropy_variance are refused: the trainer does not compute
-    entropies before the filter yet."""
+    reward_sum, length (mean trained tokens), entropy / entropy_variance (mean / std of the trajectories' mean
+    token entropy under the actor: one extra no-grad forward over every trajectory before the filter)."""
     rollout_filter_direction: Literal["largest", "smallest"] = "largest"
     """RAGEN-2 filter: keep the largest or the smallest scores (RAGEN's rollout_filter_type)."""
     rollout_filter_include_zero: bool = True
@@ -696,16 +696,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         from . import rollout_filter
 
         try:
-            metric = rollout_filter.check_filter_args(
+            rollout_filter.check_filter_args(
                 a.rollout_filter_strategy, a.rollout_filter_value, a.rollout_filter_metric,
                 a.rollout_filter_direction, a.rollout_filter_top_p_prob_mode, a.rollout_filter_selection_eps,
                 a.rollout_filter_include_zero)
         except ValueError as err:
             errors.append(f"algorithm.{err}" if str(err).startswith("rollout_filter") else str(err))
-        else:
-            check(rollout_filter.FILTER_METRICS[metric][1] != "entropies",
-                  f"algorithm.rollout_filter_metric={a.rollout_filter_metric!r}: the trainer does not compute "
-                  f"entropies before the filter yet; choose reward_variance, reward, reward_sum or length")
         check(a.refill_rounds == 0, f"algorithm.refill_rounds={a.refill_rounds} works with the legacy filter only "
                                     f"(algorithm.rollout_filter_strategy={a.rollout_filter_strategy!r})")
     group_size = min([x.get("group_size") or e.group_size for x in e.train

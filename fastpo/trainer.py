@@ -246,12 +246,36 @@ class Trainer:
         groups = torch.tensor([t.group for t in trajs], dtype=torch.int64)
         if a.rollout_filter_strategy == "legacy":
             return algorithms.filter_groups(rewards, groups, a.rollout_filter_ratio, a.rollout_filter_type, target)
+        metric = rollout_filter.METRIC_ALIASES.get(a.rollout_filter_metric, a.rollout_filter_metric)
+        reads_entropy = rollout_filter.FILTER_METRICS.get(metric, (None, ""))[1] == "entropies"
         return rollout_filter.select_groups(
             rewards, groups, strategy=a.rollout_filter_strategy, value=a.rollout_filter_value,
             metric=a.rollout_filter_metric, filter_type=a.rollout_filter_direction,
             include_zero=a.rollout_filter_include_zero, prob_mode=a.rollout_filter_top_p_prob_mode,
             selection_eps=a.rollout_filter_selection_eps,
-            lengths=torch.tensor([float(t.loss_mask.sum()) for t in trajs], dtype=torch.float32))
+            lengths=torch.tensor([float(t.loss_mask.sum()) for t in trajs], dtype=torch.float32),
+            entropies=self._entropies(trajs) if reads_entropy else None)
+
+    @torch.no_grad()
+    def _entropies(self, trajs: list[Trajectory]) -> Tensor:
+        """fp32 [B]: each trajectory's mean token entropy of the actor (at the sampling temperature) over its trained
+        tokens, 0 without any; the entropy filter metrics' input (RAGEN-2 runs the same forward over the whole
+        batch before its filter). Each rank computes its share, then all ranks exchange them."""
+        idx = list(range(len(trajs)))
+        mine, results = idx[self.rank::self.world], []
+        micro = pack(trajs, mine, self.cfg.optim.micro_batch_tokens, self.device, self._layout, self._token_cost)
+        for k in range(int(du.all_reduce_max(len(micro)))):
+            mb = micro[k] if k < len(micro) else pack(trajs, idx[:1], WHOLE, self.device, self._layout,
+                                                      self._token_cost)[0]
+            mask = cat_tokens(trajs, mb.indices, "loss_mask", self.device)
+            _, ent = update.token_logp(self.actor, mb, mask, self.cfg.rollout.temperature, True)
+            if k < len(micro):
+                for j, (e, m) in enumerate(zip(split_tokens(ent, mb.cu_seqlens), split_tokens(mask, mb.cu_seqlens),
+                                               strict=True)):
+                    count = float(np.count_nonzero(m))
+                    results.append((mb.indices[j], float(np.asarray(e, dtype=np.float64).sum()) / max(count, 1.0)))
+        per = dict(du.all_gather_list(results))
+        return torch.tensor([per[i] for i in idx], dtype=torch.float32)
 
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout

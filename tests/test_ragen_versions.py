@@ -174,7 +174,7 @@ def _small(ported: dict) -> dict:
         for entry in entries:
             entry["groups"] = total // len(entries)
     ported["rollout"].update(max_model_len=800, response_length=16)
-    ported["optim"].update(mini_batch_size=8, micro_batch_tokens=800)
+    ported["optim"].update(mini_batch_size=4, micro_batch_tokens=800)  # the std filter keeps 1 group of 4
     ported.setdefault("trainer", {}).update(iterations=2, val_every=2, save_every=0, log_wandb=False)
     return ported
 
