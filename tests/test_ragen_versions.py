@@ -208,8 +208,10 @@ def test_ported_experiment_trains_from_the_command_line(version, experiment, tmp
     assert res.returncode == 0, res.stderr
     ported = _small(yaml.safe_load(res.stdout))
     pending = _pending_env_kwargs(ported)
-    if pending:
-        pytest.skip(f"the env kwargs {pending} (RAGEN-2's env options) are not accepted by fastpo's envs yet")
+    for entry in ported["env"].get("train", []) + ported["env"].get("val", []):  # trained without them (below)
+        for key in PENDING_ENV_KWARGS:
+            if f"{entry['name']}.{key}" in pending:
+                entry["kwargs"].pop(key)
     (tmp_path / "ported.yaml").write_text(yaml.safe_dump(ported, sort_keys=False))
     run_dir = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "fastpo.train", "--config", str(tmp_path / "ported.yaml"),
@@ -220,3 +222,6 @@ def test_ported_experiment_trains_from_the_command_line(version, experiment, tmp
     rows = [yaml.safe_load(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("val/success_rate" in r or any(k.startswith("val") for k in r) for r in rows)
     assert max(r.get("step", 0) for r in rows) == 2
+    if pending:  # everything else trained; the gap stays visible
+        pytest.skip(f"trained without the env kwargs {pending} (RAGEN-2's env options), which fastpo's envs do not "
+                    f"accept yet")
