@@ -1,8 +1,11 @@
-"""RAGEN-2's rollout-filter family as pure functions: score each group, pick groups by a strategy, count empty steps.
+"""The one rollout-filter registry: RAGEN-2's family as pure functions (score each group, pick groups by a strategy,
+count empty steps), fastpo's named filters as presets of it, and the batch adjustment after the filter.
 
     keep, metrics = select_groups(rewards, group_ids, strategy="top_p", value=0.9, include_zero=False)
+    keep, metrics = filter_groups(rewards, group_ids, 0.25, "std")             # a named preset (StarPO-S)
     scale = filter_loss_scale(metrics["rollout/kept_group_fraction"], "sqrt")   # multiplies the advantages
     if stopper.update(bool(keep.any())): ...                                    # EmptyStop(steps=5)
+    kept = adjust_batch(kept, divisor=32, mode="copy", rng=rng)                 # RAGEN-2's batch_adjust_mode
 
 Why: StarPO-S kept a fixed share of the groups with the highest in-group reward std (``algorithms.filter_groups``).
 RAGEN-2 generalises this: a per-group *metric* (reward std, mean or sum, policy entropy mean or std, length), a
