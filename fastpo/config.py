@@ -252,7 +252,7 @@ class AlgorithmConfig:
     (+1e-6); a group of one counts as std 1 (RAGEN-2's soft reweight)."""
     grpo_length_weight: bool = False
     """grpo only: multiply each trajectory's advantage by mean trained tokens / its trained tokens (+1e-6), over
-    the kept batch [grpo_advantage_length_weight]. Needs rollout.train_on_observations false."""
+    the kept batch; the trained tokens are the loss mask, as RAGEN's [grpo_advantage_length_weight]."""
     batch_adjust_mode: Literal["none", "copy", "delete"] = "none"
     """After the filter, make the kept trajectories a multiple of lcm(env.env_groups, optim.mini_batch_size, world
     size): copy = repeat randomly drawn kept ones, delete = drop randomly drawn ones, none = train on them as they
@@ -810,9 +810,6 @@ def _check_ragen2_fields(cfg: Config) -> list[str]:
         if getattr(a, key) is True and a.adv_estimator != "grpo":
             errors.append(f"algorithm.{key}=true applies to adv_estimator 'grpo' only, got adv_estimator="
                           f"{a.adv_estimator!r}")
-    if a.grpo_length_weight is True and cfg.rollout.train_on_observations:
-        errors.append("algorithm.grpo_length_weight=true needs rollout.train_on_observations=false: the weight "
-                      "counts the model's own tokens, as RAGEN's response mask does")
     return errors
 
 

@@ -371,15 +371,13 @@ def test_options_off_leave_the_estimator_alone():
     ({"soft_advantage_reweight": True}, ["algorithm.soft_advantage_reweight=true", "'grpo' only", "'gae'"]),
     ({"grpo_length_weight": True, "adv_estimator": "rloo"}, ["algorithm.grpo_length_weight=true", "'rloo'"]),
     ({"zero_task_advantage": "yes"}, ["algorithm.zero_task_advantage", "expected bool, got 'yes'"]),
-    ({"grpo_length_weight": True, "adv_estimator": "grpo", "train_on_observations": True},
-     ["algorithm.grpo_length_weight=true needs rollout.train_on_observations=false"]),
 ])
 def test_advantage_option_config_errors(changes, pieces):
     from fastpo.config import Config, ConfigError, validate
 
     cfg = Config()
     for key, value in changes.items():
-        setattr(cfg.rollout if key == "train_on_observations" else cfg.algorithm, key, value)
+        setattr(cfg.algorithm, key, value)
     if cfg.algorithm.adv_estimator != "gae":
         cfg.optim.critic_lr = 1e-5
     with pytest.raises(ConfigError) as err:
