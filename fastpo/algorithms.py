@@ -1,6 +1,6 @@
 """StarPO / StarPO-S algorithm pieces, each selected by a config string from a small registry (verl / TRL style).
 
-    keep, metrics = filter_groups(scores, group_ids, cfg.rollout_filter_ratio, cfg.rollout_filter_type)
+    keep, metrics = filter_groups(scores, group_ids, cfg.rollout_filter_ratio, cfg.rollout_filter_type)  # re-exported
     advantages, returns = compute_advantages(batch, cfg)        # batch: PackedBatch of the kept trajectories
     is_weight, metrics = offpolicy_weights(old_logp, sample_logp, mask, cfg, cu_seqlens=cu)  # None when off
     loss, metrics = policy_loss(logp, old_logp, advantages, mask, entropy, ref_logp, cfg, cu_seqlens=cu,
@@ -9,8 +9,10 @@
 
 Token tensors are packed ``[N]`` (all trajectories concatenated, ``cu_seqlens`` int ``[B + 1]``); per-trajectory
 tensors are ``[B]``. The math runs in ``fastpo.kernels`` (Triton on CUDA, reference torch on CPU); this module
-only picks the variant and its arguments. Add a variant with ``@register_adv_estimator("name")``,
-``@register_rollout_filter("name")`` or ``@register_policy_loss("name")``.
+only picks the variant and its arguments. Add a variant with ``@register_adv_estimator("name")`` or
+``@register_policy_loss("name")``. The rollout filters (fastpo's named ones and RAGEN-2's family) have their one
+registry in ``fastpo.rollout_filter``; ``filter_groups``, ``group_stats``, ``kept_group_count`` and
+``ROLLOUT_FILTERS`` are re-exported here for the callers that name them through this module.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from fastpo import kernels
 from fastpo.config import AlgorithmConfig
+from fastpo.rollout_filter import ROLLOUT_FILTERS, filter_groups, group_stats, kept_group_count  # noqa: F401
 
 
 @dataclass
@@ -92,11 +95,63 @@ def _lookup(registry: dict, name: str, field: str):
 
 
 def compute_advantages(batch: PackedBatch, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor | None]:
-    """Advantages fp32 [N] (0 on untrained tokens) and returns fp32 [N] (critic estimators) or None."""
+    """Advantages fp32 [N] (0 on untrained tokens) and returns fp32 [N] (critic estimators) or None.
+
+    After the estimator, RAGEN-2's options (in this order, each a no-op when off): with adv_estimator grpo,
+    soft_advantage_reweight (:func:`soft_reweight`) and grpo_length_weight (:func:`length_weight`); then, for
+    every estimator, zero_task_advantage sets every advantage to 0 (the critic's returns stay). They run in torch
+    around the estimator (the Triton kernels compute the plain estimator)."""
     fn = _lookup(ADV_ESTIMATORS, cfg.adv_estimator, "algorithm.adv_estimator")
     if needs_critic(cfg) and batch.values is None:
         raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r} needs batch.values (the critic's)")
-    return fn(batch, cfg)
+    adv, ret = fn(batch, cfg)
+    if cfg.adv_estimator == "grpo" and cfg.soft_advantage_reweight:
+        weight = soft_reweight(batch.scores, _grpo_groups(batch.group_ids, cfg.grpo_norm))
+        batch.metrics["adv/soft_reweight_mean"] = float(weight.mean()) if weight.numel() else 0.0
+        adv = adv * _broadcast(weight, batch)
+    if cfg.adv_estimator == "grpo" and cfg.grpo_length_weight:
+        adv = adv * _broadcast(length_weight(batch.loss_mask, batch.cu_seqlens), batch)
+    if cfg.zero_task_advantage:
+        adv = torch.zeros_like(adv)
+    return adv, ret
+
+
+def _grpo_groups(group_ids: Tensor, grpo_norm: str) -> Tensor:
+    """The labels grpo normalises within: the groups (group), one batch group (batch), or one per row (none)."""
+    if grpo_norm == "batch":
+        return torch.zeros_like(group_ids)
+    if grpo_norm == "none":
+        return torch.arange(group_ids.shape[0], device=group_ids.device)
+    return group_ids
+
+
+def soft_reweight(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """RAGEN-2's soft_advantage_reweight: fp32 [B] weight of each trajectory = std of its group's returns /
+    (largest group std in the batch + 1e-6). Unbiased std; a group of one counts as std 1 (RAGEN's GRPO
+    convention), so a batch of singletons weighs every row 1 / (1 + 1e-6). scores fp32 [B], group_ids int [B].
+    Groups with more spread (more to learn from) keep their advantages; flat ones fade towards 0."""
+    if scores.numel() == 0:
+        return scores.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    g = int(inverse.max()) + 1
+    x = scores.double()
+    count = torch.bincount(inverse, minlength=g).to(torch.float64)
+    mean = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, x) / count
+    sq = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 1.0)
+    return (std / (std.max() + _GRPO_EPS))[inverse].float()
+
+
+def length_weight(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """RAGEN-2's grpo_advantage_length_weight: fp32 [B] factor mean(L) / (L_i + 1e-6), L_i = trajectory i's
+    trained tokens (loss_mask bool [N], cu_seqlens int [B + 1]); mean over the batch. Longer answers get smaller
+    advantages per token, so each trajectory's summed advantage weighs about the same."""
+    lengths = torch.zeros(cu_seqlens.shape[0] - 1, dtype=torch.float64, device=loss_mask.device)
+    if lengths.numel():
+        seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=loss_mask.device), cu_seqlens.diff(),
+                                      output_size=loss_mask.shape[0])
+        lengths.index_add_(0, seq, (loss_mask != 0).double())
+    return (lengths.mean() / (lengths + _GRPO_EPS)).float() if lengths.numel() else lengths.float()
 
 
 @register_adv_estimator("gae", needs_critic=True)
@@ -213,111 +268,6 @@ def _broadcast(per_seq: Tensor, batch: PackedBatch) -> Tensor:
     lengths = batch.cu_seqlens.diff()
     tok = per_seq.repeat_interleave(lengths, output_size=batch.loss_mask.shape[0])
     return torch.where(batch.loss_mask != 0, tok, 0.0).float()
-
-
-# -------------------------------------------------------------------------------------------- rollout filters
-FilterFn = Callable[[Tensor, float], Tensor]
-ROLLOUT_FILTERS: dict[str, FilterFn] = {}
-_FIXED_COUNT_FILTERS: set[str] = set()
-
-
-def register_rollout_filter(name: str, fixed_count: bool = True) -> Callable[[FilterFn], FilterFn]:
-    """Decorator: register ``fn(group_std fp32 [G] in ascending group-id order, ratio) -> keep bool [G]``;
-    ``fixed_count`` filters keep exactly :func:`kept_group_count` groups (checked by preflight.validate)."""
-    def deco(fn: FilterFn) -> FilterFn:
-        if name in ROLLOUT_FILTERS:
-            raise ValueError(f"rollout filter {name!r} is already registered")
-        ROLLOUT_FILTERS[name] = fn
-        if fixed_count:
-            _FIXED_COUNT_FILTERS.add(name)
-        return fn
-    return deco
-
-
-def kept_group_count(num_groups: int, ratio: float, kind: str) -> int | None:
-    """Groups kept by a fixed-count filter: int(ratio * num_groups) as RAGEN (+1e-9 so 0.29 * 100 keeps 29, not
-    28), all of them at ratio 1; None for filters whose count depends on the data (nonzero)."""
-    if kind not in _FIXED_COUNT_FILTERS:
-        return None
-    return num_groups if ratio >= 1.0 else int(ratio * num_groups + 1e-9)
-
-
-def _top_groups(key: Tensor, ratio: float, kind: str) -> Tensor:
-    """keep bool [G]: the kept_group_count groups with the largest key; ties go to the lower group id."""
-    k = kept_group_count(key.shape[0], ratio, kind)
-    if k < 1:
-        raise ValueError(f"rollout_filter_ratio={ratio} keeps int(ratio * {key.shape[0]} groups) = 0 groups; "
-                         f"raise the ratio or the number of groups")
-    order = torch.sort(key, descending=True, stable=True).indices  # stable: ascending group id among equal keys
-    keep = torch.zeros(key.shape[0], dtype=torch.bool, device=key.device)
-    keep[order[:k]] = True
-    return keep
-
-
-@register_rollout_filter("std")
-def filter_std(group_std: Tensor, ratio: float) -> Tensor:
-    """StarPO-S: keep the int(ratio * G) groups with the highest in-group reward std (the most uncertain)."""
-    return _top_groups(group_std, ratio, "std")
-
-
-@register_rollout_filter("std_rev")
-def filter_std_rev(group_std: Tensor, ratio: float) -> Tensor:
-    """Ablation: keep the int(ratio * G) groups with the lowest in-group reward std."""
-    return _top_groups(-group_std, ratio, "std_rev")
-
-
-@register_rollout_filter("nonzero", fixed_count=False)
-def filter_nonzero(group_std: Tensor, ratio: float) -> Tensor:
-    """Keep every group whose returns are not all equal (std > 0); ratio is not used. May keep no group: the
-    trainer then skips the update."""
-    return group_std > 0
-
-
-def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Per-group statistics of scores [B] by group_ids [B]: (unique ids [G] ascending, inverse [B] (group index of
-    each trajectory), std fp32 [G] (unbiased; 0 for a group of one), mean fp32 [G], max fp32 [G])."""
-    ids, inverse = torch.unique(group_ids, sorted=True, return_inverse=True)
-    g = ids.shape[0]
-    x = scores.double()
-    count = torch.bincount(inverse, minlength=g).to(torch.float64)
-    mean = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, x) / count
-    sq = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, (x - mean[inverse]) ** 2)
-    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 0.0)
-    gmax = torch.full((g,), -torch.inf, dtype=torch.float64, device=x.device).scatter_reduce_(0, inverse, x, "amax")
-    return ids, inverse, std.float(), mean.float(), gmax.float()
-
-
-def filter_groups(scores: Tensor, group_ids: Tensor, ratio: float, kind: str,
-                  target: int | None = None) -> tuple[Tensor, dict[str, float]]:
-    """StarPO-S uncertainty filter over whole groups.
-
-    scores fp32 [B] (trajectory returns), group_ids int [B] (any labels, any order). Returns keep bool [B] (all
-    members of a kept group) and metrics: ``rollout/in_group_std`` / ``_mean`` / ``_max`` averaged over all
-    groups, ``rollout/chosen_in_group_*`` over the kept ones (0 when none is kept), ``rollout/kept_group_fraction``.
-    kind is a ROLLOUT_FILTERS name; ratio in (0, 1]. ``target`` (dynamic sampling over several rounds): keep
-    ``target`` groups instead of ``int(ratio * G)`` (a fixed-count filter), or at most ``target`` (the others: the
-    lowest group ids among those the filter keeps)."""
-    fn = _lookup(ROLLOUT_FILTERS, kind, "rollout_filter_type")
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"rollout_filter_ratio must lie in (0, 1], got {ratio}")
-    if scores.dim() != 1 or group_ids.shape != scores.shape:
-        raise ValueError(f"scores and group_ids must both be [B], got {tuple(scores.shape)} and "
-                         f"{tuple(group_ids.shape)}")
-    _, inverse, std, mean, gmax = group_stats(scores, group_ids)
-    if target is not None:
-        if target < 1:
-            raise ValueError(f"target must be >= 1 groups, got {target}")
-        ratio = min(1.0, target / std.shape[0])  # kept_group_count(G, target / G) == target
-    keep_group = fn(std, ratio)
-    if target is not None and int(keep_group.sum()) > target:  # a data-dependent filter: the first target groups
-        keep_group &= torch.cumsum(keep_group.long(), 0) <= target
-    metrics = {}
-    for name, stat in (("std", std), ("mean", mean), ("max", gmax)):
-        metrics[f"rollout/in_group_{name}"] = float(stat.mean())
-        chosen = stat[keep_group]
-        metrics[f"rollout/chosen_in_group_{name}"] = float(chosen.mean()) if chosen.numel() else 0.0
-    metrics["rollout/kept_group_fraction"] = float(keep_group.float().mean())
-    return keep_group[inverse], metrics
 
 
 # ------------------------------------------------------------------------------------------------- losses

@@ -376,8 +376,8 @@ class AlgorithmConfig:
     (0, 1]; top_k_abs: the number of groups (a whole number >= 1); min_p: the share of the best score, in (0, 1]."""
     rollout_filter_metric: str = "reward_variance"
     """RAGEN-2 filter: the group score: reward_variance (in-group std of the returns, RAGEN's name), reward (mean),
-    reward_sum, length (mean trained tokens). entropy / entropy_variance are refused: the trainer does not compute
-    entropies before the filter yet."""
+    reward_sum, length (mean trained tokens), entropy / entropy_variance (mean / std of the trajectories' mean
+    token entropy under the actor: one extra no-grad forward over every trajectory before the filter)."""
     rollout_filter_direction: Literal["largest", "smallest"] = "largest"
     """RAGEN-2 filter: keep the largest or the smallest scores (RAGEN's rollout_filter_type)."""
     rollout_filter_include_zero: bool = True
@@ -391,6 +391,20 @@ class AlgorithmConfig:
     default is 5)."""
     filter_loss_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Multiply the advantages (so the policy-gradient term) by 1, the kept share of groups, or its square root."""
+    zero_task_advantage: bool = False
+    """RAGEN-2 ablation: set every advantage to 0 after the estimator, so only the KL and entropy terms train the
+    actor (the critic still learns its returns)."""
+    soft_advantage_reweight: bool = False
+    """grpo only: multiply each trajectory's advantage by its group's reward std / the batch's largest group std
+    (+1e-6); a group of one counts as std 1 (RAGEN-2's soft reweight)."""
+    grpo_length_weight: bool = False
+    """grpo only: multiply each trajectory's advantage by mean trained tokens / its trained tokens (+1e-6), over
+    the kept batch; the trained tokens are the loss mask, as RAGEN's [grpo_advantage_length_weight]."""
+    batch_adjust_mode: Literal["none", "copy", "delete"] = "none"
+    """After the filter, make the kept trajectories a multiple of lcm(env.env_groups, optim.mini_batch_size, world
+    size): copy = repeat randomly drawn kept ones, delete = drop randomly drawn ones, none = train on them as they
+    are (the last mini-batch may be smaller) [agent_proxy.batch_adjust_mode]. Draws are seeded by trainer.seed and
+    the iteration."""
     refill_rounds: int = 0
     """Dynamic sampling (DAPO's filter_groups), in [0, 16]: while fewer than int(rollout_filter_ratio *
     env.env_groups) groups have a non-zero reward std, sample up to this many extra rounds of env.env_groups new
@@ -466,6 +480,13 @@ class AlgorithmConfig:
             (self.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {self.kl_coef}"),
             (self.value_clip >= 0, f"algorithm.value_clip must be >= 0, got {self.value_clip}"),
             (self.gigpo_step_weight >= 0, f"algorithm.gigpo_step_weight must be >= 0, got {self.gigpo_step_weight}"),
+            # RAGEN-2's reweights act on GRPO's group-normalised advantages
+            (not self.soft_advantage_reweight or self.adv_estimator == "grpo",
+             f"algorithm.soft_advantage_reweight=true applies to adv_estimator 'grpo' only, got adv_estimator="
+             f"{self.adv_estimator!r}"),
+            (not self.grpo_length_weight or self.adv_estimator == "grpo",
+             f"algorithm.grpo_length_weight=true applies to adv_estimator 'grpo' only, got adv_estimator="
+             f"{self.adv_estimator!r}"),
             (0 <= self.gigpo_step_gamma <= 1,
              f"algorithm.gigpo_step_gamma must lie in [0, 1], got {self.gigpo_step_gamma}"),
             (self.is_cap > 1, f"algorithm.is_cap must be > 1 (inf disables the truncation), got {self.is_cap}"),
@@ -842,7 +863,9 @@ HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
     ("algorithm", "rollout_filter_metric"): "reward_variance", ("algorithm", "rollout_filter_direction"): "largest",
     ("algorithm", "rollout_filter_include_zero"): True, ("algorithm", "rollout_filter_top_p_prob_mode"): "linear",
     ("algorithm", "rollout_filter_selection_eps"): 0.01, ("algorithm", "rollout_filter_empty_stop_steps"): 0,
-    ("algorithm", "filter_loss_scaling"): "none",
+    ("algorithm", "filter_loss_scaling"): "none", ("algorithm", "zero_task_advantage"): False,
+    ("algorithm", "soft_advantage_reweight"): False, ("algorithm", "grpo_length_weight"): False,
+    ("algorithm", "batch_adjust_mode"): "none",
 }
 
 

@@ -11,7 +11,8 @@ divided equally), ``group_size`` (default ``env.group_size`` / ``env.val_group_s
 config for ``fastpo.envs.make``; default ``{}``, NOT ``env.kwargs``), ``max_turns`` and ``max_actions_per_turn``
 (default the global ``env.max_turns`` / ``env.max_actions_per_turn``, as RAGEN's ``agent_proxy``),
 ``max_actions_per_traj`` (default the env's OWN budget, RAGEN's per-tag one: 10 for the grids, 1 for Bandit /
-Countdown / MetaMathQA, a plug-in's ``max_actions_per_traj``). Entries own contiguous blocks of global groups in
+Countdown / MetaMathQA, a plug-in's ``max_actions_per_traj``), ``prompt`` (a RAGEN tag's own ``env_instruction``
+and ``max_tokens`` in place of the env's; default ``{}``). Entries own contiguous blocks of global groups in
 list order (RAGEN's layout); global group g always runs env seed ``seed_base + g``.
 
 An empty list is the legacy single-config mode (``env.names`` round-robin, one ``env.kwargs``, the global
@@ -31,7 +32,9 @@ from fastpo.config import shown
 
 #: Keys an ``env.train`` / ``env.val`` entry may have.
 ENTRY_KEYS = ("name", "label", "groups", "group_size", "kwargs", "max_turns", "max_actions_per_turn",
-              "max_actions_per_traj")
+              "max_actions_per_traj", "prompt")
+#: Keys of an entry's ``prompt`` mapping: the ``prompts.EnvPromptSpec`` fields a RAGEN tag may set itself.
+PROMPT_KEYS = ("env_instruction", "max_tokens")
 _INT_KEYS = ("groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj")
 
 
@@ -48,6 +51,8 @@ class EnvEntry:
         max_turns: turns per episode at most.
         max_actions_per_turn: actions parsed per answer at most.
         max_actions_per_traj: the episode's action budget; None keeps the env's own prompt budget.
+        prompt: overrides of the env's prompt text (PROMPT_KEYS: a RAGEN tag's own ``env_instruction`` and
+            ``max_tokens``, the "Max response length" number); empty keeps the env's own.
     """
 
     name: str
@@ -58,6 +63,21 @@ class EnvEntry:
     max_turns: int = 5
     max_actions_per_turn: int | None = None
     max_actions_per_traj: int | None = None
+    prompt: dict[str, Any] = field(default_factory=dict)
+
+
+def _prompt_errors(at: str, prompt: Any) -> list[str]:
+    """One line per bad ``prompt`` mapping key or value of an entry."""
+    if not isinstance(prompt, dict):
+        return [f"{at}.prompt must be a mapping with keys from {list(PROMPT_KEYS)}, got {shown(prompt)}"]
+    errors = [f"{at}.prompt: unknown key {shown(k)}; accepted: {list(PROMPT_KEYS)}" for k in prompt
+              if k not in PROMPT_KEYS]
+    if "env_instruction" in prompt and not isinstance(prompt["env_instruction"], str):
+        errors.append(f"{at}.prompt.env_instruction must be a str, got {shown(prompt['env_instruction'])}")
+    tokens = prompt.get("max_tokens", 1)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        errors.append(f"{at}.prompt.max_tokens must be an int >= 1, got {shown(tokens)}")
+    return errors
 
 
 def own_budget(name: str, kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None) -> int:
@@ -172,6 +192,10 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
         if not isinstance(kwargs, dict):
             errors.append(f"{at}.kwargs must be a mapping (the env's config), got {shown(kwargs)}")
             bad = True
+        prompt_errors = _prompt_errors(at, entry.get("prompt", {}))
+        if prompt_errors:
+            errors += prompt_errors
+            continue
         if bad:
             continue
         groups = entry["groups"] if all(given) else total // len(raw)
@@ -192,7 +216,7 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
         entries.append(EnvEntry(
             name, label, list(range(start, start + groups)), entry.get("group_size") or default_size, kwargs,
             entry.get("max_turns") or env_cfg.max_turns, entry.get("max_actions_per_turn") or
-            env_cfg.max_actions_per_turn, budget))
+            env_cfg.max_actions_per_turn, budget, dict(entry.get("prompt", {}))))
         start += groups
     episodes = sum(len(e.groups) * e.group_size for e in entries)
     if episodes > MAX_EPISODES:
@@ -301,6 +325,7 @@ def build_parts(entries: list[EnvEntry], groups: range, backend: str, enable_thi
             continue
         env = envs.make(entry.name, len(mine) * entry.group_size * capacity, backend=backend, **entry.kwargs)
         budget = {} if entry.max_actions_per_traj is None else {"max_actions_per_traj": entry.max_actions_per_traj}
-        spec = env_prompt_spec(entry.name, env, enable_think=enable_think, action_sep=action_sep, **budget)
+        spec = env_prompt_spec(entry.name, env, enable_think=enable_think, action_sep=action_sep, **budget,
+                               **entry.prompt)
         parts.append(EnvPart(entry, mine, env, spec, [offsets[g] for g in mine]))
     return parts

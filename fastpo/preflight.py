@@ -118,17 +118,12 @@ def _algorithm_registry_errors(cfg: Config) -> list[str]:
         errors.append(f"algorithm.policy_loss: unknown {a.policy_loss!r}; choose from {sorted(losses)}")
     if a.rollout_filter_strategy != "legacy":
         try:
-            metric = rollout_filter.check_filter_args(
+            rollout_filter.check_filter_args(
                 a.rollout_filter_strategy, a.rollout_filter_value, a.rollout_filter_metric,
                 a.rollout_filter_direction, a.rollout_filter_top_p_prob_mode, a.rollout_filter_selection_eps,
                 a.rollout_filter_include_zero)
         except ValueError as err:
             errors.append(f"algorithm.{err}" if str(err).startswith("rollout_filter") else str(err))
-        else:
-            if rollout_filter.FILTER_METRICS[metric][1] == "entropies":
-                errors.append(f"algorithm.rollout_filter_metric={a.rollout_filter_metric!r}: the trainer does not "
-                              f"compute entropies before the filter yet; choose reward_variance, reward, reward_sum "
-                              f"or length")
     kept = (algorithms.kept_group_count(e.env_groups, a.rollout_filter_ratio, a.rollout_filter_type)
             if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
     if kept is not None and 0 < a.rollout_filter_ratio <= 1 and e.env_groups >= 1:

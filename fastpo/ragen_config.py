@@ -7,10 +7,10 @@ The file's ``defaults`` (``base``, ``envs``, ...) are read from the same folder 
 (later files and the file itself win); verl's ``ppo_trainer`` defaults are not ported (fastpo's defaults equal
 RAGEN's where RAGEN sets them; docs/RAGEN.md). ``${a.b}`` interpolations are resolved (one naming a key that
 is not in the merged files, e.g. a verl default, stays as written). Every RAGEN key a user
-sets is either mapped to a fastpo field (the table ``KEY_MAP``, in ``fastpo.ragen_keys``), listed as a comment when
-it has no effect here (``INERT``: e.g. micro-batch sizes, which fastpo replaces with token budgets), or refused
-with an error naming it (``--ignore KEY`` skips a key or a whole subtree). ``es_manager.train`` / ``val`` with
-their ``tags`` and ``n_groups`` become ``env.train`` / ``env.val`` entries, each with the tag's ``custom_envs`` settings
+sets is either mapped to a fastpo field (the table ``ragen_keys.KEY_MAP``), listed as a comment when it has no effect here
+(``INERT``: e.g. micro-batch sizes, which fastpo replaces with token budgets), or refused with an error naming
+it (``--ignore KEY`` skips a key or a whole subtree). ``es_manager.train`` / ``val`` with their ``tags`` and
+``n_groups`` become ``env.train`` / ``env.val`` entries, each with the tag's ``custom_envs`` settings
 (``env_type``, ``env_config``, ``max_actions_per_traj``) and the tag as its label. ``port`` is the library
 entry; the output is checked with fastpo's own config before it is printed.
 """
@@ -63,17 +63,22 @@ _ALT_GRID = {0: "W", 1: ".", 2: "G", 3: "C", 4: "B", 5: "A", 6: "@"}
 _DEFAULT_GRID = {0: "#", 1: "_", 2: "O", 3: "√", 4: "X", 5: "P", 6: "S"}
 
 
+#: Paper-time (April 2025) LoRA switches: ``lora.enabled`` and the per-role copies of the ``lora`` block.
+_LORA_ROLES = ("actor_rollout_ref.actor.lora", "actor_rollout_ref.rollout.lora", "critic.lora")
+_LORA_FIELDS = {"rank": "model.lora_rank", "alpha": "model.lora_alpha", "target_modules": "model.lora_target_modules"}
+
 _ENV_CONFIG_KEYS = {  # per fastpo env: RAGEN env_config key -> fastpo kwargs key (None: checked separately)
     "sokoban": {"num_boxes": "num_boxes", "max_steps": "max_steps", "search_depth": "search_depth",
                 "dim_room": "dim_room", "dim_x": None, "dim_y": None, "grid_lookup": None, "grid_vocab": None,
-                "render_mode": None, "action_lookup": None},
+                "render_mode": None, "action_lookup": None, "observation_format": "observation_format"},
     "frozenlake": {"size": "size", "p": "p", "is_slippery": "is_slippery", "max_steps": "max_steps",
                    "render_mode": None, "grid_lookup": None, "grid_vocab": None, "action_lookup": None,
-                   "map_seed": None, "action_map": None, "map_lookup": None},
+                   "map_seed": None, "action_map": None, "map_lookup": None,
+                   "observation_format": "observation_format", "success_rate": "success_rate"},
     "bandit": {"lo_arm_name": "lo_arm_name", "hi_arm_name": "hi_arm_name", "lo_arm_score": "lo_arm_score",
                "hi_arm_loscore": "hi_arm_loscore", "hi_arm_hiscore": "hi_arm_hiscore",
                "hi_arm_hiscore_prob": "hi_arm_hiscore_prob", "render_mode": None, "action_space_start": None,
-               "action_lookup": None},
+               "action_lookup": None, "split": "split"},
     "countdown": {"max_instances": "max_instances", "render_mode": None, "train_path": None},
     "metamathqa": {"dataset_path": None, "split": None, "dataset": None},
 }
@@ -267,13 +272,18 @@ def _port_env_list(split: str, manager: dict, custom: dict, ignore: Sequence[str
             if key == "max_actions_per_traj":
                 entry["max_actions_per_traj"] = int(value)
             elif key == "max_tokens":
-                if int(value) != 100:
-                    errors.append(f"{at}: fastpo's built-in prompts print 'Max response length: 100 words'; "
-                                  f"{value} has no option here")
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    errors.append(f"{at}={value!r}: the 'Max response length' number must be an int >= 1")
+                elif value != 100:
+                    entry.setdefault("prompt", {})["max_tokens"] = value
             elif key == "env_instruction":
-                if value != _INSTRUCTIONS[name]:
-                    errors.append(f"{at}: fastpo's built-in {name} prompt is RAGEN's stock instruction; another "
-                                  "instruction needs a plug-in env (docs/ENVS.md)")
+                if not isinstance(value, str):
+                    errors.append(f"{at}={value!r}: the instruction must be a string")
+                elif value != _INSTRUCTIONS[name]:
+                    entry.setdefault("prompt", {})["env_instruction"] = value
+            elif key in ("parallel_friendly", "max_workers"):
+                notes.append(f"{at}={value!r}: no effect in fastpo (RAGEN's thread pool for stepping Python envs; "
+                             f"fastpo steps each env as one batch)")
             else:
                 errors.append(f"{at}: no fastpo equivalent")
         kwargs = _port_env_config(tag, name, spec.get("env_config"), ignore, errors, notes)
@@ -302,8 +312,9 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
             errors.append(f"trainer.max_critic_ckpt_to_keep={keeps['trainer.max_critic_ckpt_to_keep']!r}: accepted: "
                           f"the value of trainer.max_actor_ckpt_to_keep ({keeps['trainer.max_actor_ckpt_to_keep']!r}); "
                           f"a fastpo checkpoint holds actor and critic together (trainer.keep_checkpoints)")
+    handled = _port_lora({k: v for k, v in flat.items() if not _ignored(k, ignore)}, out, errors, notes)
     for key, value in flat.items():
-        if _ignored(key, ignore):
+        if _ignored(key, ignore) or key in handled:
             continue
         if key in INERT:
             notes.append(f"{key}={value!r}: no effect in fastpo ({INERT[key]})")
@@ -333,12 +344,54 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
     _port_collapse(flat, out, notes)
     if "trainer.gradient_analysis_every" in flat and not flat.get("trainer.gradient_analysis_mode", False):
         out.setdefault("trainer", {})["gradient_analysis_every"] = 0  # RAGEN's gradient_analysis_mode false: off
+    alg = out.get("algorithm", {})
+    for key in ("soft_advantage_reweight", "grpo_length_weight"):  # RAGEN applies them to GRPO only
+        if alg.get(key) and alg.get("adv_estimator", "gae") != "grpo":
+            del alg[key]
+            notes.append(f"algorithm.{key}: no effect with adv_estimator {alg.get('adv_estimator', 'gae')!r} (RAGEN "
+                         f"applies it to GRPO only); not set")
     if out.get("algorithm", {}).get("adv_estimator") == "grpo":
         notes.append("algorithm.adv_estimator=grpo: fastpo standardises each trajectory's return within its group of "
                      "group_size; RAGEN's code gives every trajectory its own group (docs/RAGEN.md)")
     if errors:
-        raise PortError("cannot port these RAGEN keys:\n  " + "\n  ".join(errors))
-    return out, notes
+        raise PortError("cannot port these RAGEN keys:\n  " + "\n  ".join(dict.fromkeys(errors)))
+    return out, list(dict.fromkeys(notes))  # a tag used for training and validation is read twice
+
+
+def _port_lora(flat: dict[str, Any], out: dict, errors: list[str], notes: list[str]) -> set[str]:
+    """The paper-time ``lora`` block: ``lora.enabled`` false means no LoRA whatever its rank (fastpo's
+    model.lora_rank 0); its per-role copies (actor, rollout, critic) must agree with it, as fastpo has one LoRA
+    setting for all three. Returns the keys handled here (the rest go through KEY_MAP)."""
+    role_keys = [k for k in flat if any(k.startswith(r + ".") for r in _LORA_ROLES)]
+    if "lora.enabled" not in flat and not role_keys:
+        return set()
+    handled = {"lora.enabled", "lora.local_temp_dir", *role_keys}
+    enabled = flat.get("lora.enabled", True)
+    if not isinstance(enabled, bool):
+        errors.append(f"lora.enabled={enabled!r}: expected true or false")
+        return handled
+    if not enabled:
+        handled |= {f"lora.{f}" for f in _LORA_FIELDS}
+        _set(out, "model.lora_rank", 0)
+        notes.extend(f"{k}={flat[k]!r}: no effect (lora.enabled is false: full fine-tuning, model.lora_rank 0)"
+                     for k in sorted(handled) if k in flat and k != "lora.enabled")
+        return handled
+    for key in role_keys:
+        field = key.rsplit(".", 1)[-1]
+        top = flat.get(f"lora.{field}", flat[key])
+        if field == "local_temp_dir":
+            notes.append(f"{key}={flat[key]!r}: no effect (RAGEN's scratch folder for handing adapters to vLLM)")
+        elif field not in (*_LORA_FIELDS, "enabled"):
+            errors.append(f"{key}: no fastpo equivalent (accepted: enabled, {', '.join(_LORA_FIELDS)}, local_temp_dir)")
+        elif flat[key] != top:
+            errors.append(f"{key}={flat[key]!r}: fastpo uses one LoRA setting for actor, rollout and critic; "
+                          f"accepted: lora.{field}'s value {top!r}")
+        elif field in _LORA_FIELDS and f"lora.{field}" not in flat:
+            _set(out, _LORA_FIELDS[field], KEY_MAP[f"lora.{field}"][1](flat[key]))
+    if "lora.local_temp_dir" in flat:
+        notes.append(f"lora.local_temp_dir={flat['lora.local_temp_dir']!r}: no effect (RAGEN's scratch folder for "
+                     f"handing adapters to vLLM)")
+    return handled
 
 
 def _port_collapse(flat: dict[str, Any], out: dict[str, dict[str, Any]], notes: list[str]) -> None:

@@ -59,11 +59,6 @@ def _non_negative(v: Any) -> int:
     return v
 
 
-def _bool(v: Any) -> None:
-    if not isinstance(v, bool):
-        raise ValueError("accepted: true or false")
-
-
 def _bucket_mode(v: Any) -> str:
     if v not in ("quantile", "fixed_rv"):
         raise ValueError("accepted: quantile, fixed_rv")
@@ -75,6 +70,18 @@ def _must_equal(expected: Any, why: str) -> Callable[[Any], None]:
         if v != expected:
             raise ValueError(f"only {expected!r} is supported: {why}")
     return check
+
+
+def _adjust_mode(v: Any) -> str:
+    if v not in ("copy", "delete"):
+        raise ValueError("accepted: copy, delete")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("accepted: true or false")
+    return v
 
 
 #: RAGEN key -> (fastpo field, conversion). A conversion returning None with field None is a pure check.
@@ -127,8 +134,16 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "actor_rollout_ref.rollout.val_kwargs.temperature": ("rollout.val_temperature", float),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": (None, _must_equal(1, "fastpo's vLLM runs TP 1")),
     "enable_response_mask": ("rollout.train_on_observations", lambda v: not bool(v)),
-    "grpo_advantage_length_weight": (None, _must_equal(False, "fastpo has no length-weighted GRPO")),
-    "actor_rollout_ref.actor.grpo_advantage_length_weight": (None, _must_equal(False, "no length-weighted GRPO")),
+    "grpo_advantage_length_weight": ("algorithm.grpo_length_weight", _bool),
+    "actor_rollout_ref.actor.grpo_advantage_length_weight": ("algorithm.grpo_length_weight", _bool),
+    "algorithm.zero_task_advantage": ("algorithm.zero_task_advantage", _bool),
+    "algorithm.norm_adv_by_std_in_grpo": ("algorithm.norm_adv_by_std", _bool),
+    "algorithm.soft_advantage_reweight": ("algorithm.soft_advantage_reweight", _bool),
+    "agent_proxy.context_window_mode": (None, _must_equal(
+        "full", "fastpo trains on the whole multi-turn conversation; single_turn and limited_multi_turn (one "
+        "training sequence per turn) are not implemented")),
+    "trainer.generations_to_log_to_wandb.val": ("trainer.log_generations", lambda v: max(int(v), 0)),
+    "agent_proxy.batch_adjust_mode": ("algorithm.batch_adjust_mode", _adjust_mode),
     "algorithm.gamma": ("algorithm.gamma", float),
     "algorithm.lam": ("algorithm.lam", float),
     "algorithm.high_level_gamma": ("algorithm.gamma_high", float),
@@ -169,8 +184,9 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "agent_proxy.use_turn_scores": ("rollout.reward_level", lambda v: "turn" if v else "trajectory"),
     "agent_proxy.enable_think": ("rollout.enable_think", bool),
     "agent_proxy.reward_normalization.method": (None, _must_equal(
-        "identity", "fastpo does not normalise scores before the advantage on this branch (RAGEN's identity); "
-        "asym_clip / mean_std have no fastpo option yet")),
+        "identity", "fastpo passes the scores to the advantage estimator as they are (RAGEN's identity); "
+        "RAGEN's mean_std / asym_clip score normalisation has no fastpo option (grpo's own baseline: "
+        "algorithm.grpo_norm)")),
     "es_manager.format_penalty": ("rollout.format_penalty", float),
     "es_manager.train.env_groups": ("env.env_groups", int),
     "es_manager.train.group_size": ("env.group_size", int),
@@ -181,6 +197,11 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
 #: RAGEN keys with no effect in fastpo (listed as comments in the output), with the reason.
 INERT: dict[str, str] = {
     "micro_batch_size_per_gpu": "fastpo sizes micro-batches by tokens (optim.micro_batch_tokens)",
+    "log_prob_micro_batch_size_per_gpu": "token-budget micro-batches (optim.micro_batch_tokens)",
+    "actor_rollout_ref.rollout.name": "RAGEN's generation engine; fastpo's is rollout.engine (hf, its built-in "
+                                      "engine, by default; vllm where installed)",
+    "actor_rollout_ref.rollout.load_format": "how vLLM loads weights; fastpo's engine takes the actor's weights",
+    "hydra.searchpath": "where Hydra finds verl's default files; fastpo does not read them (docs/RAGEN.md)",
     "actor_rollout_ref.actor.micro_batch_size_per_gpu": "token-budget micro-batches (optim.micro_batch_tokens)",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "token-budget micro-batches",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "token-budget micro-batches",
@@ -206,9 +227,9 @@ INERT: dict[str, str] = {
     "system.CUDA_VISIBLE_DEVICES": "choose GPUs with CUDA_VISIBLE_DEVICES / torchrun",
     "trainer.n_gpus_per_node": "launch with torchrun --nproc_per_node N",
     "trainer.local_log_dir": "logs go to trainer.run_dir",
-    "trainer.wandb_id": "not mapped on this branch (W&B resume by id is another change)",
-    "trainer.generations_to_log_to_wandb.train": "not mapped on this branch (generation tables are another change)",
-    "trainer.generations_to_log_to_wandb.val": "not mapped on this branch (generation tables are another change)",
+    "trainer.wandb_id": "fastpo resumes the W&B run whose id it keeps in <run_dir>/wandb_run_id; a run id from "
+                        "the config is not read",
+    "trainer.generations_to_log_to_wandb.train": "fastpo logs validation generations only (trainer.log_generations)",
     "data.max_prompt_length": "unused", "data.max_response_length": "unused", "data.train_batch_size": "unused",
     "ctx_manager.generation.gen_config.response_length": "= rollout.response_length",
     "ctx_manager.generation.gen_config.temperature": "= rollout.temperature",
@@ -216,6 +237,8 @@ INERT: dict[str, str] = {
         "= rollout.top_k", "ctx_manager.generation.gen_config.kwargs": "unused",
 }
 
+# ---- RAGEN-2's diagnostics and checkpoint counts: fastpo's side is being added. One table, so that each entry
+# moves to KEY_MAP (or INERT) when its fastpo field exists.
 #: Top-level keys of RAGEN's configs (a --config with one of them as a section is a RAGEN file, not a fastpo one).
 RAGEN_SECTIONS = frozenset(k.split(".")[0] for k in (*KEY_MAP, *INERT) if "." in k)
 

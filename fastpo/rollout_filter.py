@@ -1,8 +1,11 @@
-"""RAGEN-2's rollout-filter family as pure functions: score each group, pick groups by a strategy, count empty steps.
+"""The one rollout-filter registry: RAGEN-2's family as pure functions (score each group, pick groups by a strategy,
+count empty steps), fastpo's named filters as presets of it, and the batch adjustment after the filter.
 
     keep, metrics = select_groups(rewards, group_ids, strategy="top_p", value=0.9, include_zero=False)
+    keep, metrics = filter_groups(rewards, group_ids, 0.25, "std")             # a named preset (StarPO-S)
     scale = filter_loss_scale(metrics["rollout/kept_group_fraction"], "sqrt")   # multiplies the advantages
     if stopper.update(bool(keep.any())): ...                                    # EmptyStop(steps=5)
+    kept = adjust_batch(kept, divisor=32, mode="copy", rng=rng)                 # RAGEN-2's batch_adjust_mode
 
 Why: StarPO-S kept a fixed share of the groups with the highest in-group reward std (``algorithms.filter_groups``).
 RAGEN-2 generalises this: a per-group *metric* (reward std, mean or sum, policy entropy mean or std, length), a
@@ -28,10 +31,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fastpo.algorithms import group_stats
-
 ZERO_TOL = 1e-10
 """A group score with ``abs(score) <= ZERO_TOL`` is "zero" for ``include_zero`` (RAGEN's tolerance)."""
+
+
+def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-group statistics of scores [B] by group_ids [B]: (unique ids [G] ascending, inverse [B] (group index of
+    each trajectory), std fp32 [G] (unbiased; 0 for a group of one), mean fp32 [G], max fp32 [G])."""
+    ids, inverse = torch.unique(group_ids, sorted=True, return_inverse=True)
+    g = ids.shape[0]
+    x = scores.double()
+    count = torch.bincount(inverse, minlength=g).to(torch.float64)
+    mean = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, x) / count
+    sq = torch.zeros(g, dtype=torch.float64, device=x.device).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 0.0)
+    gmax = torch.full((g,), -torch.inf, dtype=torch.float64, device=x.device).scatter_reduce_(0, inverse, x, "amax")
+    return ids, inverse, std.float(), mean.float(), gmax.float()
+
 
 # ------------------------------------------------------------------------------------------------ metrics
 MetricFn = Callable[[Tensor, Tensor], Tensor]
@@ -206,7 +222,7 @@ def _per_trajectory(name: str, x: Tensor | None, shape: torch.Size, metric: str 
 def select_groups(rewards: Tensor, group_ids: Tensor, *, strategy: str = "top_p", value: float = 1.0,
                   metric: str = "reward_variance", filter_type: str = "largest", include_zero: bool = True,
                   prob_mode: str = "linear", selection_eps: float = 0.01, entropies: Tensor | None = None,
-                  lengths: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                  lengths: Tensor | None = None, max_groups: int | None = None) -> tuple[Tensor, dict[str, float]]:
     """Pick whole groups for the update, RAGEN-2 style. Defaults are RAGEN's base.yaml (keep every group).
 
     Args:
@@ -225,6 +241,8 @@ def select_groups(rewards: Tensor, group_ids: Tensor, *, strategy: str = "top_p"
         selection_eps: linear top_p only, finite >= 0: subtracted from the mass threshold.
         entropies: fp32 [B] or None: per-trajectory mean token entropy over the trained tokens (entropy metrics).
         lengths: fp32 [B] or None: per-trajectory trained-token count (length metric).
+        max_groups: None, or an int >= 1: keep at most this many of the selected groups, the lowest group ids
+            (dynamic sampling's cap on a data-dependent filter; the metrics describe the capped set).
 
     Returns keep bool [B] (may be all False: the caller skips the update and ticks an EmptyStop) and metrics:
     ``rollout/in_group_{std,mean,max}`` of the returns over all groups and ``rollout/chosen_in_group_*`` over the
@@ -253,6 +271,10 @@ def select_groups(rewards: Tensor, group_ids: Tensor, *, strategy: str = "top_p"
                                          selection_eps=float(selection_eps))
     keep_group = torch.zeros(g, dtype=torch.bool, device=score.device)
     keep_group[cand[picked]] = True
+    if max_groups is not None:
+        if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
+            raise ValueError(f"max_groups must be None or an int >= 1, got {max_groups!r}")
+        keep_group &= torch.cumsum(keep_group.long(), 0) <= max_groups  # ascending group id
     metrics = {}
     for name, stat in (("std", std), ("mean", mean), ("max", gmax)):
         metrics[f"rollout/in_group_{name}"] = float(stat.mean())
@@ -265,25 +287,80 @@ def select_groups(rewards: Tensor, group_ids: Tensor, *, strategy: str = "top_p"
     return keep_group[inverse], metrics
 
 
-LEGACY_FILTERS: dict[str, dict] = {
-    "std": {"strategy": "top_k", "filter_type": "largest", "include_zero": True, "metric": "reward_variance"},
-    "std_rev": {"strategy": "top_k", "filter_type": "smallest", "include_zero": True, "metric": "reward_variance"},
-    "nonzero": {"strategy": "top_p", "value": 1.0, "include_zero": False, "metric": "reward_variance"},
-}
-"""fastpo's algorithm.rollout_filter_type -> select_groups keywords (std / std_rev also take value = the ratio).
-Same kept groups as filter_groups whenever int(ratio * G) >= 1; where it is 0, filter_groups raises and top_k keeps
-one group (RAGEN's clamp)."""
+# ------------------------------------------------------------------------------------ named filter presets
+ROLLOUT_FILTERS: dict[str, dict] = {}
+"""algorithm.rollout_filter_type name -> the select_groups keywords it stands for (std / std_rev also take
+value = rollout_filter_ratio). fastpo's StarPO-S filters are presets of the family above, so every filter runs
+through the same strategies and metrics. RAGEN's pre-2 filter (rollout_filter_ratio r + rollout_filter_type
+largest / smallest) is the same top_k with value r."""
+LEGACY_FILTERS = ROLLOUT_FILTERS  # the name the porter and older callers use
+
+
+def register_rollout_filter(name: str, **keywords) -> None:
+    """Register a named preset: ``keywords`` are select_groups keywords (strategy, metric, filter_type,
+    include_zero, value, ...); a preset without ``value`` takes rollout_filter_ratio as its value."""
+    if name in ROLLOUT_FILTERS:
+        raise ValueError(f"rollout filter {name!r} is already registered")
+    check_filter_args(keywords.get("strategy", "top_p"), keywords.get("value", 1.0),
+                      keywords.get("metric", "reward_variance"), keywords.get("filter_type", "largest"),
+                      keywords.get("prob_mode", "linear"), keywords.get("selection_eps", 0.01),
+                      keywords.get("include_zero", True))
+    ROLLOUT_FILTERS[name] = dict(keywords)
+
+
+# StarPO-S: the int(ratio * G) groups with the highest in-group reward std (the most uncertain)
+register_rollout_filter("std", strategy="top_k", filter_type="largest", include_zero=True, metric="reward_variance")
+# the ablation: the int(ratio * G) groups with the lowest in-group reward std
+register_rollout_filter("std_rev", strategy="top_k", filter_type="smallest", include_zero=True,
+                        metric="reward_variance")
+# every group whose returns are not all equal (std > ZERO_TOL); the ratio is not used; may keep no group
+register_rollout_filter("nonzero", strategy="top_p", value=1.0, include_zero=False, metric="reward_variance")
 
 
 def legacy_filter_args(kind: str, ratio: float) -> dict:
-    """select_groups keywords reproducing ``algorithms.filter_groups(scores, ids, ratio, kind)`` (kind: std |
-    std_rev | nonzero; ratio in (0, 1], unused by nonzero). RAGEN's pre-2 filter (rollout_filter_ratio r +
-    rollout_filter_type largest / smallest) is the same top_k with value r."""
-    if kind not in LEGACY_FILTERS:
-        raise ValueError(f"rollout_filter_type: unknown legacy filter {kind!r}; choose from {sorted(LEGACY_FILTERS)}")
-    if not 0 < ratio <= 1:
+    """select_groups keywords of the preset ``kind`` (std | std_rev | nonzero | a registered name) at
+    rollout_filter_ratio ``ratio`` in (0, 1] (unused by presets that fix their own value)."""
+    if kind not in ROLLOUT_FILTERS:
+        raise ValueError(f"rollout_filter_type: unknown legacy filter {kind!r}; choose from {sorted(ROLLOUT_FILTERS)}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"rollout_filter_ratio must lie in (0, 1], got {ratio}")
-    return {"value": ratio, **LEGACY_FILTERS[kind]}
+    return {"value": ratio, **ROLLOUT_FILTERS[kind]}
+
+
+def kept_group_count(num_groups: int, ratio: float, kind: str) -> int | None:
+    """Groups the preset ``kind`` keeps when its count is fixed (a top_k preset: int(ratio * num_groups) as RAGEN,
+    +1e-9 so 0.29 * 100 keeps 29, not 28; all of them at ratio 1); None when the count depends on the data."""
+    preset = ROLLOUT_FILTERS.get(kind)
+    if preset is None or preset.get("strategy") != "top_k":
+        return None
+    value = preset.get("value", ratio)
+    return num_groups if value >= 1.0 else int(value * num_groups + 1e-9)
+
+
+def filter_groups(scores: Tensor, group_ids: Tensor, ratio: float, kind: str,
+                  target: int | None = None) -> tuple[Tensor, dict[str, float]]:
+    """fastpo's named filters (algorithm.rollout_filter_type) over whole groups, through :func:`select_groups`.
+
+    scores fp32 [B] (trajectory returns), group_ids int [B] (any labels, any order); kind a ROLLOUT_FILTERS name;
+    ratio in (0, 1]. Returns keep bool [B] and select_groups' metrics. Unlike RAGEN's top_k clamp, a fixed-count
+    preset whose int(ratio * G) is 0 raises (preflight.validate refuses such a ratio). ``target`` (dynamic sampling
+    over several rounds): a fixed-count preset keeps exactly ``target`` groups instead of int(ratio * G); a
+    data-dependent one keeps at most ``target`` (the lowest group ids among those it selects)."""
+    args = legacy_filter_args(kind, ratio)
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores and group_ids must both be [B], got {tuple(scores.shape)} and "
+                         f"{tuple(group_ids.shape)}")
+    g = int(torch.unique(group_ids).numel())
+    if target is not None:
+        if isinstance(target, bool) or not isinstance(target, int) or target < 1:
+            raise ValueError(f"target must be >= 1 groups, got {target!r}")
+        if args["strategy"] == "top_k":
+            args["value"] = min(1.0, target / g)  # kept_group_count(G, target / G) == target
+    count = kept_group_count(g, args["value"], kind)
+    if count is not None and count < 1:
+        raise ValueError(f"rollout_filter_ratio={ratio} keeps int(ratio * {g} groups) = 0 groups; raise the ratio "
+                         f"or the number of groups")
+    return select_groups(scores, group_ids, max_groups=target if count is None else None, **args)
 
 
 # ------------------------------------------------------------------------------- empty stop, loss scaling
@@ -318,3 +395,31 @@ def filter_loss_scale(kept_fraction: float, mode: str = "none") -> float:
     if not 0.0 <= kept_fraction <= 1.0:
         raise ValueError(f"kept_fraction must lie in [0, 1], got {kept_fraction}")
     return {"none": 1.0, "linear": float(kept_fraction), "sqrt": math.sqrt(kept_fraction)}[mode]
+
+
+# ------------------------------------------------------------------------------------------- batch adjust
+BATCH_ADJUST_MODES = ("none", "copy", "delete")
+ADJUST_STREAM = 3
+"""The numpy stream id of the batch adjustment's draws: default_rng([trainer.seed, ADJUST_STREAM, step])."""
+
+
+def adjust_batch(kept: list[int], divisor: int, mode: str, rng: np.random.Generator) -> list[int]:
+    """RAGEN-2's batch_adjust_mode: make the kept trajectories a multiple of ``divisor`` (RAGEN: lcm of the env
+    groups, the mini-batch size and the GPU count). kept: trajectory indices, in order; divisor int >= 1.
+    none: unchanged. copy: append ``divisor - remainder`` indices drawn from kept (without replacement when
+    there are enough, else with), so those trajectories count twice in the update. delete: drop ``remainder``
+    indices drawn without replacement (all of them when fewer than divisor are kept: the update is skipped).
+    Returns the new index list (kept order, copies appended)."""
+    if mode not in BATCH_ADJUST_MODES:
+        raise ValueError(f"batch_adjust_mode: unknown {mode!r}; choose from {list(BATCH_ADJUST_MODES)}")
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"divisor must be an int >= 1, got {divisor!r}")
+    n = len(kept)
+    remainder = n % divisor
+    if mode == "none" or n == 0 or remainder == 0:
+        return list(kept)
+    if mode == "delete":
+        drop = set(rng.choice(n, remainder, replace=False).tolist())
+        return [k for j, k in enumerate(kept) if j not in drop]
+    extra = divisor - remainder
+    return list(kept) + [kept[j] for j in rng.choice(n, extra, replace=extra > n).tolist()]

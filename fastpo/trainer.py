@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter, deque
@@ -261,12 +262,36 @@ class Trainer:
         groups = torch.tensor([t.group for t in trajs], dtype=torch.int64)
         if a.rollout_filter_strategy == "legacy":
             return algorithms.filter_groups(rewards, groups, a.rollout_filter_ratio, a.rollout_filter_type, target)
+        metric = rollout_filter.METRIC_ALIASES.get(a.rollout_filter_metric, a.rollout_filter_metric)
+        reads_entropy = rollout_filter.FILTER_METRICS.get(metric, (None, ""))[1] == "entropies"
         return rollout_filter.select_groups(
             rewards, groups, strategy=a.rollout_filter_strategy, value=a.rollout_filter_value,
             metric=a.rollout_filter_metric, filter_type=a.rollout_filter_direction,
             include_zero=a.rollout_filter_include_zero, prob_mode=a.rollout_filter_top_p_prob_mode,
             selection_eps=a.rollout_filter_selection_eps,
-            lengths=torch.tensor([float(t.loss_mask.sum()) for t in trajs], dtype=torch.float32))
+            lengths=torch.tensor([float(t.loss_mask.sum()) for t in trajs], dtype=torch.float32),
+            entropies=self._entropies(trajs) if reads_entropy else None)
+
+    @torch.no_grad()
+    def _entropies(self, trajs: list[Trajectory]) -> Tensor:
+        """fp32 [B]: each trajectory's mean token entropy of the actor (at the sampling temperature) over its trained
+        tokens, 0 without any; the entropy filter metrics' input (RAGEN-2 runs the same forward over the whole
+        batch before its filter). Each rank computes its share, then all ranks exchange them."""
+        idx = list(range(len(trajs)))
+        mine, results = idx[self.rank::self.world], []
+        micro = pack(trajs, mine, self.cfg.optim.micro_batch_tokens, self.device, self._layout, self._token_cost)
+        for k in range(int(du.all_reduce_max(len(micro)))):
+            mb = micro[k] if k < len(micro) else pack(trajs, idx[:1], WHOLE, self.device, self._layout,
+                                                      self._token_cost)[0]
+            mask = cat_tokens(trajs, mb.indices, "loss_mask", self.device)
+            _, ent = update.token_logp(self.actor, mb, mask, self.cfg.rollout.temperature, True)
+            if k < len(micro):
+                for j, (e, m) in enumerate(zip(split_tokens(ent, mb.cu_seqlens), split_tokens(mask, mb.cu_seqlens),
+                                               strict=True)):
+                    count = float(np.count_nonzero(m))
+                    results.append((mb.indices[j], float(np.asarray(e, dtype=np.float64).sum()) / max(count, 1.0)))
+        per = dict(du.all_gather_list(results))
+        return torch.tensor([per[i] for i in idx], dtype=torch.float32)
 
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
@@ -623,8 +648,14 @@ class Trainer:
             raise TrainingAborted(f"iteration {self.step}: the rollout filter kept no group in "
                                   f"{self.empty_stop.count} iterations in a row (algorithm."
                                   f"rollout_filter_empty_stop_steps={self.empty_stop.steps})")
+        if kept and cfg.algorithm.batch_adjust_mode != "none":  # RAGEN-2's batch_adjust_mode, after the empty check
+            divisor = math.lcm(cfg.env.env_groups, cfg.optim.mini_batch_size, self.world)
+            rng = np.random.default_rng([cfg.trainer.seed, rollout_filter.ADJUST_STREAM, self.step])
+            kept = rollout_filter.adjust_batch(kept, divisor, cfg.algorithm.batch_adjust_mode, rng)
+            metrics["rollout/adjusted_batch_size"] = float(len(kept))
         if not kept:
-            logger.info(f"step {self.step}: the rollout filter kept no group; update skipped")
+            logger.info(f"step {self.step}: no trajectory left to train (the rollout filter kept no group, or "
+                        f"batch_adjust_mode delete dropped all); update skipped")
             return metrics
         # from here on one value, the iteration's batch: the kept trajectories (positions 0..K-1), each phase
         # returning new trajectories with its fields added; the rollout's own are never written

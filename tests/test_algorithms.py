@@ -293,3 +293,95 @@ def test_filter_target_over_refill_rounds():
     assert ids[keep].unique().tolist() == [1, 2, 4]  # fewer than the target: all of them
     with pytest.raises(ValueError, match="target must be >= 1"):
         alg.filter_groups(scores, ids, 1.0, "std", target=0)
+
+
+# ------------------------------------------------------------------------------ RAGEN-2 advantage options
+def _grpo_case():
+    """Two groups: G0 returns [1, 3] (mean 2, std sqrt 2), G1 [0, 0] (std 0); trained tokens 2, 1, 3, 2 of
+    lengths 3, 2, 4, 2 (the first token of each trajectory is a prompt token)."""
+    lengths = [3, 2, 4, 2]
+    mask = [0, 1, 1] + [0, 1] + [0, 1, 1, 1] + [0, 1]
+    return packed(lengths, mask, scores=[1.0, 3.0, 0.0, 0.0], group_ids=[5, 5, 9, 9])
+
+
+def per_token(batch, per_seq):
+    """The expected [N] tensor: per_seq[i] on trajectory i's trained tokens."""
+    out = []
+    for i, (a, b) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True)):
+        out += [per_seq[i] if batch.loss_mask[t] else 0.0 for t in range(a, b)]
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def test_soft_advantage_reweight_by_hand():
+    batch = _grpo_case()
+    cfg = AlgorithmConfig(adv_estimator="grpo", soft_advantage_reweight=True)
+    adv, _ = alg.compute_advantages(batch, cfg)
+    z = 1 / (math.sqrt(2) + 1e-6)  # grpo: (1 - 2) / (sqrt 2 + eps) and (3 - 2) / (...); G1 all 0
+    w0 = math.sqrt(2) / (math.sqrt(2) + 1e-6)  # G0's std / (the largest std + eps); G1 weighs 0
+    torch.testing.assert_close(adv, per_token(batch, [-z * w0, z * w0, 0.0, 0.0]))
+    assert batch.metrics["adv/soft_reweight_mean"] == pytest.approx(w0 / 2)
+    # a group of one counts as std 1 (RAGEN's GRPO convention): weights 1/(2 + eps) and 2/(2 + eps)
+    w = alg.soft_reweight(torch.tensor([0.0, 4.0, 2.0, 7.0]), torch.tensor([0, 0, 1, 2]))
+    s = math.sqrt(8)  # [0, 4]: unbiased std sqrt(8)
+    torch.testing.assert_close(w, torch.tensor([s / (s + 1e-6)] * 2 + [1 / (s + 1e-6)] * 2))
+    # grpo_norm none: every row its own group of one -> all weights 1 / (1 + eps)
+    batch = _grpo_case()
+    adv, _ = alg.compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo", grpo_norm="none",
+                                                           soft_advantage_reweight=True))
+    r = 1 / (1 + 1e-6)
+    torch.testing.assert_close(adv, per_token(batch, [1.0 * r * r, 3.0 * r * r, 0.0, 0.0]))
+
+
+def test_grpo_length_weight_by_hand():
+    batch = _grpo_case()
+    adv, _ = alg.compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo", grpo_length_weight=True))
+    z = 1 / (math.sqrt(2) + 1e-6)
+    mean = (2 + 1 + 3 + 1) / 4  # trained tokens per trajectory
+    torch.testing.assert_close(adv, per_token(batch, [-z * mean / (2 + 1e-6), z * mean / (1 + 1e-6), 0.0, 0.0]))
+    torch.testing.assert_close(alg.length_weight(batch.loss_mask, batch.cu_seqlens),
+                               torch.tensor([mean / 2, mean / 1, mean / 3, mean / 1]), rtol=1e-5, atol=0)
+
+
+def test_zero_task_advantage_keeps_returns():
+    lengths, mask = [3], [1, 1, 1]
+    batch = packed(lengths, mask, rewards=[0.0, 0.0, 1.0], values=[0.1, 0.2, 0.3])
+    cfg = AlgorithmConfig(adv_estimator="gae", zero_task_advantage=True)
+    adv, ret = alg.compute_advantages(batch, cfg)
+    assert adv.tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(ret, torch.tensor([1.0, 1.0, 1.0]))  # gamma = lam = 1: R on every token
+    adv, _ = alg.compute_advantages(_grpo_case(), AlgorithmConfig(adv_estimator="grpo", zero_task_advantage=True,
+                                                                  soft_advantage_reweight=True))
+    assert not adv.any()
+
+
+def test_norm_adv_by_std_switch():
+    batch = _grpo_case()
+    adv, _ = alg.compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std=False))
+    torch.testing.assert_close(adv, per_token(batch, [-1.0, 1.0, 0.0, 0.0]))  # R - group mean only
+
+
+def test_options_off_leave_the_estimator_alone():
+    for est in ("grpo", "rloo"):
+        a, _ = alg.compute_advantages(_grpo_case(), AlgorithmConfig(adv_estimator=est))
+        b, _ = alg.ADV_ESTIMATORS[est](_grpo_case(), AlgorithmConfig(adv_estimator=est))
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("changes,pieces", [
+    ({"soft_advantage_reweight": True}, ["algorithm.soft_advantage_reweight=true", "'grpo' only", "'gae'"]),
+    ({"grpo_length_weight": True, "adv_estimator": "rloo"}, ["algorithm.grpo_length_weight=true", "'rloo'"]),
+    ({"zero_task_advantage": "yes"}, ["algorithm.zero_task_advantage", "expected bool, got 'yes'"]),
+])
+def test_advantage_option_config_errors(changes, pieces):
+    from fastpo.config import Config, ConfigError
+    from fastpo.preflight import validate
+
+    cfg = Config()
+    for key, value in changes.items():
+        setattr(cfg.algorithm, key, value)
+    if cfg.algorithm.adv_estimator != "gae":
+        cfg.optim.critic_lr = 1e-5
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    for piece in pieces:
+        assert piece in str(err.value)

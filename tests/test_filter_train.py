@@ -22,8 +22,6 @@ BASE = [*SMALL, "--trainer.val_before_train", "false", "--trainer.val_every", "0
      r"algorithm.rollout_filter_value for top_k must lie in \(0, 1\], got 1.5"),
     ({"rollout_filter_strategy": "top_k_abs", "rollout_filter_value": 0.5},
      "algorithm.rollout_filter_value for top_k_abs is a group count"),
-    ({"rollout_filter_strategy": "top_p", "rollout_filter_metric": "entropy"},
-     "does not compute entropies before the filter yet"),
     ({"rollout_filter_strategy": "top_p", "rollout_filter_metric": "rewrd"}, "rollout_filter_metric: unknown 'rewrd'"),
     ({"rollout_filter_strategy": "min_p", "refill_rounds": 2}, "works with the legacy filter only"),
     ({"rollout_filter_empty_stop_steps": -1}, "rollout_filter_empty_stop_steps must be >= 0"),

@@ -321,3 +321,28 @@ def test_ragen_names_on_the_command_line_or_in_a_config_point_to_ours(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown section 'actor_rollout_ref'.* a RAGEN config: port it with "
                                           r"python -m fastpo.ragen_config"):
         parse_args(["--config", str(path)])
+
+
+def test_a_tags_own_instruction_and_word_limit_reach_the_prompt():
+    """RAGEN-2's CoordSokoban has its own env_instruction and max_tokens 120: the ported entry's ``prompt`` puts
+    them in the env's prompt; a bad ``prompt`` mapping is one error line naming the entry."""
+    from fastpo.env_mix import build_parts
+
+    cfg = Config()
+    cfg.env.env_groups, cfg.env.val_groups = 2, 2
+    cfg.env.train = [{"name": "sokoban", "label": "CoordSokoban",
+                      "prompt": {"env_instruction": "Push the boxes.", "max_tokens": 120}}]
+    entries = resolve_mix(cfg.env, "train")
+    assert entries[0].prompt == {"env_instruction": "Push the boxes.", "max_tokens": 120}
+    part = build_parts(entries, range(2), "python", True, "||")[0]
+    try:
+        assert part.spec.prefix().startswith("Push the boxes.\nThe meaning of each symbol")
+        assert "Max response length: 120 words (tokens)." in part.spec.turn_block("#", 3)
+    finally:
+        part.env.close()
+    cfg.env.train = [{"name": "sokoban", "prompt": {"instruction": "x", "max_tokens": 0}}]
+    with pytest.raises(ValueError) as err:
+        resolve_mix(cfg.env, "train")
+    msg = str(err.value)
+    assert "env.train[0].prompt: unknown key 'instruction'; accepted: ['env_instruction', 'max_tokens']" in msg
+    assert "env.train[0].prompt.max_tokens must be an int >= 1, got 0" in str(err.value)

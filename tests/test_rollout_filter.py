@@ -201,8 +201,24 @@ def test_defaults_keep_everything():
     assert keep.all() and m["rollout/kept_group_fraction"] == 1.0
 
 
+def _reference_legacy(rewards, gids, ratio, kind):
+    """StarPO-S by hand (statistics module, plain sorting): the kept group labels."""
+    import statistics
+
+    groups = {}
+    for g, r in zip(gids.tolist(), rewards.tolist(), strict=True):
+        groups.setdefault(g, []).append(r)
+    std = {g: statistics.stdev(v) if len(v) > 1 else 0.0 for g, v in groups.items()}
+    if kind == "nonzero":
+        return sorted(g for g, s in std.items() if s > 1e-10)
+    k = len(std) if ratio >= 1 else int(ratio * len(std) + 1e-9)
+    sign = -1 if kind == "std" else 1
+    return sorted(sorted(std, key=lambda g: (sign * std[g], g))[:k])
+
+
 @pytest.mark.parametrize("kind", ["std", "std_rev", "nonzero"])
-def test_legacy_filters_match_filter_groups(kind):
+def test_legacy_filters_match_a_reference(kind):
+    """fastpo's named filters, now presets of the family, keep what StarPO-S's rule keeps (random groups, ties)."""
     gen = torch.Generator().manual_seed(1234)
     checked = 0
     for trial in range(300):
@@ -215,14 +231,39 @@ def test_legacy_filters_match_filter_groups(kind):
         else:
             rewards = torch.randn(g * size, generator=gen)
         ratio = [0.25, 0.5, 0.29, 0.1, 1.0, float(torch.rand(1, generator=gen))][trial % 6]
-        if kind != "nonzero" and (ratio <= 0 or alg.kept_group_count(g, ratio, kind) < 1):
-            continue
         ratio = max(ratio, 1e-6)
-        expected, _ = alg.filter_groups(rewards, gids, ratio, kind)
+        if kind != "nonzero" and rf.kept_group_count(g, ratio, kind) < 1:
+            with pytest.raises(ValueError, match="0 groups"):
+                rf.filter_groups(rewards, gids, ratio, kind)
+            continue
+        expected = _reference_legacy(rewards, gids, ratio, kind)
+        keep, _ = rf.filter_groups(rewards, gids, ratio, kind)
+        assert kept_ids(keep, gids) == expected, (trial, kind, ratio)
         got, _ = rf.select_groups(rewards, gids, **rf.legacy_filter_args(kind, ratio))
-        assert torch.equal(got, expected), (trial, kind, ratio)
+        assert torch.equal(got, keep)
         checked += 1
     assert checked > 100
+
+
+def test_one_registry():
+    """The named filters are presets in rollout_filter's registry; algorithms re-exports the same objects."""
+    assert alg.ROLLOUT_FILTERS is rf.ROLLOUT_FILTERS and alg.filter_groups is rf.filter_groups
+    assert sorted(rf.ROLLOUT_FILTERS) == ["nonzero", "std", "std_rev"]
+    assert rf.kept_group_count(8, 0.25, "nonzero") is None and rf.kept_group_count(8, 0.25, "std") == 2
+    with pytest.raises(ValueError, match="already registered"):
+        rf.register_rollout_filter("std", strategy="top_k")
+    with pytest.raises(ValueError, match="rollout_filter_strategy: unknown 'nucleus'"):
+        rf.register_rollout_filter("mine", strategy="nucleus")
+
+
+def test_max_groups_caps_by_group_id():
+    rewards, gids, _ = triplets("reward_variance", SCORES)
+    keep, m = rf.select_groups(rewards, gids, strategy="top_p", value=1.0, include_zero=False, max_groups=2)
+    assert kept_ids(keep, gids) == [10, 20]  # of 10, 20, 50, 60: the two lowest ids
+    assert m["rollout/filter_kept_count"] == 2.0  # the metrics describe the capped set: stds 3 and 1
+    assert m["rollout/chosen_in_group_std"] == pytest.approx(2.0) and m["rollout/kept_group_fraction"] == 2 / 6
+    with pytest.raises(ValueError, match="max_groups must be None or an int >= 1, got 0"):
+        rf.select_groups(rewards, gids, max_groups=0)
 
 
 def test_legacy_args():
@@ -333,3 +374,47 @@ def test_top_k_count_rounding():
     keep, m = rf.select_groups(rewards, torch.arange(100), strategy="top_k", value=0.29, metric="reward")
     assert keep.nonzero().squeeze(-1).tolist() == list(range(71, 100))  # 29 groups, not int(28.999...) = 28
     assert m["rollout/filter_kept_count"] == 29.0
+
+
+class _Draws:
+    """A stand-in for numpy's Generator: choice returns the given positions (to check adjust_batch's arithmetic
+    by hand)."""
+
+    def __init__(self, picks):
+        self.picks, self.calls = picks, []
+
+    def choice(self, n, size, replace):
+        import numpy as np
+
+        self.calls.append((n, size, replace))
+        return np.array(self.picks[:size])
+
+
+def test_adjust_batch_by_hand():
+    kept = [3, 4, 5, 9, 10, 11, 20]  # 7 kept, divisor 4: remainder 3
+    rng = _Draws([6, 0, 2])
+    assert rf.adjust_batch(kept, 4, "copy", rng) == kept + [20]  # 4 - 3 = 1 copy: position 6
+    assert rng.calls == [(7, 1, False)]
+    rng = _Draws([6, 0, 2])
+    assert rf.adjust_batch(kept, 4, "delete", rng) == [4, 9, 10, 11]  # drop positions 6, 0, 2
+    assert rng.calls == [(7, 3, False)]
+    rng = _Draws([0, 1, 0, 1, 0, 1, 0])
+    assert rf.adjust_batch([7, 8], 9, "copy", rng) == [7, 8, 7, 8, 7, 8, 7, 8, 7]  # 7 copies of 2: replacement
+    assert rng.calls == [(2, 7, True)]
+    assert rf.adjust_batch([7, 8], 9, "delete", _Draws([1, 0])) == []  # fewer than the divisor: all dropped
+    for mode in ("none", "copy", "delete"):
+        assert rf.adjust_batch(kept[:4], 4, mode, _Draws([])) == kept[:4]  # divisible (or none): unchanged
+    assert rf.adjust_batch([], 4, "copy", _Draws([])) == []
+
+
+def test_adjust_batch_with_numpy_draws():
+    import numpy as np
+
+    for mode, size in (("copy", 8), ("delete", 4)):
+        out = rf.adjust_batch(list(range(6)), 4, mode, np.random.default_rng(0))
+        assert len(out) == size and set(out) <= set(range(6))
+        assert out == rf.adjust_batch(list(range(6)), 4, mode, np.random.default_rng(0))  # seeded: reproducible
+    with pytest.raises(ValueError, match=r"batch_adjust_mode: unknown 'pad'; choose from \['none', 'copy', 'delete'\]"):
+        rf.adjust_batch([1], 2, "pad", np.random.default_rng(0))
+    with pytest.raises(ValueError, match="divisor must be an int >= 1, got 0"):
+        rf.adjust_batch([1], 0, "copy", np.random.default_rng(0))
