@@ -6,11 +6,11 @@
 The file's ``defaults`` (``base``, ``envs``, ...) are read from the same folder and merged first, Hydra-style
 (later files and the file itself win); verl's ``ppo_trainer`` defaults are not ported (fastpo's defaults equal
 RAGEN's where RAGEN sets them; docs/RAGEN.md). ``${a.b}`` interpolations are resolved (one naming a key that
-is not in the merged files, e.g. a verl default, stays as written). Every RAGEN key a user
-sets is either mapped to a fastpo field (the table ``ragen_keys.KEY_MAP``), listed as a comment when it has no effect here
-(``INERT``: e.g. micro-batch sizes, which fastpo replaces with token budgets), or refused with an error naming
-it (``--ignore KEY`` skips a key or a whole subtree). ``es_manager.train`` / ``val`` with their ``tags`` and
-``n_groups`` become ``env.train`` / ``env.val`` entries, each with the tag's ``custom_envs`` settings
+is not in the merged files, e.g. a verl default, stays as written). Every RAGEN key a user sets is either
+mapped to a fastpo field (the table ``KEY_MAP``, in ``fastpo.ragen_keys``), listed as a comment when it has no
+effect here (``INERT``: e.g. micro-batch sizes, which fastpo replaces with token budgets), or refused with an
+error naming it (``--ignore KEY`` skips a key or a whole subtree). ``es_manager.train`` / ``val`` with their
+``tags`` and ``n_groups`` become ``env.train`` / ``env.val`` entries, each with the tag's ``custom_envs`` settings
 (``env_type``, ``env_config``, ``max_actions_per_traj``) and the tag as its label. ``port`` is the library
 entry; the output is checked with fastpo's own config before it is printed.
 """
