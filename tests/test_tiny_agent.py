@@ -71,7 +71,7 @@ BAD_RECIPES = [  # (flags, words of the one line); each used to fail after data 
     (["--recipe.hidden", "100"], "recipe.hidden (100) / recipe.heads (4) = 25"),
     (["--recipe.heads", "3", "--recipe.kv_heads", "1"], "recipe.hidden (128) must be divisible by recipe.heads (3)"),
     (["--recipe.kv_heads", "3"], "recipe.heads (4) must be divisible by recipe.kv_heads (3)"),
-    (["--recipe.env", "bandit", "--recipe.env_kwargs", "{}"], "recipe.env 'bandit' has no solver"),
+    (["--recipe.env", "countdown", "--recipe.env_kwargs", "{}"], "recipe.env 'countdown' has no solver"),
     (["--recipe.env", "nope"], "recipe.env: unknown env 'nope'"),
     (["--recipe.env_kwargs", "{size: -1}"], "recipe.env_kwargs {'size': -1}"),
     (["--recipe.batch_size", "0"], "recipe.batch_size must be >= 1, got 0"),
