@@ -4,22 +4,10 @@ themselves are tested by hand in tests/test_rollout_filter.py and tests/test_alg
 from __future__ import annotations
 
 import pytest
-from test_filter_train import BASE
+from test_filter_train import BASE, _iteration
 
 from fastpo.config_load import parse_args
 from fastpo.preflight import validate
-
-
-def _iteration(tmp_path, name: str, *flags: str) -> dict:
-    from fastpo.trainer import Trainer
-
-    cfg = validate(parse_args([*BASE, *flags, "--trainer.run_dir", str(tmp_path / name)]), 1)
-    trainer = Trainer(cfg)
-    try:
-        trainer.step = 1
-        return trainer.iteration()
-    finally:
-        trainer.close(export=False)
 
 
 @pytest.mark.slow
