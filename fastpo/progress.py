@@ -67,6 +67,7 @@ def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "it",
 
 
 def write(line: str, stream: TextIO | None = None) -> None:
-    """Print ``line`` on ``stream`` (default stdout) above any bar being drawn, flushed."""
-    tqdm.write(line, file=stream if stream is not None else sys.stdout)
+    """Print ``line`` on ``stream`` (default stdout) above any bar being drawn, flushed. The line and its newline go
+    out in one write: ranks sharing one stderr pipe (torchrun) would otherwise interleave between the two."""
+    tqdm.write(line + "\n", file=stream if stream is not None else sys.stdout, end="")
     (stream if stream is not None else sys.stdout).flush()

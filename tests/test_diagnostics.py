@@ -362,13 +362,13 @@ def test_gradient_analysis_measures_the_update_s_gradient_and_leaves_training_al
     """One kept group, one mini-batch, no entropy / KL term: the analysis's task-gradient norm over "all" is the
     norm the update's one optimiser step then measures at the same weights; and an iteration with the analysis
     trains exactly as one without it."""
-    from fastpo import testing
+    from test_trainer import train_iterations
 
     on = validate(parse_args([*_ONE_MINI_BATCH, "--trainer.gradient_analysis_every", "1",
                               "--trainer.run_dir", str(tmp_path / "on")]), 1)
     off = validate(parse_args([*_ONE_MINI_BATCH, "--trainer.run_dir", str(tmp_path / "off")]), 1)
-    rows_on, weights_on = testing.train_iterations(on, 1)
-    rows_off, weights_off = testing.train_iterations(off, 1)
+    rows_on, weights_on = train_iterations(on, 1)
+    rows_off, weights_off = train_iterations(off, 1)
     m = rows_on[0]
     assert m["grad_norm/all/sample_count"] == 2 and m["grad_norm/all/sample_pct"] == 1.0
     assert m["grad_norm/all/task"] == pytest.approx(m["actor/grad_norm"], rel=1e-5)
