@@ -48,6 +48,27 @@ CHECK = textwrap.dedent(
             assert a.reset(seeds + 1, mask) == b.reset(seeds + 1, mask)
             sa, sb = a.get_state(), b.get_state()
             assert all(np.array_equal(sa[k], sb[k]) for k in sb)
+    # RAGEN-2's games: 2048 and the cube (integer actions, some past the action list), Sudoku (text actions)
+    for name in ("game_2048", "rubikscube"):
+        a, b = envs.make(name, 16, backend="cpp"), envs.make(name, 16, backend="python")
+        n = len(a.action_names)
+        for _ in range(3):
+            seeds = rng.integers(-2**62, 2**62, 16)
+            assert a.reset(seeds) == b.reset(seeds)
+            for t in range(25):
+                acts = rng.integers(0, n + 2, 16).astype(np.int32)
+                x, y = a.step(acts), b.step(acts)
+                assert x[0] == y[0] and all(np.array_equal(x[k], y[k]) for k in (1, 2, 3)), name
+            sa, sb = a.get_state(), b.get_state()
+            assert all(np.array_equal(sa[k], sb[k]) for k in sb), name
+    a, b = envs.make("sudoku", 8, backend="cpp"), envs.make("sudoku", 8, backend="python")
+    seeds = rng.integers(0, 2**40, 8)
+    assert a.reset(seeds) == b.reset(seeds)
+    for t in range(15):
+        texts = [f"{rng.integers(0, 11)},{rng.integers(0, 11)},{rng.integers(-1, 11)}" if rng.random() < 0.9
+                 else "x,1" for _ in range(8)]
+        x, y = a.step(texts), b.step(texts)
+        assert x[0] == y[0] and all(np.array_equal(x[k], y[k]) for k in (1, 2, 3))
     # Layouts without border walls (edge checks), and the standalone generators.
     a = envs.make("sokoban", 2, backend="cpp", dim_room=(4, 4), max_steps=50)
     a.reset_from_layouts(["PX_O\\n____\\n____\\n____", "____\\n____\\n____\\nXPO_"])

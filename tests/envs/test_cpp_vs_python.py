@@ -206,8 +206,10 @@ def test_mask_reset_leaves_other_instances_untouched(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", SOKOBAN_CONFIGS, ids=["6x6", "8x8"])
-def test_sokoban_levels_equal_for_20000_seeds(cfg):
-    seeds = np.random.default_rng(7).integers(-(2**63), 2**63 - 1, 20_000)
+def test_sokoban_levels_equal_for_5000_seeds_over_the_int64_range(cfg):
+    """5,000 random seeds over the whole int64 range (the fast test above covers 2,000 structured ones). It was
+    20,000, the slowest test of the suite (86 s on 2 cores): the generator has not differed since."""
+    seeds = np.random.default_rng(7).integers(-(2**63), 2**63 - 1, 5_000)
     env = envs.make("sokoban", len(seeds), backend="cpp", num_threads=2, **cfg)
     env.reset(seeds)
     state = env.get_state()
