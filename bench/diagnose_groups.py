@@ -26,7 +26,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from fastpo import algorithms, envs, update  # noqa: E402
-from fastpo.cli import describe, parse  # noqa: E402
+from fastpo.cli import parse  # noqa: E402
+from fastpo.cli_schema import describe  # noqa: E402
 from fastpo.config import AlgorithmConfig, Config  # noqa: E402
 from fastpo.engine.base import SamplingParams  # noqa: E402
 from fastpo.engine.hf import HFEngine  # noqa: E402

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import cli
+from .cli_schema import describe
 from .config import Config
 from .config_io import load_json
 from .presets import PRESETS
@@ -30,7 +31,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m fastpo.trai
     < ``--section.field`` flags (``fastpo.cli``). ``--help`` prints every field and exits 0; bad input raises
     ConfigError."""
     summaries = {n: (fn.__doc__ or "").split(". ")[0].split(":")[0] for n, fn in PRESETS.items()}
-    description = cli.describe(*DESCRIPTION, items=summaries, items_title="presets:")
+    description = describe(*DESCRIPTION, items=summaries, items_title="presets:")
     return cli.parse(Config, argv, prog=prog, description=description, presets=PRESETS)
 
 

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from . import config
-from .cli import describe, parse, subset
+from .cli import parse
+from .cli_schema import describe, subset
 from .engine.base import Engine, SamplingParams
 from .progress import progress_bar
 from .prompts import env_prompt_spec

@@ -458,7 +458,8 @@ class PortArgs:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: print the ported YAML (exit 0) or one ``error:`` message naming the unmapped keys (exit 2)."""
-    from .cli import describe, parse
+    from .cli import parse
+    from .cli_schema import describe
     from .config import Config, ConfigError
     from .config_load import merge
     from .preflight import validate

@@ -287,7 +287,8 @@ class ReportArgs:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: the report of one run, or the comparison PNG of several; bad input exits 2 with one ``error:``
     line."""
-    from .cli import describe, parse
+    from .cli import parse
+    from .cli_schema import describe
     from .config import ConfigError
 
     try:

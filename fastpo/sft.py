@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from . import distributed as dist_utils
-from .cli import describe, parse, subset
+from .cli import parse
+from .cli_schema import describe, subset
 from .config import ConfigError, EnvConfig, ModelConfig, RolloutConfig, failed, is_field
 from .progress import write
 from .sft_core import DEFAULT_SFT_SEED, generate_episodes, tokenize_episode, train_sft

@@ -357,7 +357,8 @@ class TinyAgentArgs:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import describe, parse
+    from .cli import parse
+    from .cli_schema import describe
 
     try:
         args = parse(TinyAgentArgs, argv, prog="python -m fastpo.tiny_agent",

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from fastpo import cli
+from fastpo import cli_schema
 from fastpo import config as C
 from fastpo.config import Config, ConfigError
 from fastpo.config_load import from_json, parse_args
@@ -38,7 +38,7 @@ def test_defaults_are_ragen_starpo_s():
 def test_every_field_has_a_docstring():
     for section in C.SECTIONS:
         cls = C._section_cls(section)
-        docs = cli.field_docs(cls)
+        docs = cli_schema.field_docs(cls)
         for f in dataclasses.fields(cls):
             assert len(docs.get(f.name, "")) > 10, f"{section}.{f.name} has no docstring"
 
