@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from .base import BatchEnv, StepResult, build_config, check_mask, check_seeds, check_text_actions, empty_info, fnv1a64
+from .base import StepResult, check_mask, check_seeds, check_text_actions, empty_info, fnv1a64
 from .prompt_text import SUDOKU_INSTRUCTION
 from .rng import STREAM_SUDOKU, CounterRng
-from .sudoku import MAX_FILL_STEPS, SudokuConfig, check_puzzles, parse_action
+from .sudoku import MAX_FILL_STEPS, SudokuBase, SudokuConfig, check_puzzles, parse_action
 
 
 def shuffle(items: list, rng: CounterRng) -> None:
@@ -167,17 +167,11 @@ class SudokuGame:
         return "\n".join(out)
 
 
-class PySudokuEnv(BatchEnv):
+class PySudokuEnv(SudokuBase):
     """Batch of pure-Python Sudoku puzzles; same API, config and results as ``SudokuEnv`` (C++)."""
 
-    name = "sudoku"
-    action_space = "text"
-    action_names: list[str] = []
-    max_actions_per_turn = 5
-
     def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
-        self.config: SudokuConfig = build_config(SudokuConfig, self.name, config)
+        super().__init__(num_envs, **config)
         self.games: list[SudokuGame | None] = [None] * self.num_envs
 
     def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:

@@ -150,14 +150,9 @@ def check_puzzles(initial: Any, solution: Any, num_envs: int, grid_size: int) ->
     return np.ascontiguousarray(initial, dtype=np.uint8), np.ascontiguousarray(solution, dtype=np.uint8)
 
 
-class SudokuEnv(BatchEnv):
-    """``num_envs`` Sudoku puzzles; text actions (see the module docstring). Config: see ``SudokuConfig``.
-
-    ``step(actions, active=None, render=True)``: ``actions`` a list of ``num_envs`` str; instances with ``active``
-    False are not stepped. State key: FNV-1a 64 of the puzzle then the current grid (G * G bytes each; not the
-    feedback text or the step counter). ``get_state``: initial/current/solution ``uint8[N, G, G]``, num_steps
-    ``int32[N]``, terminated/truncated ``bool[N]``.
-    """
+class SudokuBase(BatchEnv):
+    """What the C++ env and its pure-Python twin (``py_sudoku.PySudokuEnv``) share: the name, the text action space
+    and the config, read once."""
 
     name = "sudoku"
     action_space = "text"
@@ -166,9 +161,22 @@ class SudokuEnv(BatchEnv):
 
     def __init__(self, num_envs: int, **config: Any):
         super().__init__(num_envs)
+        self.config: SudokuConfig = build_config(SudokuConfig, self.name, config)
+
+
+class SudokuEnv(SudokuBase):
+    """``num_envs`` Sudoku puzzles; text actions (see the module docstring). Config: see ``SudokuConfig``.
+
+    ``step(actions, active=None, render=True)``: ``actions`` a list of ``num_envs`` str; instances with ``active``
+    False are not stepped. State key: FNV-1a 64 of the puzzle then the current grid (G * G bytes each; not the
+    feedback text or the step counter). ``get_state``: initial/current/solution ``uint8[N, G, G]``, num_steps
+    ``int32[N]``, terminated/truncated ``bool[N]``.
+    """
+
+    def __init__(self, num_envs: int, **config: Any):
+        super().__init__(num_envs, **config)
         from fastpo import _C
 
-        self.config: SudokuConfig = build_config(SudokuConfig, self.name, config)
         cfg = self.config
         self._batch = _C.SudokuBatch(
             self.num_envs, cfg.grid_size, cfg.cells_to_remove, cfg.max_steps, RENDER_FORMATS[cfg.render_format],
