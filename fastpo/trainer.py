@@ -179,7 +179,8 @@ class Trainer:
         """This rank's generation engine (rollout.engine), holding its own full copy of the policy; weights are
         pushed after every update. vLLM: one in-process instance per rank for the rank's own groups; under torchrun
         it joins the existing process group as an independent replica (``external_launcher``, tensor parallel 1).
-        The HF engine keeps transformers' default attention: its KV-cache slabs need masks with holes.
+        The HF engine keeps the model's attention implementation (its KV slots need masks with holes); on CPU its
+        forwards of grouped-KV models go through SDPA's GQA path (``fastpo.engine.attention``).
         vLLM sleeps at level 2 (every wake is a full weight push: nothing to keep on the host), and on GPU sizes
         its KV cache and step token budget from the rank's largest batch (train or validation sessions, at most
         rollout.max_num_seqs) unless rollout.kv_cache_mb is set."""
@@ -272,26 +273,14 @@ class Trainer:
             lengths=torch.tensor([float(t.loss_mask.sum()) for t in trajs], dtype=torch.float32),
             entropies=self._entropies(trajs) if reads_entropy else None)
 
-    @torch.no_grad()
     def _entropies(self, trajs: list[Trajectory]) -> Tensor:
         """fp32 [B]: each trajectory's mean token entropy of the actor (at the sampling temperature) over its trained
         tokens, 0 without any; the entropy filter metrics' input (RAGEN-2 runs the same forward over the whole
-        batch before its filter). Each rank computes its share, then all ranks exchange them."""
+        batch before its filter). Collective, through :meth:`_score`."""
         idx = list(range(len(trajs)))
-        mine, results = idx[self.rank::self.world], []
-        micro = pack(trajs, mine, self.cfg.optim.micro_batch_tokens, self.device, self._layout, self._token_cost)
-        for k in range(int(du.all_reduce_max(len(micro)))):
-            mb = micro[k] if k < len(micro) else pack(trajs, idx[:1], WHOLE, self.device, self._layout,
-                                                      self._token_cost)[0]
-            mask = cat_tokens(trajs, mb.indices, "loss_mask", self.device)
-            _, ent = update.token_logp(self.actor, mb, mask, self.cfg.rollout.temperature, True)
-            if k < len(micro):
-                for j, (e, m) in enumerate(zip(split_tokens(ent, mb.cu_seqlens), split_tokens(mask, mb.cu_seqlens),
-                                               strict=True)):
-                    count = float(np.count_nonzero(m))
-                    results.append((mb.indices[j], float(np.asarray(e, dtype=np.float64).sum()) / max(count, 1.0)))
-        per = dict(du.all_gather_list(results))
-        return torch.tensor([per[i] for i in idx], dtype=torch.float32)
+        scored = self._score(trajs, idx, extras=False, entropy=True)
+        return torch.tensor([float(np.asarray(scored[i]["entropy"], dtype=np.float64).sum())
+                             / max(float(np.count_nonzero(trajs[i].loss_mask)), 1.0) for i in idx], dtype=torch.float32)
 
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
@@ -429,12 +418,13 @@ class Trainer:
 
     @torch.no_grad()
     def _score(self, trajs: list[Trajectory], kept: list[int], actor: bool = True,
-               extras: bool = True) -> dict[int, dict[str, np.ndarray]]:
+               extras: bool = True, entropy: bool = False) -> dict[int, dict[str, np.ndarray]]:
         """Old logprobs (and reference logprobs / values) of the trajectories ``kept`` (indices into ``trajs``):
         each rank computes kept[r::world], then all ranks exchange them. Returns index -> {"old_logp", "ref_logp",
         "values"} (fp32 [T] each, 0 off the trained tokens), on every rank; ``trajs`` are not changed.
         ``actor=False`` skips the old logprobs (they come from the update's forward or the sampler:
-        ``update.old_logprob_source``); ``extras=False`` skips the reference logprobs and values."""
+        ``update.old_logprob_source``); ``extras=False`` skips the reference logprobs and values; ``entropy`` adds
+        the actor's per-token "entropy" (with ``actor``)."""
         use_ref, critic = self.use_ref and extras, self.critic is not None and extras
         if not actor and not use_ref and not critic:
             return {}
@@ -446,7 +436,9 @@ class Trainer:
                                                       self._token_cost)[0]
             mask = cat_tokens(trajs, mb.indices, "loss_mask", self.device)
             out = {}
-            if actor:
+            if actor and entropy:
+                out["old_logp"], out["entropy"] = update.token_logp(self.actor, mb, mask, temperature, True)
+            elif actor:
                 out["old_logp"] = update.token_logp(self.actor, mb, mask, temperature, False)
             if use_ref:
                 out["ref_logp"] = self._ref_logp(mb, mask)
