@@ -203,15 +203,10 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
 def load_file(path: str) -> dict[str, Any]:
     """A YAML (or JSON) config file as a mapping, read with ``fastpo.config_io.load_yaml`` (bounded depth and size);
     ConfigError naming the file when it cannot be read."""
-    from .config_io import load_yaml
+    from .config_io import load_yaml_file
 
     try:
-        with open(path) as f:
-            data = load_yaml(f, f"--config: {path!r}")
-    except OSError as e:
-        raise error(f"--config: cannot read {path!r}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise error(f"--config: {path!r} is not a text file (a YAML / JSON mapping of sections is expected)") from None
+        data = load_yaml_file(path, f"--config file {path!r}", "a YAML / JSON mapping of sections")
     except ValueError as e:
         raise error(str(e)) from None
     return data or {}
