@@ -118,6 +118,7 @@ def _response(kind: str, env: Any, actions: list[Any], spec: EnvPromptSpec, thou
     return f"<think>{default if thought is None else thought}</think>{answer}"
 
 
+# The episode settings below are also fastpo.eval.evaluate's parameters (alike in shape): each API keeps its own.
 def generate_episodes(
     env_name: str,
     n: int,
