@@ -162,6 +162,24 @@ def ragen_hint(name: str, valid: Any, flag: bool) -> str:
     return f"; RAGEN's {short} is " + " or ".join(f"--{f}" if flag else f for f in fields) if fields else ""
 
 
+def renamed_hint(name: str, root: Any, flag: bool) -> str:
+    """``"; did you mean --trainer.keep_checkpoints? (the new name of trainer.keep_last)"`` when `name` (an unknown
+    dotted setting, ``--`` or not) is a field's old name in the ``_renamed`` map of its section of the dataclass
+    `root` (instance or class); '' otherwise. Config files still read old names (a run's config.json from before
+    the rename); on the command line an old name is refused with this hint."""
+    *path, last = name.lstrip("-").split(".")
+    cls = root if isinstance(root, type) else type(root)
+    for part in path:
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            return ""
+        cls = hints[part]
+    new = getattr(cls, "_renamed", {}).get(last) if dataclasses.is_dataclass(cls) else None
+    if new is None:
+        return ""
+    return f"; did you mean {'--' if flag else ''}{'.'.join([*path, new])}? (the new name of {'.'.join([*path, last])})"
+
+
 def field_names(obj: Any, prefix: str = "") -> list[str]:
     """The dotted names of every field of the dataclass (instance or class) ``obj``, nested sections walked."""
     hints = typing.get_type_hints(obj if isinstance(obj, type) else type(obj))

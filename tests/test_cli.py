@@ -71,3 +71,20 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name,
             read()
         text = str(err.value)
         assert words.format(what=f"{what} {str(path)!r}") in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize("argv", [["--trainer.keep_last", "3"], ["--trainer.keep_last=3"]])
+@pytest.mark.parametrize("plain", [False, True], ids=["tyro", "plain"])
+def test_a_renamed_flag_is_one_line_naming_the_new_flag(monkeypatch, plain, argv):
+    """trainer.keep_last is now trainer.keep_checkpoints: a config file with the old name still loads (test_config),
+    the old flag is refused with the new one named, by tyro's hook and by the plain parser alike."""
+    from fastpo import cli
+
+    if plain:
+        monkeypatch.setattr(cli, "tyro", None)
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    text = str(err.value)
+    assert text.startswith("Unrecognized options: --trainer.keep_last") and "\n" not in text, text
+    assert text.endswith("; did you mean --trainer.keep_checkpoints? (the new name of trainer.keep_last)"), text
+    assert parse_args(["--trainer.keep_checkpoints", "3"]).trainer.keep_checkpoints == 3
