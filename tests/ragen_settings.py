@@ -300,40 +300,33 @@ EXPERIMENTS_TODAY = {name: revised(settings, changed=_COORD_CHANGES[name], remov
 _WORKER_KEYS = {'parallel_friendly': False, 'max_workers': 32}
 _BANDIT, _SOKOBAN, _FROZEN_LAKE = (CUSTOM_ENVS_SEPT[name] for name in ('_1_bandit', '_2_sokoban', '_3_frozen_lake'))
 
+#: The env_instruction of RAGEN-2's coordinate tags, a line of its text per line.
+COORD_SOKOBAN_INSTRUCTION = (
+    'You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.\n'
+    'You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \n'
+    'Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). \n'
+    'When you are exactly next to a box, you can push it by moving in the same direction. \n'
+    'You cannot push a box through a wall, and you cannot pull a box.\n'
+    'The answer should be a sequence of actions, like <answer>Right || Right || Up</answer>.\n')
+COORD_FROZEN_LAKE_INSTRUCTION = (
+    'You are solving the FrozenLake puzzle. The observation includes both a symbol grid and zero-indexed coordinates for the start, goal, player, and any holes.\n'
+    'Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5).\n'
+    'Beware that the ice is slippery, so the agent might slide and end up in an unintended tile.\n'
+    'Respond with a sequence of actions such as <answer>Left || Up || Up</answer>.\n')
+
 # Bandit's tags draw their arm names from a split; each grid experiment's new tag is its old tag's entry with the
-# coordinate observation, a longer instruction and 120 tokens. (The two instructions are alike in shape only: two
-# different prompt texts, each RAGEN's own.)
+# coordinate observation, its instruction and 120 tokens.
 CUSTOM_ENVS_TODAY = {
     '_1_bandit': {'Bandit': revised(_BANDIT['Bandit'], added=_WORKER_KEYS, changed={'env_config': {'split': 'train'}}),
                   'BanditTest': revised(_BANDIT['BanditTest'], added=_WORKER_KEYS,
                                         changed={'env_config': {'split': 'test'}})},
     '_2_sokoban': {'CoordSokoban': revised(
         _SOKOBAN['SimpleSokoban'], added=_WORKER_KEYS,
-        changed={'env_instruction': 'You are solving the Sokoban puzzle. You are the player and you need to '
-                                    'push all boxes to targets.\n'
-                                    'You are provided with a symbol grid and the zero-indexed coordinates '
-                                    'of the player, each box, and each target. \n'
-                                    'Coordinates range from the top-left corner (0, 0) to the bottom-right '
-                                    'corner (5, 5). \n'
-                                    'When you are exactly next to a box, you can push it by moving in the '
-                                    'same direction. \n'
-                                    'You cannot push a box through a wall, and you cannot pull a box.\n'
-                                    'The answer should be a sequence of actions, like <answer>Right || '
-                                    'Right || Up</answer>.\n',
-                 'max_tokens': 120,
+        changed={'env_instruction': COORD_SOKOBAN_INSTRUCTION, 'max_tokens': 120,
                  'env_config': revised(_SOKOBAN['SimpleSokoban']['env_config'],
                                        added={'observation_format': 'grid_coord'})})},
     '_3_frozen_lake': {'CoordFrozenLake': revised(
         _FROZEN_LAKE['FrozenLake'], added=_WORKER_KEYS,
-        changed={'env_instruction': 'You are solving the FrozenLake puzzle. The observation includes '
-                                    'both a symbol grid and zero-indexed coordinates for the start, '
-                                    'goal, player, and any holes.\n'
-                                    'Coordinates range from the top-left corner (0, 0) to the '
-                                    'bottom-right corner (5, 5).\n'
-                                    'Beware that the ice is slippery, so the agent might slide and end '
-                                    'up in an unintended tile.\n'
-                                    'Respond with a sequence of actions such as <answer>Left || Up || '
-                                    'Up</answer>.\n',
-                 'max_tokens': 120,
+        changed={'env_instruction': COORD_FROZEN_LAKE_INSTRUCTION, 'max_tokens': 120,
                  'env_config': {'observation_format': 'grid_coord', 'success_rate': 1}})},
 }
