@@ -175,7 +175,8 @@ def _words(value: Any, tp: Any) -> list[str]:
 
 def _one_line(base: Any) -> Callable[[Any], None]:
     """tyro's parse-error hook for ``base``'s flags: the failures a user makes become one ConfigError line (the flag,
-    the value, what is accepted, close matches; an unknown flag spelled RAGEN's way names ours)."""
+    the value, what is accepted, close matches; an unknown flag spelled RAGEN's way names ours, a field's old name
+    its new one)."""
     names = field_names(base)
     flags = ["--" + n for n in names if not any(m.startswith(n + ".") for m in names)]  # fields, not sections
 
@@ -185,6 +186,7 @@ def _one_line(base: Any) -> Callable[[Any], None]:
             given = [t.split("=")[0] for t in event.tokens if t.startswith("--")]
             hints = [did_you_mean(f, flags, cutoff=0.8) for f in given]
             hints += [ragen_hint(f, {f[2:] for f in flags}, flag=True) for f in given]
+            hints += [values.renamed_hint(f, base, flag=True) for f in given]  # a field's old name: its new one
             raise error(f"Unrecognized options: {', '.join(map(_cut, event.tokens))}{''.join(hints)}")
         if isinstance(event, errors.InvalidChoice):
             raise error(f"invalid choice {_cut(event.value)!r} for argument {flag(event.argument)!r}. Expected one of "
@@ -230,6 +232,9 @@ def _parse_plain(cls: type[T], argv: list[str], base: T, prog: str, description:
         *path, name = key.replace("-", "_").split(".")
         if not path:
             raise error(f"--{key}: flags are --section.field VALUE; sections: {sections}{did_you_mean(key, sections)}")
+        old = values.renamed_hint(key.replace("-", "_"), base, flag=True)
+        if old:  # merge reads a field's old name (older config files); on the command line it is refused, as tyro does
+            raise error(f"Unrecognized options: --{key}{old}")
         node = data
         for part in path:
             node = node.setdefault(part, {})

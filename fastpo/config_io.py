@@ -4,6 +4,7 @@ Values quoted in error messages are cut to a bounded length by ``fastpo.config.s
 
     data = load_yaml(text_or_file, "--config 'my.yaml'")   # ValueError (one line) for bad, too deep or too big input
     data = load_json(text, "'runs/x/config.json'")
+    data = load_yaml_file(path, f"--config file {path!r}", "a YAML / JSON mapping of sections")
 
 Why: YAML aliases let a 1 KB file stand for a structure of 10^9 nodes ("billion laughs"): loading it is cheap (the
 aliases are shared references), but every later walk of it (a type check, a deep copy, the ``repr`` in an error
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from typing import IO, Any
 
 from .config import shown_text
@@ -106,6 +108,25 @@ def load_yaml(source: str | IO[str], what: str) -> Any:
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def load_yaml_file(path: str | os.PathLike, what: str, expected: str) -> Any:
+    """The YAML (or JSON) document in the file at `path`, read as a stream with :func:`load_yaml`.
+
+    Args:
+        what: how messages name the file (``"--config file 'my.yaml'"``, ``"RAGEN config 'x.yaml'"``).
+        expected: what the file should hold, for a binary file's message (``"a RAGEN YAML"``).
+    Raises:
+        ValueError: one line naming the file: it cannot be read (the OS's reason), it is not text, or
+            :func:`load_yaml`'s refusals.
+    """
+    try:
+        with open(path) as f:
+            return load_yaml(f, what)
+    except OSError as e:
+        raise ValueError(f"cannot read {what}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not a text file ({expected} is expected)") from None
 
 
 def load_json(text: str | bytes, what: str) -> Any:

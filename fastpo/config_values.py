@@ -162,6 +162,24 @@ def ragen_hint(name: str, valid: Any, flag: bool) -> str:
     return f"; RAGEN's {short} is " + " or ".join(f"--{f}" if flag else f for f in fields) if fields else ""
 
 
+def renamed_hint(name: str, root: Any, flag: bool) -> str:
+    """``"; did you mean --trainer.keep_checkpoints? (the new name of trainer.keep_last)"`` when `name` (an unknown
+    dotted setting, ``--`` or not) is a field's old name in the ``_renamed`` map of its section of the dataclass
+    `root` (instance or class); '' otherwise. Config files still read old names (a run's config.json from before
+    the rename); on the command line an old name is refused with this hint."""
+    *path, last = name.lstrip("-").split(".")
+    cls = root if isinstance(root, type) else type(root)
+    for part in path:
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            return ""
+        cls = hints[part]
+    new = getattr(cls, "_renamed", {}).get(last) if dataclasses.is_dataclass(cls) else None
+    if new is None:
+        return ""
+    return f"; did you mean {'--' if flag else ''}{'.'.join([*path, new])}? (the new name of {'.'.join([*path, last])})"
+
+
 def field_names(obj: Any, prefix: str = "") -> list[str]:
     """The dotted names of every field of the dataclass (instance or class) ``obj``, nested sections walked."""
     hints = typing.get_type_hints(obj if isinstance(obj, type) else type(obj))
@@ -203,15 +221,10 @@ def merge(obj: Any, data: Any, source: str = "config", known: Callable[[str], bo
 def load_file(path: str) -> dict[str, Any]:
     """A YAML (or JSON) config file as a mapping, read with ``fastpo.config_io.load_yaml`` (bounded depth and size);
     ConfigError naming the file when it cannot be read."""
-    from .config_io import load_yaml
+    from .config_io import load_yaml_file
 
     try:
-        with open(path) as f:
-            data = load_yaml(f, f"--config: {path!r}")
-    except OSError as e:
-        raise error(f"--config: cannot read {path!r}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise error(f"--config: {path!r} is not a text file (a YAML / JSON mapping of sections is expected)") from None
+        data = load_yaml_file(path, f"--config file {path!r}", "a YAML / JSON mapping of sections")
     except ValueError as e:
         raise error(str(e)) from None
     return data or {}

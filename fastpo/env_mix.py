@@ -128,6 +128,19 @@ def _count_errors(env_cfg: Any, split: str, total: Any, default_size: Any) -> li
     return errors
 
 
+def _raised_step_limit(name: str, budget: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The single-config mode's env config: `kwargs` with the env's step limit raised to the global action budget
+    wherever ``envs.step_limit_config`` raises it (an env whose limit the config leaves at its default: the grids,
+    2048, Sudoku, the cube), so that an episode does not stop silently below the budget its prompt shows. Where it
+    would refuse the budget instead (a one-action env, QA's attempts, a plug-in's or the config's own lower limit)
+    `kwargs` is kept: the one global budget (default 10) also reaches Bandit in this mode and has never been checked
+    against each env; an env.train entry's own budget is."""
+    try:
+        return envs.step_limit_config(name, budget, kwargs)
+    except ValueError:
+        return dict(kwargs)
+
+
 def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
     from .rollout import env_label
 
@@ -140,13 +153,7 @@ def _resolve(env_cfg: Any, split: str) -> tuple[list[EnvEntry], list[str]]:
         out = []
         for k, name in enumerate(names):
             budget = env_cfg.max_actions_per_traj
-            kwargs = dict(env_cfg.kwargs)
-            base = envs.base_name(name)
-            if base in ("sokoban", "frozenlake") and "max_steps" not in kwargs:
-                try:  # only ever raised: a budget above the env's limit used to stop silently at the limit
-                    kwargs = envs.step_limit_config(name, budget, kwargs)
-                except ValueError as e:
-                    errors.append(f"env.max_actions_per_traj: {e}")
+            kwargs = _raised_step_limit(name, budget, env_cfg.kwargs)
             out.append(EnvEntry(name, env_label(name), [g for g in range(total) if g % len(names) == k],
                                 default_size, kwargs, env_cfg.max_turns, env_cfg.max_actions_per_turn, budget))
         return out, errors

@@ -96,17 +96,13 @@ def load_ragen_yaml(path: str | Path) -> dict[str, Any]:
     """A RAGEN YAML with its ``defaults`` merged in (sibling ``<name>.yaml`` files, recursively; ``ppo_trainer``
     skipped) and ``${a.b}`` interpolations resolved. Raises PortError naming a missing, unreadable, binary, too deep
     or too big file (``fastpo.config_io.load_yaml``)."""
-    from .config_io import load_yaml
+    from .config_io import load_yaml_file
 
     def load(p: Path, seen: tuple[Path, ...]) -> dict:
         if p in seen:
             raise PortError(f"{p}: defaults form a cycle through {[str(s) for s in seen]}")
         try:
-            data = load_yaml(p.read_text(), str(p)) or {}
-        except OSError as e:
-            raise PortError(f"cannot read RAGEN config {str(p)!r}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise PortError(f"{p} is not a text file (a RAGEN YAML is expected)") from None
+            data = load_yaml_file(p, f"RAGEN config {str(p)!r}", "a RAGEN YAML") or {}
         except ValueError as e:
             raise PortError(str(e)) from None
         if not isinstance(data, dict):

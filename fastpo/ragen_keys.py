@@ -85,6 +85,7 @@ def _bool(v: Any) -> bool:
 
 
 #: RAGEN key -> (fastpo field, conversion). A conversion returning None with field None is a pure check.
+#: (Rows alike in shape are the table's own, one per key: not repeats.)
 KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "model_path": ("model.path", str),
     "actor_rollout_ref.model.path": ("model.path", str),

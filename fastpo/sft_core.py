@@ -7,7 +7,7 @@ recipe).
     losses = train_sft(model, data, steps=300, lr=2e-3, batch_size=32, pad_token_id=tok.pad_token_id)
 
 Data (``generate_episodes``): instance i has env seed ``seed + i``. Each turn the solver plans from the current
-state (``env.solve()``: Sokoban BFS, FrozenLake shortest path, Bandit the high-risk arm, Countdown the generated
+state (``env.solve()``: Sokoban BFS, FrozenLake shortest path, Bandit its high-risk arm, Countdown the generated
 solution), the turn's action count is drawn, and each planned action is replaced with probability ``noise`` by a
 random one, which ends the turn (the next turn re-plans from wherever it led). The assistant message is RAGEN's
 canonical rewrite (``<think>{thought}</think><answer>A || B</answer>``, ``THOUGHTS``); the loss mask covers the
@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from fastpo.envs.bandit import ACTION_HI, ACTION_LO
 
 from .progress import progress_bar
 from .prompts import EnvPromptSpec, Turn, build_messages, env_prompt_spec, turn_reward
@@ -84,10 +86,8 @@ def _kind(env: Any) -> str:
 
 def _plans(env: Any, kind: str) -> list[list[Any] | None]:
     """The expert's action list per instance from the current state (None: no solution)."""
-    if kind in ("sokoban", "frozenlake"):
+    if kind in ("sokoban", "frozenlake", "bandit"):  # Bandit: the high-risk arm's id, which its split decides
         return env.solve()
-    if kind == "bandit":
-        return [[2]] * env.num_envs  # 2 = the high-risk arm (fastpo.envs.bandit.ACTION_HI)
     if kind == "plugin":
         return env.expert_actions()
     return [[s] if s is not None else None for s in env.solutions()]
@@ -105,7 +105,10 @@ def _random_action(rng: np.random.Generator, kind: str, env: Any, i: int, planne
     if kind == "plugin":  # noise needs a vocabulary to draw from (checked in generate_episodes)
         others = [a for a in env.action_vocabulary if a != planned]
         return others[int(rng.integers(len(others)))] if others else planned
-    others = [a for a in range(1, len(env.action_names) + 1) if a != planned]
+    if kind == "bandit":  # the other arm of the instance's own pair: another pair's arm is no pull at all
+        others = [planned - ACTION_HI + ACTION_LO]
+    else:
+        others = [a for a in range(1, len(env.action_names) + 1) if a != planned]
     return others[int(rng.integers(len(others)))]
 
 
@@ -118,6 +121,7 @@ def _response(kind: str, env: Any, actions: list[Any], spec: EnvPromptSpec, thou
     return f"<think>{default if thought is None else thought}</think>{answer}"
 
 
+# The episode settings below are also fastpo.eval.evaluate's parameters (alike in shape): each API keeps its own.
 def generate_episodes(
     env_name: str,
     n: int,

@@ -48,3 +48,43 @@ def test_without_the_parse_error_hook_a_failure_is_still_one_line(monkeypatch):
             parse_args(argv)
         text = str(err.value)
         assert words in text and "\n" not in text and "╭" not in text and "----" not in text, text
+
+
+@pytest.mark.parametrize("name,content,words", [
+    ("missing.yaml", None, "cannot read {what}: No such file or directory"),
+    ("folder", "dir", "cannot read {what}: Is a directory"),
+    ("binary.yaml", b"\x00\xff\xfe", "{what} is not a text file ("),
+    ("bad.yaml", b"a: [1\n", "{what} is not valid YAML: while parsing a flow sequence"),
+])
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, content, words):
+    """--config and the RAGEN port read a file through one function (config_io.load_yaml_file): the same refusals."""
+    from fastpo.ragen_config import PortError, load_ragen_yaml
+
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    for read, err_type, what in ((lambda: parse_args(["--config", str(path)]), ConfigError, "--config file"),
+                                 (lambda: load_ragen_yaml(path), PortError, "RAGEN config")):
+        with pytest.raises(err_type) as err:
+            read()
+        text = str(err.value)
+        assert words.format(what=f"{what} {str(path)!r}") in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize("argv", [["--trainer.keep_last", "3"], ["--trainer.keep_last=3"]])
+@pytest.mark.parametrize("plain", [False, True], ids=["tyro", "plain"])
+def test_a_renamed_flag_is_one_line_naming_the_new_flag(monkeypatch, plain, argv):
+    """trainer.keep_last is now trainer.keep_checkpoints: a config file with the old name still loads (test_config),
+    the old flag is refused with the new one named, by tyro's hook and by the plain parser alike."""
+    from fastpo import cli
+
+    if plain:
+        monkeypatch.setattr(cli, "tyro", None)
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    text = str(err.value)
+    assert text.startswith("Unrecognized options: --trainer.keep_last") and "\n" not in text, text
+    assert text.endswith("; did you mean --trainer.keep_checkpoints? (the new name of trainer.keep_last)"), text
+    assert parse_args(["--trainer.keep_checkpoints", "3"]).trainer.keep_checkpoints == 3

@@ -191,6 +191,7 @@ def test_ragen_names():
     assert ragen_metric_name("timing/collapse_first_turn") == "timing_s/collapse_first_turn_step"
 
 
+# alike in shape to test_env_mix's bound tests only: each file lists its own flags and messages
 @pytest.mark.parametrize("args, line", [
     (["--trainer.collapse_every", "-1"], "trainer.collapse_every must be >= 0 (0 = off), got -1"),
     (["--trainer.collapse_num_samples", "-2"], "trainer.collapse_num_samples must be >= 0 (0 = all), got -2"),

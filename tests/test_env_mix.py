@@ -68,6 +68,22 @@ def test_legacy_fields_resolve_as_before():
     assert envs.make("sokoban", 1, **raised.kwargs).config.max_steps == 15
 
 
+@pytest.mark.parametrize("name, budget, limit", [
+    ("sokoban", 15, 15), ("frozenlake", 15, 15), ("rubikscube", 50, 50), ("sudoku", 100, 100), ("2048", 800, 800),
+    ("simple_sudoku", 10, 81), ("rubikscube", 10, 20),  # a budget below the env's own limit keeps that limit
+    ("bandit", 10, None), ("countdown", 10, None), ("metamathqa", 10, None),  # one action (or attempt): as they are
+])
+def test_legacy_step_limit_follows_the_budget_for_every_env_that_has_one(name, budget, limit):
+    """The single-config mode raises every built-in env's default step limit to env.max_actions_per_traj (the
+    grids, 2048, Sudoku, the cube: the cube used to stop at 20 actions while its prompt promised 50); the envs that
+    end after one action are left as they are (the global default budget 10 reaches them too)."""
+    cfg = parse_args(["--env.names", name, "--env.max_actions_per_traj", str(budget)])
+    entry = resolve_mix(cfg.env, "train")[0]
+    assert entry.kwargs == ({} if limit is None else {"max_steps": limit})
+    if limit is not None:
+        assert envs.make(name, 1, backend="python", **entry.kwargs).config.max_steps == limit
+
+
 def test_parts_over_ranks_equal_one_rank():
     """Each rank builds the parts of its own groups; together they are the 1-rank parts, with the same trajectory
     numbers (hence sampling seeds)."""

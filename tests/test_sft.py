@@ -102,13 +102,18 @@ def test_noise_free_actions_solve_the_level(env_name, kwargs):
         assert all(1 <= len(a) <= 5 for a in ep.actions)
 
 
-@pytest.mark.parametrize("env_name, kwargs", [("frozenlake", {}), ("sokoban", {}), ("bandit", {}), ("countdown", {})])
+@pytest.mark.parametrize("env_name, kwargs", [("frozenlake", {}), ("sokoban", {}), ("bandit", {}), ("countdown", {}),
+                                             ("bandit", {"split": "train"}), ("bandit", {"split": "test"})])
 def test_noise_share(env_name, kwargs):
     episodes = generate_episodes(env_name, 300, seed=7, noise=0.3, env_kwargs=kwargs)
     flags = [f for ep in episodes for turn in ep.random for f in turn]
     assert abs(np.mean(flags) - 0.3) < 0.05, np.mean(flags)
-    if env_name == "bandit":  # noise-free pulls are the high-risk arm (success), random ones the low arm
+    if env_name == "bandit":  # noise-free pulls are the high-risk arm (success), random ones the low arm; with a
+        # split each episode's own pair (ids 2k + 1 / 2k + 2): one pull, whichever the pair
         assert [ep.success for ep in episodes] == [not ep.random[0][0] for ep in episodes]
+        assert all(len(ep.actions) == 1 for ep in episodes)
+        ids = {a for ep in episodes for a in ep.actions[0]}
+        assert (len(ids) > 2) if "split" in kwargs else (ids == {1, 2}), ids
     if env_name == "countdown":
         clean = [ep for ep in episodes if not ep.random[0][0]]
         assert all(ep.success for ep in clean)

@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 
+# EvalArgs / SFTArgs (eval.py, sft.py) nest sections alike: same shape, each entry point's own subset of sections.
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)

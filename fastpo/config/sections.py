@@ -22,6 +22,7 @@ MAX_REFILL_ROUNDS = 16
 
 
 # ------------------------------------------------------------------------------------------------ sections
+# Sections, env configs and the tiny agent's recipe are all dataclasses of documented fields: alike in shape only.
 @dataclass
 class ModelConfig:
     path: str = "Qwen/Qwen2.5-0.5B-Instruct"
