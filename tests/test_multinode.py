@@ -116,6 +116,14 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_stalled_rank_fails_the_job_with_a_message(tmp_path):
     """SIGSTOP rank 1 mid-run: rank 0's next collective times out after trainer.collective_timeout_s and the job
@@ -131,8 +139,14 @@ def test_stalled_rank_fails_the_job_with_a_message(tmp_path):
         while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 1"
             time.sleep(0.5)
-        os.kill(_worker_pids(proc.pid)[1], signal.SIGSTOP)
+        pids = _worker_pids(proc.pid)
+        os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
+        # A hung rank dies on torchrun's SIGTERM; a stopped one would hold it pending, and torchrun would wait 30 s
+        # more before its SIGKILL. So once rank 0 has failed, rank 1 is let go: it then takes the pending SIGTERM.
+        while _alive(pids[0]) and time.monotonic() - stopped < 120:
+            time.sleep(0.2)
+        os.kill(pids[1], signal.SIGCONT)
         out, err = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
