@@ -128,12 +128,14 @@ def _algorithm_registry_errors(cfg: Config) -> list[str]:
             if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
     if kept is not None and 0 < a.rollout_filter_ratio <= 1 and e.env_groups >= 1:
         group_size = e.smallest_group_size()
+        turns = e.max_turns if cfg.rollout.context_window_mode != "full" else 1
         if kept < 1:
             errors.append(f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
                           f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
-        elif kept * group_size < o.mini_batch_size:
+        elif kept * group_size * turns < o.mini_batch_size:  # per-turn modes: up to max_turns sequences each (RAGEN-2)
+            per = f" x env.max_turns {turns} sequences" if turns > 1 else ""
             errors.append(f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps {kept} groups x "
-                          f"env.group_size {group_size} = {kept * group_size} trajectories, fewer than "
+                          f"env.group_size {group_size}{per} = {kept * group_size * turns} trajectories, fewer than "
                           f"optim.mini_batch_size ({o.mini_batch_size})")
     if a.adv_estimator in estimators:
         if algorithms.needs_critic(a):
