@@ -340,12 +340,14 @@ def lora_rank_error(cfg: Config, model_path: str) -> str | None:
 
 def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: bool = True, action_sep: str = "||",
                      max_actions_per_traj: int | None = None, max_context_window: int = -1, backend: str = "default",
-                     env_kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None) -> int:
+                     env_kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None,
+                     context_window_mode: str = "full") -> int:
     """Token count of the first turn's prompt of env `env_name` at env seed `seed`, rendered as the rollout
-    renders it (``prompts.build_messages`` + ``render_chat``, no special tokens added). A plug-in env's prompt
+    renders it (``prompts.build_messages``, or ``turn_messages`` under a per-turn ``context_window_mode``, +
+    ``render_chat``, no special tokens added). A plug-in env's prompt
     comes from the env itself (``prompts.env_prompt_spec``). ``time_limit_s`` bounds the env's construction and
     reset (``fastpo.time_limit.call_with_time_limit``)."""
-    from .prompts import Turn, build_messages, env_prompt_spec, render_chat
+    from .prompts import Turn, build_messages, env_prompt_spec, render_chat, turn_messages
 
     overrides: dict[str, Any] = {"enable_think": enable_think, "action_sep": action_sep}
     if max_actions_per_traj is not None:
@@ -364,7 +366,9 @@ def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: 
     env.close()
     turns = [Turn(obs, actions_left=spec.max_actions_per_traj)]
     window = max_context_window if max_context_window > 0 else -1
-    text = render_chat(tokenizer, build_messages(spec, turns, window), enable_think)
+    messages = (build_messages(spec, turns, window) if context_window_mode == "full"
+                else turn_messages(spec, turns, context_window_mode, window))
+    text = render_chat(tokenizer, messages, enable_think)
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -388,7 +392,8 @@ def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
         n = first_prompt_len(tokenizer, entry.name, seed, enable_think=r.enable_think, action_sep=cfg.env.action_sep,
                              max_actions_per_traj=entry.max_actions_per_traj,
                              max_context_window=r.max_context_window, backend=cfg.env.backend,
-                             env_kwargs=entry.kwargs, time_limit_s=cfg.env.preflight_timeout_s)
+                             env_kwargs=entry.kwargs, time_limit_s=cfg.env.preflight_timeout_s,
+                             context_window_mode=r.context_window_mode)
         msg = prompt_fit_error(n, entry.name, seed, r.response_length, r.max_model_len)
         if msg and entry.label not in failed:  # one line per env
             failed.add(entry.label)

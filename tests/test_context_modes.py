@@ -270,10 +270,13 @@ def test_window_range_is_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, estimator", [("single_turn", "grpo"), ("limited_multi_turn", "gae")])
-def test_tiny_agent_trains_in_each_mode(tmp_path, mode, estimator):
-    """Two iterations of the shrunk tiny preset: the update trains on per-turn sequences (more rows than episodes),
-    the weights move, and the metrics are finite."""
+@pytest.mark.parametrize("mode, estimator, extra", [
+    ("single_turn", "grpo", []), ("limited_multi_turn", "gae", []),
+    ("limited_multi_turn", "grpo", ["--rollout.mode", "async", "--rollout.partial", "true"])])
+def test_tiny_agent_trains_in_each_mode(tmp_path, mode, estimator, extra):
+    """Two iterations of the shrunk tiny preset (lock-step, and partial rollouts on the async driver): the update
+    trains on per-turn sequences (more rows than episodes), the trainer's logprobs equal the engine's, the
+    gradient is not zero, and the metrics are finite."""
     from test_trainer import train_iterations
 
     from fastpo.config_load import parse_args
@@ -283,7 +286,7 @@ def test_tiny_agent_trains_in_each_mode(tmp_path, mode, estimator):
              "--rollout.max_model_len", "800", "--trainer.iterations", "2", "--trainer.val_before_train", "false",
              "--trainer.val_every", "0", "--trainer.save_every", "0", "--rollout.context_window_mode", mode,
              "--rollout.max_context_window", "1", "--algorithm.adv_estimator", estimator,
-             "--trainer.run_dir", str(tmp_path / mode)]
+             "--trainer.run_dir", str(tmp_path / mode), *extra]
     cfg = validate(parse_args(small), 1)
     rows, _ = train_iterations(cfg, 2)
     for m in rows:
@@ -294,3 +297,16 @@ def test_tiny_agent_trains_in_each_mode(tmp_path, mode, estimator):
         assert m["rollout/logprob_gap_max"] < 1e-3
         assert m["actor/grad_norm"] > 0
     assert any(m["rollout/kept_turn_sequences"] > m["rollout/kept_trajectories"] for m in rows)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_preflight_first_prompt_is_the_rollout_s(tok, mode):
+    """The prompt-fit check measures the first prompt the rollout sends under the mode."""
+    from fastpo.preflight import first_prompt_len
+
+    env = E.make("sokoban", 1)
+    engine = testing.ScriptedEngine(tok, [["a</think><answer>Left</answer>"]])
+    run_rollout(env, engine, tok, prompt_spec("sokoban"), [7], [0], RolloutConfig(context_window_mode=mode),
+                SamplingParams(max_new_tokens=24), [0], max_turns=1)
+    assert first_prompt_len(tok, "sokoban", 7, context_window_mode=mode) == len(engine.prompts[0][2])
+    assert first_prompt_len(tok, "sokoban", 7) != len(engine.prompts[0][2]) or mode == "limited_multi_turn"
