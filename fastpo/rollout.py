@@ -16,6 +16,9 @@ the training sequence is the session's tokens (sample logprobs exact). ``cfg.can
 history holds RAGEN's canonical rewrites, re-tokenized in full each turn (``logprobs_exact=False``).
 ``cfg.max_context_window = k > 0``: prompts and the training sequence keep the last k turns (RAGEN's
 ``get_lm_inputs`` / ``prepare_for_update``; logprobs exact only for episodes of <= k turns).
+``cfg.context_window_mode`` limited_multi_turn / single_turn (RAGEN-2): each turn's prompt is
+``prompts.turn_messages``, generated afresh (no KV reuse), and each turn is its own training sequence (the prompt
+ids it was given, then its sampled tokens), stored back to back in the episode's Trajectory (``sample_bounds``).
 
 Loss mask: the model's own sampled tokens (and the stop token that ended a turn); ``cfg.train_on_observations``
 also every token after the system message (RAGEN ``enable_response_mask: False``). Rewards: ``sum(turn rewards)
@@ -90,7 +93,7 @@ class _Episode:
     stop_texts: list[str] = field(default_factory=list)
     state_keys: list[int] = field(default_factory=list)  # one per entry of turns: the state that turn starts from
     versions: list[int] = field(default_factory=list)  # per generated turn: the engine's weight version
-    # non-KV modes: the prompt ids of the turn being generated, and per generated turn the ids it was prompted with
+    # per-turn context modes: the prompt ids of the turn being generated; per generated turn, the ids it was given
     prompt_ids: list[int] = field(default_factory=list)
     turn_prompts: list[list[int]] = field(default_factory=list)
 
@@ -506,7 +509,7 @@ class _PartRun:
             todo.append(i)
             self.pending.append(new)
             ep.text = text
-            ep.prompt_ids = [] if self.kv else new
+            ep.prompt_ids = new if self.mode != "full" else []  # a per-turn training sequence starts with it
             ep.context_len = length
         self.rseeds = None
         if self.request_seeds is not None:

@@ -15,7 +15,8 @@ import numpy as np
 
 @dataclass
 class Trajectory:
-    """One episode as one training sequence: what the rollout produced and, once the trainer has scored it, what the
+    """One episode as one training sequence (or, under a per-turn context mode, as its per-turn training sequences
+    back to back: ``sample_bounds``): what the rollout produced and, once the trainer has scored it, what the
     update needs. The one trajectory type from rollout to filter, scoring and update (picklable for the trainer's
     all-gather). Every per-token array has the length T of ``input_ids``; lists given to the constructor become
     arrays of the dtypes below, and per-token arrays left out are zeros.
@@ -28,7 +29,8 @@ class Trajectory:
         token_rewards: fp32 [T] rewards placed on tokens (trajectory- or turn-level).
         turn_end: bool [T] the last token of each assistant turn in the sequence.
         group, seed: the group id and env seed of the instance.
-        reward: ``sum(token_rewards)``, the trajectory's score.
+        reward: ``sum(token_rewards)``, the trajectory's score (per-turn modes: the episode's return, which each of
+            its sequences holds once).
         success: the env's success flag after the last executed action.
         num_turns: turns generated; num_actions: actions executed; num_valid_actions / num_effective_actions:
             executed actions the env flagged valid / effective; num_format_penalties: penalised turns.

@@ -214,7 +214,8 @@ class RolloutConfig:
     count_truncated_penalty: bool = False
     """Also penalise an invalid name among the actions cut by max_actions_per_turn (RAGEN cuts before checking)."""
     window_reward: Literal["window", "full"] = "window"
-    """With max_context_window > 0: window = only the kept turns' rewards count (RAGEN), full = every turn's."""
+    """context_window_mode full with max_context_window > 0: window = only the kept turns' rewards count (RAGEN),
+    full = every turn's. The per-turn modes always count every turn's (RAGEN-2)."""
     mode: Literal["lockstep", "async"] = "lockstep"
     """Rollout driver. lockstep: each turn is one engine call for every active episode, and the next turn starts
     when the slowest row has stopped (RAGEN's loop). async: no turn barrier: each episode submits its next turn as
