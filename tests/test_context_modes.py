@@ -134,6 +134,8 @@ def test_prompts_and_training_sequences(tok, mode):
         assert text.count("<|im_start|>") == 3  # system, user, the generation header
         assert "Current Turn (Turn 3):" in text and "Turn 2 Action: <think>b</think><answer>Right</answer>" in text
         assert "Turn 1 State" not in text
+    again, _ = _scripted(tok, mode, driver="async")  # the async driver sends the same prompts, builds the same rows
+    assert again.input_ids.tolist() == t.input_ids.tolist() and again.sample_bounds.tolist() == t.sample_bounds.tolist()
 
 
 def _history():
