@@ -131,6 +131,7 @@ def evaluate(
     top_k: int = -1,
     format_penalty: float = -0.1,
     max_context_window: int = -1,
+    context_window_mode: str = "full",
     preflight_timeout_s: float | None = config.PREFLIGHT_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Run the validation protocol and return its figures.
@@ -143,7 +144,8 @@ def evaluate(
         seeds: the env seed of every episode (a seed listed k times runs k rollouts of that state), instead.
         temperature: sampling temperature (RAGEN validation: 0.5; 0 = greedy); top_p, top_k as in training.
         max_turns: turns per episode; max_new_tokens: tokens per turn (RAGEN response_length 400);
-            max_model_len: whole-context cap (3600); max_context_window: turns of history kept (-1 = all).
+            max_model_len: whole-context cap (3600); max_context_window: turns of history kept (-1 = all);
+            context_window_mode: the prompts' mode (full, limited_multi_turn, single_turn), as in training.
         batch_size: instances per rollout call (and the HF engine's batch).
         engine: "hf", "vllm" (model must be a model directory), or an ``Engine`` object (e.g. the trainer's).
         enable_think, max_actions_per_turn, max_actions_per_traj, action_sep, format_penalty: prompt, parsing and
@@ -206,7 +208,7 @@ def evaluate(
         env = envs.make(env_name, len(batch_seeds), backend=backend, **(env_kwargs or {}))
         spec = env_prompt_spec(env_name, env, **overrides)  # a plug-in's prompt comes from its env
         cfg = config.RolloutConfig(max_model_len=max_model_len, format_penalty=format_penalty,
-                                   max_context_window=max_context_window)
+                                   max_context_window=max_context_window, context_window_mode=context_window_mode)
         batch = run_rollout(env, eng, tokenizer, spec, batch_seeds, np.arange(len(batch_seeds)), cfg, sampling,
                             request_all[start:start + batch_size], max_turns=max_turns,
                             max_actions_per_turn=max_actions_per_turn, label=label, prefix="val-env")
@@ -265,7 +267,8 @@ EvalEnv = subset(config.EnvConfig, "names", "val_names", "val", "train", "kwargs
                  "action_sep", "preflight_timeout_s", name="EvalEnv",
                  doc="The validation set: as the trainer validates, env.val, else env.val_names, else env.names.")
 EvalRollout = subset(config.RolloutConfig, "enable_think", "response_length", "max_model_len", "val_temperature",
-                     "top_p", "top_k", "stop", "format_penalty", "max_context_window", "engine", "kv_cache_mb",
+                     "top_p", "top_k", "stop", "format_penalty", "max_context_window", "context_window_mode", "engine",
+                     "kv_cache_mb",
                      name="EvalRollout", doc="Generation, as in the trainer's validation.")
 
 
@@ -362,7 +365,8 @@ def evaluate_entry(args: EvalArgs, model: Any, tokenizer: Any, entry: Any, seeds
         max_actions_per_turn=entry.max_actions_per_turn, max_actions_per_traj=entry.max_actions_per_traj,
         env_kwargs=entry.kwargs, backend=e.backend, sampling_seed=args.eval.sampling_seed, stop=r.stop,
         label=entry.label, action_sep=e.action_sep, top_p=r.top_p, top_k=r.top_k,
-        format_penalty=r.format_penalty, max_context_window=r.max_context_window, progress=progress,
+        format_penalty=r.format_penalty, max_context_window=r.max_context_window,
+        context_window_mode=r.context_window_mode, progress=progress,
         preflight_timeout_s=e.preflight_timeout_s,
     )  # fmt: skip
 

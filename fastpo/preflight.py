@@ -128,12 +128,14 @@ def _algorithm_registry_errors(cfg: Config) -> list[str]:
             if a.rollout_filter_strategy == "legacy" else None)  # RAGEN-2's filters keep a data-dependent count
     if kept is not None and 0 < a.rollout_filter_ratio <= 1 and e.env_groups >= 1:
         group_size = e.smallest_group_size()
+        turns = e.max_turns if cfg.rollout.context_window_mode != "full" else 1
         if kept < 1:
             errors.append(f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps int(ratio * "
                           f"env.env_groups) = {kept} of {e.env_groups} groups; at least 1 is needed")
-        elif kept * group_size < o.mini_batch_size:
+        elif kept * group_size * turns < o.mini_batch_size:  # per-turn modes: up to max_turns sequences each (RAGEN-2)
+            per = f" x env.max_turns {turns} sequences" if turns > 1 else ""
             errors.append(f"algorithm.rollout_filter_ratio ({a.rollout_filter_ratio}) keeps {kept} groups x "
-                          f"env.group_size {group_size} = {kept * group_size} trajectories, fewer than "
+                          f"env.group_size {group_size}{per} = {kept * group_size * turns} trajectories, fewer than "
                           f"optim.mini_batch_size ({o.mini_batch_size})")
     if a.adv_estimator in estimators:
         if algorithms.needs_critic(a):
@@ -338,12 +340,14 @@ def lora_rank_error(cfg: Config, model_path: str) -> str | None:
 
 def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: bool = True, action_sep: str = "||",
                      max_actions_per_traj: int | None = None, max_context_window: int = -1, backend: str = "default",
-                     env_kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None) -> int:
+                     env_kwargs: dict[str, Any] | None = None, time_limit_s: float | None = None,
+                     context_window_mode: str = "full") -> int:
     """Token count of the first turn's prompt of env `env_name` at env seed `seed`, rendered as the rollout
-    renders it (``prompts.build_messages`` + ``render_chat``, no special tokens added). A plug-in env's prompt
+    renders it (``prompts.build_messages``, or ``turn_messages`` under a per-turn ``context_window_mode``, +
+    ``render_chat``, no special tokens added). A plug-in env's prompt
     comes from the env itself (``prompts.env_prompt_spec``). ``time_limit_s`` bounds the env's construction and
     reset (``fastpo.time_limit.call_with_time_limit``)."""
-    from .prompts import Turn, build_messages, env_prompt_spec, render_chat
+    from .prompts import Turn, build_messages, env_prompt_spec, render_chat, turn_messages
 
     overrides: dict[str, Any] = {"enable_think": enable_think, "action_sep": action_sep}
     if max_actions_per_traj is not None:
@@ -362,7 +366,9 @@ def first_prompt_len(tokenizer: Any, env_name: str, seed: int, *, enable_think: 
     env.close()
     turns = [Turn(obs, actions_left=spec.max_actions_per_traj)]
     window = max_context_window if max_context_window > 0 else -1
-    text = render_chat(tokenizer, build_messages(spec, turns, window), enable_think)
+    messages = (build_messages(spec, turns, window) if context_window_mode == "full"
+                else turn_messages(spec, turns, context_window_mode, window))
+    text = render_chat(tokenizer, messages, enable_think)
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -386,7 +392,8 @@ def check_prompt_fits(cfg: Config, tokenizer: Any) -> None:
         n = first_prompt_len(tokenizer, entry.name, seed, enable_think=r.enable_think, action_sep=cfg.env.action_sep,
                              max_actions_per_traj=entry.max_actions_per_traj,
                              max_context_window=r.max_context_window, backend=cfg.env.backend,
-                             env_kwargs=entry.kwargs, time_limit_s=cfg.env.preflight_timeout_s)
+                             env_kwargs=entry.kwargs, time_limit_s=cfg.env.preflight_timeout_s,
+                             context_window_mode=r.context_window_mode)
         msg = prompt_fit_error(n, entry.name, seed, r.response_length, r.max_model_len)
         if msg and entry.label not in failed:  # one line per env
             failed.add(entry.label)

@@ -301,6 +301,87 @@ def build_messages(
     return messages
 
 
+#: The context window modes whose training sequences are one per turn (``rollout.context_window_mode``).
+PER_TURN_MODES = ("limited_multi_turn", "single_turn")
+
+
+def window_start(turn: int, max_context_window: int) -> int:
+    """The first turn (0-based) the prompt of turn ``turn`` shows under a per-turn mode: the window of k turns ends
+    with the current one (k = 1: only it); -1 (or 0) shows every earlier turn."""
+    return max(0, turn - max_context_window + 1) if max_context_window > 0 else 0
+
+
+def turn_messages(
+    spec: EnvPromptSpec,
+    turns: Sequence[Turn],
+    mode: str,
+    max_context_window: int = -1,
+    with_response: bool = False,
+) -> list[dict[str, str]]:
+    """The chat of the current (last) turn of ``turns`` under a per-turn context mode (RAGEN-2's
+    ``context_window_mode``), in fastpo's layout (the env prefix opens the first user message, as ``build_messages``).
+
+    Turn t (0-based, the last of ``turns``) shows the turns s..t, s = ``window_start(t, max_context_window)``,
+    numbered as in the episode (Turn s + 1 ... Turn t + 1):
+
+    - ``limited_multi_turn``: as ``build_messages`` over those turns: each earlier turn's state block, its answer as
+      an assistant message and "Reward:\n{r}\n" as a user message, then the current state block.
+    - ``single_turn``: one user message: the prefix, a newline, then (when s < t) "Summary: {t} step(s) completed so
+      far. Showing the last {t - s} turn(s) with state/action/reward details. Recent turns:\n---\n" and per
+      earlier turn h "Turn {h+1} State:\n{state}\nTurn {h+1} Action: {answer}\nTurn {h+1} Reward: {r}\n---\n",
+      a newline, "Current Turn "; then "(Turn {t+1}):\n" and the current state block.
+
+    Args:
+        turns: the episode's history, oldest first; every turn but the last must have a response.
+        mode: ``limited_multi_turn`` or ``single_turn``.
+        max_context_window: k >= 1 turns shown, the current one included; -1 (or 0) shows all.
+        with_response: end with the current turn's answer as an assistant message (the training chat).
+
+    Returns:
+        ``[{"role": ..., "content": ...}, ...]``: system, then user / assistant alternating.
+    """
+    if mode not in PER_TURN_MODES:
+        raise ValueError(f"mode must be one of {', '.join(PER_TURN_MODES)}, got {mode!r}")
+    if isinstance(max_context_window, bool) or not isinstance(max_context_window, int):
+        raise ValueError(f"max_context_window must be an int (-1 for the full history), got {max_context_window!r}")
+    if not turns:
+        raise ValueError("turns is empty: the current turn is needed")
+    for i, turn in enumerate(turns[:-1]):
+        if turn.response is None:
+            raise ValueError(f"turns[{i}] has no response but is not the last turn (of {len(turns)})")
+    t = len(turns) - 1
+    current = turns[t]
+    if with_response and current.response is None:
+        raise ValueError("with_response=True but the current turn has no response")
+    s = window_start(t, max_context_window)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": spec.prefix()}]
+    if mode == "limited_multi_turn":
+        for h in range(s, t + 1):
+            if messages[-1]["role"] != "user":  # an earlier turn without a reward
+                messages.append({"role": "user", "content": ""})
+            messages[-1]["content"] += f"\nTurn {h + 1}:\n" + spec.turn_block(turns[h].state, turns[h].actions_left)
+            if h < t:
+                messages.append({"role": "assistant", "content": turns[h].response})
+                if turns[h].reward is not None:
+                    messages.append({"role": "user", "content": f"Reward:\n{format_reward(turns[h].reward)}\n"})
+    else:
+        text = "\n"
+        if s < t:
+            text += (f"Summary: {t} step(s) completed so far. Showing the last {t - s} turn(s) with "
+                     f"state/action/reward details. Recent turns:\n---\n")
+            for h in range(s, t):
+                text += f"Turn {h + 1} State:\n{turns[h].state}\nTurn {h + 1} Action: {turns[h].response}\n"
+                if turns[h].reward is not None:
+                    text += f"Turn {h + 1} Reward: {format_reward(turns[h].reward)}\n"
+                text += "---\n"
+            text += "\nCurrent Turn "
+        text += f"(Turn {t + 1}):\n" + spec.turn_block(current.state, current.actions_left)
+        messages[-1]["content"] += text
+    if with_response:
+        messages.append({"role": "assistant", "content": current.response})
+    return messages
+
+
 def render_chat(
     tokenizer: Any, messages: list[dict[str, str]], enable_think: bool = True, for_update: bool = False
 ) -> str:

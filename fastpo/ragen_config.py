@@ -337,6 +337,7 @@ def port(ragen: dict[str, Any], ignore: Sequence[str] = ()) -> tuple[dict[str, d
             if entries is not None:
                 _set(out, field, entries)
     _port_filter(out.get("algorithm", {}), notes)
+    _port_context(flat, out, notes)
     _port_collapse(flat, out, notes)
     if "trainer.gradient_analysis_every" in flat and not flat.get("trainer.gradient_analysis_mode", False):
         out.setdefault("trainer", {})["gradient_analysis_every"] = 0  # RAGEN's gradient_analysis_mode false: off
@@ -388,6 +389,32 @@ def _port_lora(flat: dict[str, Any], out: dict, errors: list[str], notes: list[s
         notes.append(f"lora.local_temp_dir={flat['lora.local_temp_dir']!r}: no effect (RAGEN's scratch folder for "
                      f"handing adapters to vLLM)")
     return handled
+
+
+def _port_context(flat: dict[str, Any], out: dict[str, dict[str, Any]], notes: list[str]) -> None:
+    """A config that names agent_proxy.context_window_mode is RAGEN-2's, whose modes read fewer keys than before:
+    full ignores max_context_window (the whole history, one sequence per episode); limited_multi_turn and
+    single_turn ignore use_turn_scores (every per-turn sequence carries the episode's score) and
+    enable_response_mask (only the turn's own answer is trained). fastpo's matching settings are set so, with a
+    note, where the config gives the ignored keys other values."""
+    mode = flat.get("agent_proxy.context_window_mode")
+    if mode is None:  # before RAGEN-2: max_context_window cuts the one sequence (fastpo's full mode, as ported)
+        return
+    r = out.setdefault("rollout", {})
+    if mode == "full":
+        if r.get("max_context_window", -1) != -1:
+            notes.append(f"agent_proxy.max_context_window={flat['agent_proxy.max_context_window']!r}: no effect with "
+                         f"context_window_mode full in RAGEN-2 (the whole history); rollout.max_context_window -1")
+            r["max_context_window"] = -1
+        return
+    if r.get("reward_level", "trajectory") != "trajectory":
+        notes.append(f"agent_proxy.use_turn_scores=True: no effect with context_window_mode {mode} (each turn's "
+                     f"sequence carries the episode's score); rollout.reward_level trajectory")
+        r["reward_level"] = "trajectory"
+    if r.get("train_on_observations", False):
+        notes.append(f"enable_response_mask=False: no effect with context_window_mode {mode} (only the turn's own "
+                     f"answer is trained); rollout.train_on_observations false")
+        r["train_on_observations"] = False
 
 
 def _port_collapse(flat: dict[str, Any], out: dict[str, dict[str, Any]], notes: list[str]) -> None:

@@ -78,6 +78,13 @@ def _adjust_mode(v: Any) -> str:
     return v
 
 
+def _context_mode(v: Any) -> str:
+    """agent_proxy.context_window_mode -> rollout.context_window_mode (the same three names)."""
+    if v not in ("full", "limited_multi_turn", "single_turn"):
+        raise ValueError("accepted: full, limited_multi_turn, single_turn")
+    return v
+
+
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError("accepted: true or false")
@@ -140,9 +147,7 @@ KEY_MAP: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "algorithm.zero_task_advantage": ("algorithm.zero_task_advantage", _bool),
     "algorithm.norm_adv_by_std_in_grpo": ("algorithm.norm_adv_by_std", _bool),
     "algorithm.soft_advantage_reweight": ("algorithm.soft_advantage_reweight", _bool),
-    "agent_proxy.context_window_mode": (None, _must_equal(
-        "full", "fastpo trains on the whole multi-turn conversation; single_turn and limited_multi_turn (one "
-        "training sequence per turn) are not implemented")),
+    "agent_proxy.context_window_mode": ("rollout.context_window_mode", _context_mode),
     "trainer.generations_to_log_to_wandb.val": ("trainer.log_generations", lambda v: max(int(v), 0)),
     "agent_proxy.batch_adjust_mode": ("algorithm.batch_adjust_mode", _adjust_mode),
     "algorithm.gamma": ("algorithm.gamma", float),

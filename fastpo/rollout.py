@@ -16,6 +16,9 @@ the training sequence is the session's tokens (sample logprobs exact). ``cfg.can
 history holds RAGEN's canonical rewrites, re-tokenized in full each turn (``logprobs_exact=False``).
 ``cfg.max_context_window = k > 0``: prompts and the training sequence keep the last k turns (RAGEN's
 ``get_lm_inputs`` / ``prepare_for_update``; logprobs exact only for episodes of <= k turns).
+``cfg.context_window_mode`` limited_multi_turn / single_turn (RAGEN-2): each turn's prompt is
+``prompts.turn_messages``, generated afresh (no KV reuse), and each turn is its own training sequence (the prompt
+ids it was given, then its sampled tokens), stored back to back in the episode's Trajectory (``sample_bounds``).
 
 Loss mask: the model's own sampled tokens (and the stop token that ended a turn); ``cfg.train_on_observations``
 also every token after the system message (RAGEN ``enable_response_mask: False``). Rewards: ``sum(turn rewards)
@@ -39,8 +42,9 @@ from .config import RolloutConfig
 from .engine.base import Engine, GenerationResult, SamplingParams, as_async
 from .envs.base import text_state_keys
 from .parsing import canonical_response, generation_prefix, parse_actions, parse_generation
-from .prompts import EnvPromptSpec, Turn, build_messages, render_chat, turn_reward
+from .prompts import EnvPromptSpec, Turn, build_messages, render_chat, turn_messages, turn_reward
 from .rollout_metrics import batch_metrics
+from .trajectory import Trajectory, turn_data
 
 #: Metric labels of the built-in envs (``env/<label>/...``), RAGEN's tags.
 ENV_LABELS = {"sokoban": "Sokoban", "frozenlake": "FrozenLake", "bandit": "Bandit", "countdown": "Countdown"}
@@ -52,103 +56,6 @@ def env_label(name: str) -> str:
     CamelCase (bandit_test -> BanditTest, larger_sokoban -> LargerSokoban, as RAGEN tags them), so two variants of
     one env class (validation on bandit and bandit_test) are reported apart, not averaged together."""
     return ENV_LABELS.get(name) or "".join(part[:1].upper() + part[1:] for part in name.split("_"))
-
-
-@dataclass
-class Trajectory:
-    """One episode as one training sequence: what the rollout produced and, once the trainer has scored it, what the
-    update needs. The one trajectory type from rollout to filter, scoring and update (picklable for the trainer's
-    all-gather). Every per-token array has the length T of ``input_ids``; lists given to the constructor become
-    arrays of the dtypes below, and per-token arrays left out are zeros.
-
-    Attributes:
-        input_ids: int64 [T] system prompt, user turns and assistant turns.
-        loss_mask: bool [T] trained tokens (see the module docstring).
-        sample_logprobs: fp32 [T] the engine's logprob of each sampled token (0 elsewhere, and everywhere when
-            ``logprobs_exact`` is False).
-        token_rewards: fp32 [T] rewards placed on tokens (trajectory- or turn-level).
-        turn_end: bool [T] the last token of each assistant turn in the sequence.
-        group, seed: the group id and env seed of the instance.
-        reward: ``sum(token_rewards)``, the trajectory's score.
-        success: the env's success flag after the last executed action.
-        num_turns: turns generated; num_actions: actions executed; num_valid_actions / num_effective_actions:
-            executed actions the env flagged valid / effective; num_format_penalties: penalised turns.
-        finish_reasons, response_lengths: per generated turn, the engine's finish reason and sampled tokens.
-        turn_rewards, turn_penalties: per generated turn (turn_rewards as printed in the prompts).
-        turn_state_keys: per generated turn, the key of the env state it starts from (``env.state_keys()``:
-            exact for the grid envs, a hash of the observation text otherwise; the uint64 bits read as int64).
-        logprobs_exact: ``sample_logprobs`` are the sampling logprobs of exactly these tokens in this context.
-        env_done: the env reported done; context_truncated: ended by ``max_model_len``.
-        messages: the chat the sequence renders (``build_messages(..., for_update=True)``), for logging.
-        old_logp, ref_logp, values: fp32 [T] the trainer's logp / the reference's logp / the critic's value of
-            each trained token (0 elsewhere), filled by the scoring pass.
-        advantages, returns: fp32 [T], filled by the advantage estimator.
-        step_keys, step_rewards: int64 / fp32 [K] per trained turn (K = the turn_end flags: the last K generated
-            turns), the state key it starts from and its reward plus format penalty (``turn_data``; GiGPO).
-        versions: int32 [T] the engine weight version that sampled each token of an assistant turn, -1 on the
-            other tokens (None: not recorded). Under partial rollouts one episode spans several versions.
-    """
-
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    sample_logprobs: np.ndarray | None = None
-    token_rewards: np.ndarray | None = None
-    turn_end: np.ndarray | None = None
-    group: int = 0
-    seed: int = 0
-    reward: float = 0.0
-    success: bool = False
-    num_turns: int = 0
-    num_actions: int = 0
-    num_valid_actions: int = 0
-    num_effective_actions: int = 0
-    num_format_penalties: int = 0
-    finish_reasons: list[str] = field(default_factory=list)
-    response_lengths: list[int] = field(default_factory=list)
-    turn_rewards: list[float] = field(default_factory=list)
-    turn_penalties: list[float] = field(default_factory=list)
-    turn_state_keys: list[int] = field(default_factory=list)
-    logprobs_exact: bool = True
-    env_done: bool = False
-    context_truncated: bool = False
-    messages: list[dict[str, str]] = field(default_factory=list)
-    old_logp: np.ndarray | None = None
-    ref_logp: np.ndarray | None = None
-    values: np.ndarray | None = None
-    advantages: np.ndarray | None = None
-    returns: np.ndarray | None = None
-    step_keys: np.ndarray | None = None
-    step_rewards: np.ndarray | None = None
-    versions: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        self.input_ids = np.asarray(self.input_ids, dtype=np.int64)
-        n = len(self.input_ids)
-        self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
-        for name, dtype in (("sample_logprobs", np.float32), ("token_rewards", np.float32), ("turn_end", bool)):
-            value = getattr(self, name)
-            setattr(self, name, np.zeros(n, dtype) if value is None else np.asarray(value, dtype=dtype))
-        if self.versions is not None:
-            self.versions = np.asarray(self.versions, dtype=np.int32)
-        for name in ("loss_mask", "sample_logprobs", "token_rewards", "turn_end") + (
-                ("versions",) if self.versions is not None else ()):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries for {n} tokens")
-
-
-def turn_data(turn_end: np.ndarray, state_keys: Sequence[int], rewards: Sequence[float],
-              penalties: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(step keys int64 [K], step rewards fp32 [K]) of the K turns a training sequence holds (K = turn_end's count:
-    all generated turns, or the last K under a context window), from a Trajectory's per-turn lists (state_keys as
-    ``Trajectory.turn_state_keys``: int64 values; the reward of a step is its turn reward plus format penalty)."""
-    k = int(np.count_nonzero(turn_end))
-    n = len(state_keys)
-    if not len(rewards) == len(penalties) == n >= k:
-        raise ValueError(f"per-turn lists of lengths {n} (keys), {len(rewards)} (rewards), {len(penalties)} "
-                         f"(penalties) do not cover the sequence's {k} turns")
-    keys = np.asarray(list(state_keys)[n - k:], dtype=np.int64)
-    total = np.asarray(list(rewards)[n - k:], dtype=np.float64) + np.asarray(list(penalties)[n - k:], dtype=np.float64)
-    return keys, total.astype(np.float32)
 
 
 @dataclass
@@ -186,6 +93,9 @@ class _Episode:
     stop_texts: list[str] = field(default_factory=list)
     state_keys: list[int] = field(default_factory=list)  # one per entry of turns: the state that turn starts from
     versions: list[int] = field(default_factory=list)  # per generated turn: the engine's weight version
+    # per-turn context modes: the prompt ids of the turn being generated; per generated turn, the ids it was given
+    prompt_ids: list[int] = field(default_factory=list)
+    turn_prompts: list[list[int]] = field(default_factory=list)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -523,7 +433,9 @@ class _PartRun:
         names = list(env.action_names) if self.discrete else list(getattr(env, "action_vocabulary", None) or [])
         self.names = names
         self.render_kw = {"render": False} if "render" in inspect.signature(env.step).parameters else {}
-        self.kv = cfg.max_context_window <= 0 and not cfg.canonical
+        self.mode = cfg.context_window_mode
+        # a windowed or per-turn prompt does not extend the previous turn's context: every turn is prefilled afresh
+        self.kv = cfg.max_context_window <= 0 and not cfg.canonical and self.mode == "full"
         self.stop_ids = set(sampling.stop_token_ids) | set(getattr(engine, "eos_token_ids", ()) or ())
         self.window = cfg.max_context_window if cfg.max_context_window > 0 else -1
         self.timings = {"generate_s": 0.0, "env_s": 0.0, "prompt_s": 0.0}
@@ -578,7 +490,11 @@ class _PartRun:
             if len(ep.samples) >= self.part.max_turns:
                 ep.active = False
                 continue
-            text = render_chat(tok, build_messages(self.spec, ep.turns, self.window), self.think)
+            if self.mode == "full":
+                messages = build_messages(self.spec, ep.turns, self.window)
+            else:
+                messages = turn_messages(self.spec, ep.turns, self.mode, self.cfg.max_context_window)
+            text = render_chat(tok, messages, self.think)
             if self.kv:
                 if not text.startswith(ep.text):
                     raise ValueError("the chat template re-renders earlier turns differently; use canonical=True")
@@ -593,6 +509,7 @@ class _PartRun:
             todo.append(i)
             self.pending.append(new)
             ep.text = text
+            ep.prompt_ids = new if self.mode != "full" else []  # a per-turn training sequence starts with it
             ep.context_len = length
         self.rseeds = None
         if self.request_seeds is not None:
@@ -614,6 +531,7 @@ class _PartRun:
             if cfg.count_truncated_penalty and not acts.raw_all_valid:
                 penalty = cfg.format_penalty
             ep.samples.append(res)
+            ep.turn_prompts.append(ep.prompt_ids)
             ep.versions.append(self.version)
             ep.penalties.append(float(penalty))
             ep.canonical.append(canonical_response(resp, acts, think))
@@ -704,7 +622,10 @@ class _PartRun:
 
 
 def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfig, kv: bool) -> Trajectory:
-    """Build the training sequence, mask and rewards of one finished episode."""
+    """Build the training sequence, mask and rewards of one finished episode (per-turn context modes:
+    :func:`_finish_turns`)."""
+    if cfg.context_window_mode != "full":
+        return _finish_turns(ep, tokenizer, spec, cfg)
     think = spec.enable_think
     window = cfg.max_context_window if cfg.max_context_window > 0 else -1
     messages = build_messages(spec, ep.turns, window, for_update=True)
@@ -772,3 +693,61 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
         step_rewards=step_rewards,
         versions=versions,
     )
+
+
+def _finish_turns(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfig) -> Trajectory:
+    """One finished episode under a per-turn context mode: its K per-turn training sequences back to back
+    (``Trajectory.sample_bounds``). Sequence k is the prompt turn k was generated from, then its sampled tokens
+    (the only trained ones, logprobs exact); with ``cfg.canonical`` the chat of ``turn_messages(...,
+    with_response=True)`` re-tokenized, only its last assistant message trained. Each sequence holds the episode's
+    return (turn rewards + format penalties) on its last trained token."""
+    think, window = spec.enable_think, cfg.max_context_window
+    num_turns = len(ep.samples)
+    turn_values = [float(t.reward) for t in ep.turns[:num_turns]]
+    ret = float(sum(turn_values) + sum(ep.penalties))
+    ids: list[int] = []
+    mask: list[int] = []
+    logps: list[float] = []
+    versions: list[int] = []
+    rewards: list[float] = []
+    turn_end: list[int] = []
+    bounds = [0]
+    messages: list[dict[str, str]] = []
+    for k, res in enumerate(ep.samples):
+        chat = turn_messages(spec, ep.turns[: k + 1], cfg.context_window_mode, window, with_response=True)
+        messages += chat
+        if cfg.canonical:
+            n_assistant = sum(1 for m in chat if m["role"] == "assistant")
+            s_ids, s_mask, _, last = _chat_sequence(tokenizer, chat, [None] * n_assistant, think)
+            if len(last) > 1:  # earlier answers are context: only the last assistant message is trained
+                s_mask = [0] * (last[-2] + 1) + s_mask[last[-2] + 1 :]
+            end = last[-1]
+            s_lp = [0.0] * len(s_ids)
+        else:
+            prompt, sampled = list(ep.turn_prompts[k]), list(res.token_ids)
+            s_ids, s_mask = prompt + sampled, [0] * len(prompt) + [1] * len(sampled)
+            s_lp = [0.0] * len(prompt) + list(res.logprobs)
+            end = len(s_ids) - 1
+        if not s_ids:
+            raise ValueError(f"turn {k} of an episode has an empty training sequence")
+        ends = [0] * len(s_ids)
+        ends[end] = 1
+        rew = [0.0] * len(s_ids)
+        rew[max(j for j, m in enumerate(s_mask) if m) if any(s_mask) else end] = ret
+        ids += s_ids
+        mask += s_mask
+        logps += s_lp
+        versions += [ep.versions[k] if m else -1 for m in s_mask]
+        rewards += rew
+        turn_end += ends
+        bounds.append(len(ids))
+    step_keys, step_rewards = turn_data(turn_end, ep.state_keys[:num_turns], turn_values, ep.penalties)
+    return Trajectory(
+        group=ep.group, seed=ep.seed, input_ids=ids, loss_mask=mask, sample_logprobs=logps, token_rewards=rewards,
+        turn_end=turn_end, reward=ret, success=ep.success, num_turns=num_turns, num_actions=ep.actions_used,
+        num_valid_actions=ep.num_valid, num_effective_actions=ep.num_effective,
+        num_format_penalties=sum(1 for p in ep.penalties if p != 0.0),
+        finish_reasons=[r.finish_reason for r in ep.samples], response_lengths=[len(r.token_ids) for r in ep.samples],
+        turn_rewards=turn_values, turn_penalties=list(ep.penalties), turn_state_keys=ep.state_keys[:num_turns],
+        logprobs_exact=not cfg.canonical, env_done=ep.env_done, context_truncated=ep.context_truncated,
+        messages=messages, step_keys=step_keys, step_rewards=step_rewards, versions=versions, sample_bounds=bounds)

@@ -640,6 +640,10 @@ class Trainer:
             raise TrainingAborted(f"iteration {self.step}: the rollout filter kept no group in "
                                   f"{self.empty_stop.count} iterations in a row (algorithm."
                                   f"rollout_filter_empty_stop_steps={self.empty_stop.steps})")
+        episodes = trajs
+        if cfg.rollout.context_window_mode != "full":  # the filter chose episodes; their turns are what trains
+            trajs, kept = update.turn_samples(episodes, kept)
+            metrics["rollout/kept_turn_sequences"] = float(len(kept))
         if kept and cfg.algorithm.batch_adjust_mode != "none":  # RAGEN-2's batch_adjust_mode, after the empty check
             divisor = math.lcm(cfg.env.env_groups, cfg.optim.mini_batch_size, self.world)
             rng = np.random.default_rng([cfg.trainer.seed, rollout_filter.ADJUST_STREAM, self.step])
@@ -685,7 +689,7 @@ class Trainer:
             [t.returns for t in batch] if critic else None, [t.values for t in batch] if critic else None,
             [len(t.input_ids) for t in batch], cfg.rollout.max_model_len))
         self._sync_engine()
-        metrics["perf/rollout_tokens"] = float(sum(len(t.input_ids) for t in trajs))
+        metrics["perf/rollout_tokens"] = float(sum(len(t.input_ids) for t in episodes))
         metrics["perf/trained_seq_tokens"] = float(sum(len(t.input_ids) for t in batch))
         return metrics
 

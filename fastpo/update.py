@@ -103,12 +103,68 @@ def loss_scales(trajs: list[Trajectory], mini_batch: list[int], micro: list[Micr
     return scales
 
 
+def turn_samples(trajs: list[Trajectory], kept: list[int]) -> tuple[list[Trajectory], list[int]]:
+    """The training sequences of the kept episodes under a per-turn context mode (``rollout.context_window_mode``
+    limited_multi_turn / single_turn): each kept episode's ``sample_bounds`` spans become trajectories of their own
+    (per-token arrays sliced; ``episode`` = the episode's index in ``trajs``, ``turn`` = k; ``step_keys`` /
+    ``step_rewards`` of that turn; the episode's reward, group and counts kept). Returns (the sequences, their
+    indices 0..S-1). An episode without ``sample_bounds`` (full mode) passes through as one sequence."""
+    out: list[Trajectory] = []
+    for i in kept:
+        t = trajs[i]
+        if t.sample_bounds is None:
+            out.append(t)
+            continue
+        b = t.sample_bounds
+        for k in range(len(b) - 1):
+            lo, hi = int(b[k]), int(b[k + 1])
+            out.append(dataclasses.replace(
+                t, input_ids=t.input_ids[lo:hi], loss_mask=t.loss_mask[lo:hi],
+                sample_logprobs=t.sample_logprobs[lo:hi], token_rewards=t.token_rewards[lo:hi],
+                turn_end=t.turn_end[lo:hi], versions=None if t.versions is None else t.versions[lo:hi],
+                step_keys=None if t.step_keys is None else t.step_keys[k:k + 1],
+                step_rewards=None if t.step_rewards is None else t.step_rewards[k:k + 1],
+                sample_bounds=None, episode=i, turn=k, messages=[]))
+    return out, list(range(len(out)))
+
+
+def _episode_grpo(trajs: list[Trajectory], kept: list[int],
+                  cfg: AlgorithmConfig) -> tuple[list[np.ndarray], None, dict[str, float]]:
+    """grpo over per-turn sequences (RAGEN-2): the group statistics count each episode once, however many of its
+    turns are in the batch (a copy from batch_adjust_mode included), and every sequence of an episode gets that
+    episode's advantage on its trained tokens. The estimator runs on one token per episode;
+    grpo_length_weight then weighs each sequence by its own trained tokens."""
+    first: dict[int, int] = {}
+    for i in kept:
+        first.setdefault(trajs[i].episode, i)
+    eps = list(first.values())
+    n = len(eps)
+    scores = torch.tensor([trajs[i].reward for i in eps], dtype=torch.float32)
+    one = algorithms.PackedBatch(
+        token_rewards=scores.clone(), loss_mask=torch.ones(n, dtype=torch.bool),
+        turn_end=torch.ones(n, dtype=torch.bool), cu_seqlens=torch.arange(n + 1, dtype=torch.int64), scores=scores,
+        group_ids=torch.tensor([trajs[i].group for i in eps], dtype=torch.int64))
+    per_ep, _ = algorithms.compute_advantages(one, dataclasses.replace(cfg, grpo_length_weight=False))
+    value = dict(zip(first, per_ep.tolist(), strict=True))
+    adv = [np.where(trajs[i].loss_mask, np.float32(value[trajs[i].episode]), np.float32(0)).astype(np.float32)
+           for i in kept]
+    if cfg.grpo_length_weight:
+        cu = torch.tensor([0, *np.cumsum([len(trajs[i].input_ids) for i in kept])], dtype=torch.int64)
+        weight = algorithms.length_weight(cat_tokens(trajs, kept, "loss_mask", torch.device("cpu")), cu)
+        adv = [a * np.float32(w) for a, w in zip(adv, weight.tolist(), strict=True)]
+    return adv, None, one.metrics
+
+
 def advantages(trajs: list[Trajectory], kept: list[int], cfg: AlgorithmConfig,
                with_values: bool) -> tuple[list[np.ndarray], list[np.ndarray] | None, dict[str, float]]:
     """``algorithms.compute_advantages`` over the kept trajectories packed into one batch (on the CPU, identical on
     every rank): (advantages fp32 [T] per kept trajectory, returns likewise or None, the estimator's metrics).
     ``with_values`` reads ``Trajectory.values`` (a critic scored them); per-turn data (``step_keys`` /
-    ``step_rewards``) is passed when every kept trajectory has it (GiGPO reads it)."""
+    ``step_rewards``) is passed when every kept trajectory has it (GiGPO reads it). Per-turn sequences
+    (:func:`turn_samples`): grpo counts each episode once (:func:`_episode_grpo`); the other estimators treat
+    each sequence as a trajectory whose return is the episode's (RAGEN-2)."""
+    if cfg.adv_estimator == "grpo" and kept and any(trajs[i].episode >= 0 for i in kept):
+        return _episode_grpo(trajs, kept, cfg)
     cpu = torch.device("cpu")
     cu = torch.tensor([0, *np.cumsum([len(trajs[i].input_ids) for i in kept])], dtype=torch.int64)
     batch = algorithms.PackedBatch(

@@ -93,9 +93,37 @@ def test_every_version_ports_without_ignore(version, experiment):
         assert [e["kwargs"]["split"] for e in env["val"]] == ["train", "test"]
 
 
+@pytest.mark.parametrize("mode", ["full", "limited_multi_turn", "single_turn"])
+def test_context_window_mode_ports_with_ragen2_s_reading_of_the_other_keys(mode):
+    """RAGEN-2's modes: full ignores max_context_window; the per-turn modes ignore use_turn_scores and
+    enable_response_mask (and RAGEN-2 computes no collapse metrics there). The port follows, with a note each."""
+    settings = {**S.COMMON_TODAY, **S.EXPERIMENTS_TODAY["_2_sokoban"], "agent_proxy.context_window_mode": mode,
+                "agent_proxy.max_context_window": 3, "agent_proxy.use_turn_scores": True,
+                "enable_response_mask": False}
+    cfg = nested(settings)
+    cfg["custom_envs"] = copy.deepcopy(S.CUSTOM_ENVS_TODAY["_2_sokoban"])
+    out, notes = rc.port(cfg)
+    r = out["rollout"]
+    assert r["context_window_mode"] == mode
+    if mode == "full":
+        assert r["max_context_window"] == -1 and (r["reward_level"], r["train_on_observations"]) == ("turn", True)
+        assert any(n.startswith("agent_proxy.max_context_window=3: no effect with context_window_mode full")
+                   for n in notes)
+        assert out["trainer"]["collapse_every"] == 5
+    else:
+        assert r["max_context_window"] == 3 and (r["reward_level"], r["train_on_observations"]) == ("trajectory",
+                                                                                                   False)
+        assert any(n.startswith(f"agent_proxy.use_turn_scores=True: no effect with context_window_mode {mode}")
+                   for n in notes)
+        assert any(n.startswith(f"enable_response_mask=False: no effect with context_window_mode {mode}")
+                   for n in notes)
+        assert out["trainer"]["collapse_every"] == 0
+        assert _validate_errors(out) == []
+
+
 @pytest.mark.parametrize("key,value,message", [
-    ("agent_proxy.context_window_mode", "single_turn",
-     "agent_proxy.context_window_mode='single_turn': only 'full' is supported"),
+    ("agent_proxy.context_window_mode", "sliding",
+     "agent_proxy.context_window_mode='sliding': accepted: full, limited_multi_turn, single_turn"),
     ("agent_proxy.batch_adjust_mode", "pad", "agent_proxy.batch_adjust_mode='pad': accepted: copy, delete"),
     ("trainer.gradient_analysis_only", True, "trainer.gradient_analysis_only=True: only False is supported: fastpo "
                                              "always trains after the analysis"),

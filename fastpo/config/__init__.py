@@ -107,6 +107,17 @@ class Config:
              f"trainer.collapse_every={t.collapse_every} needs rollout.max_context_window -1 (full context), got "
              f"{r.max_context_window}: a limited window gives the turns of a group different prompts (or "
              f"collapse_every 0: off)"),
+            (t.collapse_every == 0 or r.context_window_mode == "full",
+             f"trainer.collapse_every={t.collapse_every} needs rollout.context_window_mode full, got "
+             f"{r.context_window_mode} (RAGEN-2 computes the collapse metrics on the full context only; or "
+             f"collapse_every 0: off)"),
+            # per-turn training sequences: group statistics over episodes (grpo) are computed per episode; GiGPO's
+            # step groups and the entropy filter read whole-episode sequences, which these modes do not train on
+            (r.context_window_mode == "full" or a.adv_estimator != "gigpo",
+             f"algorithm.adv_estimator=gigpo needs rollout.context_window_mode full, got {r.context_window_mode}"),
+            (r.context_window_mode == "full" or "entropy" not in a.rollout_filter_metric,
+             f"algorithm.rollout_filter_metric={a.rollout_filter_metric} needs rollout.context_window_mode full, got "
+             f"{r.context_window_mode} (the entropy is scored on whole-episode sequences)"),
         ]
         return failed(checks) + self.train_seed_errors()
 
@@ -210,7 +221,7 @@ HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
     ("algorithm", "rollout_filter_selection_eps"): 0.01, ("algorithm", "rollout_filter_empty_stop_steps"): 0,
     ("algorithm", "filter_loss_scaling"): "none", ("algorithm", "zero_task_advantage"): False,
     ("algorithm", "soft_advantage_reweight"): False, ("algorithm", "grpo_length_weight"): False,
-    ("algorithm", "batch_adjust_mode"): "none",
+    ("algorithm", "batch_adjust_mode"): "none", ("rollout", "context_window_mode"): "full",
 }
 
 

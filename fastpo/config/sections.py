@@ -18,6 +18,8 @@ INT64_MAX = 2**63 - 1
 #: Upper bounds of rollout.max_staleness and algorithm.refill_rounds: beyond them the trained data is mostly stale,
 #: or one iteration can cost many times its planned rollout.
 MAX_STALENESS = 8
+#: rollout.context_window_mode's values (RAGEN-2's agent_proxy.context_window_mode).
+CONTEXT_WINDOW_MODES = ("full", "limited_multi_turn", "single_turn")
 MAX_REFILL_ROUNDS = 16
 
 
@@ -190,7 +192,17 @@ class RolloutConfig:
     format_penalty: float = -0.1
     """Reward added once per turn whose answer did not parse, was empty, or named an invalid action (<= 0)."""
     max_context_window: int = -1
-    """Turns of history kept in the prompt (>= 1), or -1 for the full history."""
+    """Turns of history kept in the prompt (>= 1), or -1 for the full history. context_window_mode full: the prompt
+    and the one training sequence keep the last k turns, renumbered from "Turn 1" (RAGEN before its
+    context_window_mode). limited_multi_turn / single_turn: k counts the current turn (k = 1: no history) and the
+    turns keep their episode numbers (RAGEN-2)."""
+    context_window_mode: Literal["full", "limited_multi_turn", "single_turn"] = "full"
+    """How turns become prompts and training sequences [agent_proxy.context_window_mode]. full: one training
+    sequence per episode holding every turn (the prompt of turn t holds the earlier turns as chat messages).
+    limited_multi_turn: the prompt holds the last max_context_window turns as chat messages; every turn is its own
+    training sequence (its prompt, then its answer, the only trained tokens). single_turn: the prompt is one user
+    message with the last max_context_window - 1 turns summarised as text; one training sequence per turn as in
+    limited_multi_turn. Per-turn sequences all carry the episode's return (docs/SEMANTICS.md)."""
     canonical: bool = False
     """Train on RAGEN's canonical re-written assistant message instead of the sampled tokens (inexact ratios)."""
     train_on_observations: bool = False
@@ -203,7 +215,8 @@ class RolloutConfig:
     count_truncated_penalty: bool = False
     """Also penalise an invalid name among the actions cut by max_actions_per_turn (RAGEN cuts before checking)."""
     window_reward: Literal["window", "full"] = "window"
-    """With max_context_window > 0: window = only the kept turns' rewards count (RAGEN), full = every turn's."""
+    """context_window_mode full with max_context_window > 0: window = only the kept turns' rewards count (RAGEN),
+    full = every turn's. The per-turn modes always count every turn's (RAGEN-2)."""
     mode: Literal["lockstep", "async"] = "lockstep"
     """Rollout driver. lockstep: each turn is one engine call for every active episode, and the next turn starts
     when the slowest row has stopped (RAGEN's loop). async: no turn barrier: each episode submits its next turn as
@@ -253,6 +266,17 @@ class RolloutConfig:
             (self.format_penalty <= 0, f"rollout.format_penalty must be <= 0, got {self.format_penalty}"),
             (self.max_context_window == -1 or self.max_context_window >= 1,
              f"rollout.max_context_window must be -1 or >= 1, got {self.max_context_window}"),
+            (self.context_window_mode in CONTEXT_WINDOW_MODES,
+             f"rollout.context_window_mode must be one of {', '.join(CONTEXT_WINDOW_MODES)}, got "
+             f"{shown(self.context_window_mode)}"),
+            # per-turn sequences carry the episode's return on their answer (RAGEN-2 ignores use_turn_scores and
+            # enable_response_mask there): refuse rather than silently drop the setting
+            (self.context_window_mode == "full" or self.reward_level == "trajectory",
+             f"rollout.reward_level={self.reward_level} needs rollout.context_window_mode=full, got "
+             f"{self.context_window_mode} (a per-turn sequence carries the episode's return)"),
+            (self.context_window_mode == "full" or not self.train_on_observations,
+             f"rollout.train_on_observations=true needs rollout.context_window_mode=full, got "
+             f"{self.context_window_mode} (a per-turn sequence trains its own answer only)"),
             (0 < self.gpu_memory_utilization <= 1,
              f"rollout.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}"),
             (self.kv_cache_mb >= 0, f"rollout.kv_cache_mb must be >= 0, got {self.kv_cache_mb}"),
