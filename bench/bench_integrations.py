@@ -24,7 +24,8 @@ minus the allocated memory before the step.
 stops with one line.
 
 Default shapes: a Qwen2.5-0.5B-like head (hidden 896, vocab 151,936, tied embeddings) on a 1-layer backbone, 8
-completions of 512 tokens after 32-token prompts (4,096 scored tokens), beta 0, loss_type dapo, fp32.
+completions of 256 to 512 tokens (random lengths, 2,727 scored tokens in all) after 32-token prompts, beta 0,
+loss_type dapo, fp32.
 
     python bench/bench_integrations.py                    # rows -> bench/results/integrations.csv
     python bench/bench_integrations.py --smoke --no-csv   # tiny shapes: proves the script runs
