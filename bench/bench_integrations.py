@@ -8,16 +8,28 @@ token x 4,096-column blocks, completion positions only) and the fastpo::ppo_loss
 masks, advantages, old logprobs), i.e. what ``training_step`` runs after generation; the optimiser step is the same
 on both sides and left out.
 
-Each side runs in a fresh subprocess (memory accounting starts clean): it builds the trainer, then runs the loss
-step ``1 + repeats`` times. Peak memory = the process's peak RSS (VmHWM, reset just before the first step) minus
-its RSS before that step: what the loss step adds on top of model, optimizer-less trainer and batch. steps/s =
-1 / wall time of each later step (p50, p20, p80 over the repeats).
+Each side runs in a fresh subprocess (memory accounting starts clean): it builds the trainer, reads every weight
+once, then runs the loss step ``1 + repeats`` times. Peak memory = the process's peak RSS (VmHWM, reset just before
+the first step) minus its RSS before that step: what the loss step adds on top of model, optimizer-less trainer and
+batch. The weights are read first because the trainer loads them memory-mapped from the safetensors file: their
+pages become resident when first touched, and without that read the first step's peak would count the model's own
+weights (547 MiB at the default shapes, on every side). The row also records the file-backed RSS the measured step
+paged in (``paged_in`` in its config; about 0 when the read did its job). steps/s = 1 / wall time of each later
+step (p50, p20, p80 over the repeats). With ``--device cuda`` the peak is torch's peak allocated CUDA memory
+minus the allocated memory before the step.
+
+``--liger`` adds a third side, ``liger``: the stock trainer whose loss step is Liger's fused linear GRPO loss
+(``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss``) on the decoder's last hidden states, as TRL's
+``use_liger_loss=True`` did before TRL 1.16 dropped that option. It needs liger_kernel; without it the script
+stops with one line.
 
 Default shapes: a Qwen2.5-0.5B-like head (hidden 896, vocab 151,936, tied embeddings) on a 1-layer backbone, 8
-completions of 512 tokens after 32-token prompts (4,096 scored tokens), beta 0, loss_type dapo, fp32.
+completions of 256 to 512 tokens (random lengths, 2,727 scored tokens in all) after 32-token prompts, beta 0,
+loss_type dapo, fp32.
 
     python bench/bench_integrations.py                    # rows -> bench/results/integrations.csv
     python bench/bench_integrations.py --smoke --no-csv   # tiny shapes: proves the script runs
+    python bench/bench_integrations.py --device cuda --liger --results-dir OUT   # GPU: stock, fastpo, Liger
 
 Target (issue): fastpo's peak <= 0.3x the stock path's at equal steps/s or better. Needs trl 1.16 (``make test``
 installs it with the test peers, ``make bench-vs-trl`` too).
@@ -46,6 +58,8 @@ from common import (  # noqa: E402
 )
 
 PROVIDERS = ("trl", "fastpo")
+LIGER = "liger"  # the --liger side
+DEVICES = ("cpu", "cuda")
 
 
 def build_model(path: Path, hidden: int, vocab: int, layers: int, seed: int = 0) -> None:
@@ -66,44 +80,127 @@ def build_model(path: Path, hidden: int, vocab: int, layers: int, seed: int = 0)
         Qwen2ForCausalLM(config).save_pretrained(str(path))
 
 
-def child(spec: dict) -> dict:
-    """One provider in this (fresh) process: build the trainer, run the loss step, report memory and step times."""
-    import datasets
+def liger_loss_class() -> type:
+    """Liger's ``LigerFusedLinearGRPOLoss``; SystemExit with one line when liger_kernel is not importable."""
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError as exc:
+        raise SystemExit(f"--liger needs liger_kernel importable (pip install liger-kernel), got: {exc}") from None
+    return LigerFusedLinearGRPOLoss
+
+
+def check_device(device: str) -> None:
+    """SystemExit with one line unless ``device`` is one of :data:`DEVICES` and usable here."""
+    if device not in DEVICES:
+        raise SystemExit(f"--device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
+
+
+def liger_trainer_class(loss_cls: type) -> type:
+    """A GRPOTrainer whose loss step is ``loss_cls`` (Liger's ``LigerFusedLinearGRPOLoss`` interface) on the last
+    hidden states of the completion positions and the lm-head weight: TRL's ``use_liger_loss=True`` loss step of
+    the releases that had the option (TRL 1.16 has none). Generation, advantages etc. stay TRL 1.16's."""
     import torch
+    from trl import GRPOTrainer
+
+    class LigerLossGRPOTrainer(GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            a = self.args
+            self.liger_grpo_loss = loss_cls(beta=a.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                                            loss_type=a.loss_type, temperature=self.temperature,
+                                            max_completion_length=a.max_completion_length, use_ref_model=a.beta != 0)
+
+        def _compute_loss(self, model, inputs):
+            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+            unwrapped = self.accelerator.unwrap_model(model)
+            hidden = unwrapped.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                          use_cache=False).last_hidden_state
+            hidden = hidden[:, :-1][:, -completion_ids.size(1):]  # the states that predict the completion tokens
+            head = unwrapped.get_output_embeddings()
+            loss, _ = self.liger_grpo_loss(hidden, head.weight, completion_ids, completion_mask, inputs["advantages"],
+                                           head.bias, inputs.get("ref_per_token_logps"),
+                                           inputs.get("old_per_token_logps"))
+            return loss
+
+    return LigerLossGRPOTrainer
+
+
+def make_trainer(spec: dict, loss_cls: type | None = None):
+    """The spec's provider's trainer on the spec's model: ``trl`` (stock GRPOTrainer), ``fastpo``
+    (FastPOGRPOTrainer) or ``liger`` (:func:`liger_trainer_class` of ``loss_cls``, Liger's loss by default)."""
+    import datasets
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from fastpo.integrations.trl import FastPOGRPOTrainer
 
-    torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
-    n, p_len, c_len = spec["completions"], spec["prompt_len"], spec["completion_len"]
+    n = spec["completions"]
     args = GRPOConfig(output_dir=spec["out"], per_device_train_batch_size=n, num_generations=2,
-                      max_completion_length=c_len, beta=0.0, loss_type="dapo", use_cpu=True, bf16=False,
-                      report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
-                      model_init_kwargs={"dtype": "float32"})
-    cls = FastPOGRPOTrainer if spec["provider"] == "fastpo" else GRPOTrainer
+                      max_completion_length=spec["completion_len"], beta=0.0, loss_type="dapo",
+                      use_cpu=spec.get("device", "cpu") == "cpu", bf16=False, report_to="none", save_strategy="no",
+                      disable_tqdm=True, seed=0, model_init_kwargs={"dtype": "float32"})
+    if spec["provider"] == LIGER:
+        cls = liger_trainer_class(loss_cls or liger_loss_class())
+    else:
+        cls = FastPOGRPOTrainer if spec["provider"] == "fastpo" else GRPOTrainer
     data = datasets.Dataset.from_dict({"prompt": ["a"] * n})
     trainer = cls(model=spec["model"], reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                   train_dataset=data, processing_class=tok)
     trainer.current_gradient_accumulation_steps = 1
-    model = trainer.model
-    model.train()
+    trainer.model.train()
+    return trainer
+
+
+def make_batch(spec: dict, vocab: int, device) -> dict:
+    """One synthetic GRPO batch (what generation hands to the loss step), the same for every provider: random
+    prompt and completion ids, completions of random length in [T / 2, T], advantages, old logprobs."""
+    import torch
+
     g = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
+    n, p_len, c_len = spec["completions"], spec["prompt_len"], spec["completion_len"]
     completion_mask = (torch.arange(c_len)[None] < torch.randint(c_len // 2, c_len + 1, (n, 1), generator=g)).long()
     batch = dict(prompt_ids=torch.randint(0, vocab, (n, p_len), generator=g),
                  prompt_mask=torch.ones(n, p_len, dtype=torch.long),
                  completion_ids=torch.randint(0, vocab, (n, c_len), generator=g), completion_mask=completion_mask,
                  advantages=torch.randn(n, generator=g), old_per_token_logps=-5 - torch.rand(n, c_len, generator=g),
                  num_items_in_batch=completion_mask.sum())
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def child(spec: dict) -> dict:
+    """One provider in this (fresh) process: build the trainer, run the loss step, report memory and step times."""
+    import torch
+
+    torch.manual_seed(0)
+    trainer = make_trainer(spec)
+    model = trainer.model
+    device = next(model.parameters()).device
+    batch = make_batch(spec, model.config.vocab_size, device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
         model.zero_grad(set_to_none=True)
         trainer.compute_loss(model, batch).backward()
+        sync()
 
     model.zero_grad(set_to_none=True)
-    base = status_kib("VmRSS") * 1024
+    with torch.no_grad():  # page in the memory-mapped weights now, so that the base RSS holds them (docstring)
+        for t in (*model.parameters(), *model.buffers()):
+            t.sum()
+    sync()
+    base = torch.cuda.memory_allocated() if cuda else status_kib("VmRSS") * 1024
+    file_base = status_kib("RssFile") * 1024
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -112,14 +209,15 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
-    peak = status_kib("VmHWM") * 1024
+    peak = torch.cuda.max_memory_allocated() if cuda else status_kib("VmHWM") * 1024
+    paged_in = status_kib("RssFile") * 1024 - file_base
     times = []
     for _ in range(spec["repeats"]):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return dict(provider=spec["provider"], peak_extra_mib=(peak - base) / 2**20, first_s=first, step_s=times,
-                scored_tokens=int(completion_mask.sum()))
+    return dict(provider=spec["provider"], peak_extra_mib=(peak - base) / 2**20, paged_in_mib=paged_in / 2**20,
+                first_s=first, step_s=times, scored_tokens=int(batch["completion_mask"].sum()))
 
 
 def run_side(spec: dict, timeout: int) -> dict:
@@ -130,7 +228,30 @@ def run_side(spec: dict, timeout: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> None:
+def summarize(results: dict[str, dict], config: str) -> tuple[list[dict], dict[str, float]]:
+    """Rows (steps/s and peak memory per provider) and each other provider's ratios to the stock ``trl`` side:
+    ``{provider}_peak_ratio`` (its peak / stock peak) and ``{provider}_speedup`` (stock p50 step time / its)."""
+    rows = []
+    tokens = results["trl"]["scored_tokens"]
+    for provider, r in results.items():
+        rate = quantiles([1.0 / t for t in r["step_s"]])
+        mem = r["peak_extra_mib"]
+        common = dict(name="trl_grpo_loss_step", provider=provider, mode="full", x_name="tokens", x_value=tokens,
+                      config=config + f"; paged_in={r['paged_in_mib']:.1f} MiB")
+        rows.append(dict(common, metric="steps_per_s", unit="1/s", p50=rate[0], p20=rate[1], p80=rate[2]))
+        rows.append(dict(common, metric="peak_extra_rss", unit="MiB", p50=mem, p20=mem, p80=mem))
+    ratios = {}
+    stock = results["trl"]
+    for provider, r in results.items():
+        if provider != "trl":
+            ratios[f"{provider}_peak_ratio"] = r["peak_extra_mib"] / max(stock["peak_extra_mib"], 1e-9)
+            ratios[f"{provider}_speedup"] = quantiles(stock["step_s"])[0] / quantiles(r["step_s"])[0]
+    return rows, ratios
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; returns {"rows": the rows, "ratios": :func:`summarize`'s ratios, "csv": the CSV path or
+    None}."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--vocab", type=int, default=151_936)
@@ -141,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed loss steps per side (after the first)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side")
+    ap.add_argument("--device", default="cpu", help=f"one of {DEVICES}")
+    ap.add_argument("--liger", action="store_true", help="add the Liger-loss side (needs liger_kernel)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (hidden 64, vocab 4096, 2 x 16 tokens)")
     ap.add_argument("--no-csv", action="store_true", help="print only; write no rows")
     ap.add_argument("--results-dir", default=None, help="where integrations.csv goes (default bench/results)")
@@ -151,47 +274,51 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.loads(args.child)
         pin_threads(spec["threads"])
         print(json.dumps(child(spec)))
-        return
+        return {}
+    check_device(args.device)
+    if args.liger:
+        liger_loss_class()  # refuse before any work
     if not args.no_csv:
         require_clean_tree(args.allow_dirty)
     if args.smoke:
         args.hidden, args.vocab, args.completions, args.prompt_len, args.completion_len, args.repeats = (
             64, 4096, 2, 8, 16, 1)
     pin_threads(args.threads)
+    load_start = os.getloadavg()[0]
+    providers = PROVIDERS + ((LIGER,) if args.liger else ())
     with tempfile.TemporaryDirectory(prefix="bench-integrations-") as work:
         model_dir = Path(work) / "model"
         build_model(model_dir, args.hidden, args.vocab, args.layers)
         results = {}
-        for provider in PROVIDERS:
+        for provider in providers:
             spec = dict(provider=provider, model=str(model_dir), out=str(Path(work) / provider),
                         completions=args.completions, prompt_len=args.prompt_len, completion_len=args.completion_len,
-                        repeats=args.repeats, threads=args.threads)
+                        repeats=args.repeats, threads=args.threads, device=args.device)
             results[provider] = run_side(spec, args.timeout)
             r = results[provider]
-            print(f"{provider}: peak +{r['peak_extra_mib']:.0f} MiB, first step {r['first_s']:.2f} s, steps "
-                  f"{', '.join(f'{t:.2f}' for t in r['step_s'])} s", flush=True)
+            print(f"{provider}: peak +{r['peak_extra_mib']:.0f} MiB (paged in {r['paged_in_mib']:.1f} MiB), first "
+                  f"step {r['first_s']:.2f} s, steps {', '.join(f'{t:.2f}' for t in r['step_s'])} s", flush=True)
     import trl
 
-    tokens = results["fastpo"]["scored_tokens"]
+    tokens = results["trl"]["scored_tokens"]
+    peak_kind = "torch peak allocated CUDA memory - allocated" if args.device == "cuda" else "VmHWM - RSS"
     config = (f"H={args.hidden} V={args.vocab} layers={args.layers} tied B={args.completions} prompt={args.prompt_len} "
-              f"completion={args.completion_len} ({tokens} scored tokens) beta=0 dapo fp32 threads={args.threads} "
-              f"trl={trl.__version__}; peak = VmHWM - RSS before the first loss step, fresh subprocess per side")
-    rows = []
-    for provider, r in results.items():
-        rate = quantiles([1.0 / t for t in r["step_s"]])
-        mem = r["peak_extra_mib"]
-        common = dict(name="trl_grpo_loss_step", provider=provider, mode="full", x_name="tokens", x_value=tokens,
-                      config=config)
-        rows.append(dict(common, metric="steps_per_s", unit="1/s", p50=rate[0], p20=rate[1], p80=rate[2]))
-        rows.append(dict(common, metric="peak_extra_rss", unit="MiB", p50=mem, p20=mem, p80=mem))
+              f"completion={args.completion_len} ({tokens} scored tokens) beta=0 dapo fp32 device={args.device} "
+              f"threads={args.threads} trl={trl.__version__}; peak = {peak_kind} before the first loss step "
+              f"(weights paged in first), fresh subprocess per side; load avg 1 min {load_start:.2f} at start, "
+              f"{os.getloadavg()[0]:.2f} at end")
+    rows, ratios = summarize(results, config)
     print_table(rows)
-    mem_ratio = results["fastpo"]["peak_extra_mib"] / max(results["trl"]["peak_extra_mib"], 1e-9)
-    speed = quantiles(results["trl"]["step_s"])[0] / quantiles(results["fastpo"]["step_s"])[0]
-    met = mem_ratio <= 0.3 and speed >= 1.0
-    print(f"fastpo / stock: peak memory {mem_ratio:.3f}x, steps/s {speed:.3f}x (target <= 0.3x at >= 1x: "
-          f"{'met' if met else 'not met'})")
+    for provider in providers[1:]:
+        mem_ratio, speed = ratios[f"{provider}_peak_ratio"], ratios[f"{provider}_speedup"]
+        target = f" (target <= 0.3x at >= 1x: {'met' if mem_ratio <= 0.3 and speed >= 1.0 else 'not met'})"
+        print(f"{provider} / stock: peak memory {mem_ratio:.3f}x, steps/s {speed:.3f}x"
+              f"{target if provider == 'fastpo' else ''}")
+    path = None
     if not args.no_csv:
-        print(f"appended {len(rows)} rows to {append_rows('integrations', rows, args.results_dir)}")
+        path = append_rows("integrations", rows, args.results_dir)
+        print(f"appended {len(rows)} rows to {path}")
+    return dict(rows=rows, ratios=ratios, csv=path)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,13 @@ def selective_logprob(logits: torch.Tensor, ids: torch.Tensor, temperature: floa
     return _SelectiveLogprob.apply(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), temperature).view(shape)
 
 
+def _scaled_rows(hidden: Tensor, n0: int, rows: int, cd: torch.dtype, inv_t: float) -> Tensor:
+    """hidden[n0 : n0 + rows] in the compute dtype, divided by the temperature: a view of hidden (no copy) when
+    it already has that dtype and the temperature is 1 (x * 1.0 == x exactly, so the results are the same)."""
+    xs = hidden[n0 : n0 + rows].to(cd)
+    return xs if inv_t == 1.0 else xs * inv_t
+
+
 def _chunk_sizes(n_tokens: int, vocab: int) -> tuple[int, int]:
     vocab_chunk = min(vocab, VOCAB_CHUNK)
     token_chunk = max(1, min(n_tokens, CHUNK_ELEMENTS // vocab_chunk))
@@ -108,9 +115,11 @@ def fused_linear_logprob_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None
     entropy = torch.empty(n_tokens if return_entropy else 0, dtype=cd, device=dev)
     tc, vc = _chunk_sizes(n_tokens, vocab)
     buf = torch.empty(tc * vc, dtype=cd, device=dev)
+    # exp of the block for the entropy sum: one second block for the whole call, not a fresh one per vocab chunk
+    pbuf = torch.empty(tc * vc if return_entropy else 0, dtype=cd, device=dev)
     ids = ids.long()
     for n0 in range(0, n_tokens, tc):
-        xs = hidden[n0 : n0 + tc].to(cd) * inv_t
+        xs = _scaled_rows(hidden, n0, tc, cd, inv_t)
         rows = xs.shape[0]
         idc = ids[n0 : n0 + tc]
         m = torch.full((rows,), -math.inf, dtype=cd, device=dev)
@@ -128,10 +137,12 @@ def fused_linear_logprob_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None
             alpha = torch.exp(m - m_new)
             z.sub_(m_new[:, None])
             if return_entropy:
-                p = z.exp()
+                p = torch.exp(z, out=pbuf[: z.numel()].view(z.shape))
                 shift = torch.where(torch.isinf(m), 0.0, m - m_new)
-                t_rel = alpha * (t_rel + shift * s) + torch.linalg.vecdot(p, z, dim=1)
-                s = s * alpha + p.sum(1)
+                p_sum = p.sum(1)
+                # sum p * (z - m) in place in p's block (vecdot would allocate a third block per vocab chunk)
+                t_rel = alpha * (t_rel + shift * s) + p.mul_(z).sum(1)
+                s = s * alpha + p_sum
             else:
                 s = s * alpha + z.exp_().sum(1)
             m = m_new
@@ -163,9 +174,10 @@ def fused_linear_logprob_bwd(grad_logp: Tensor | None, grad_entropy: Tensor | No
     d_bias = torch.zeros(vocab, dtype=cd, device=dev) if bias is not None and need_bias else None
     tc, vc = _chunk_sizes(n_tokens, vocab)
     buf = torch.empty(tc * vc, dtype=cd, device=dev)
+    pbuf = torch.empty(tc * vc if g_ent is not None else 0, dtype=cd, device=dev)  # as in the forward
     ids = ids.long()
     for n0 in range(0, n_tokens, tc):
-        xs = hidden[n0 : n0 + tc].to(cd) * inv_t
+        xs = _scaled_rows(hidden, n0, tc, cd, inv_t)
         rows = xs.shape[0]
         idc, gc, cc, lc = ids[n0 : n0 + tc], g[n0 : n0 + tc], coef[n0 : n0 + tc], lse[n0 : n0 + tc]
         for v0 in range(0, vocab, vc):
@@ -176,7 +188,7 @@ def fused_linear_logprob_bwd(grad_logp: Tensor | None, grad_entropy: Tensor | No
                 z.add_(bias[v0 : v0 + vc].to(cd), alpha=inv_t)
             z.sub_(lc[:, None])  # log p
             if g_ent is not None:
-                p = z.exp()
+                p = torch.exp(z, out=pbuf[: z.numel()].view(z.shape))
                 ge = g_ent[n0 : n0 + tc, None]
                 z.add_(entropy[n0 : n0 + tc, None]).mul_(-ge).add_(cc[:, None]).mul_(p)
             else:

@@ -118,6 +118,47 @@ def test_reference_chunks_and_never_builds_full_logits(monkeypatch):
     assert logits_sized and max(logits_sized) <= 6 * 128, sizes
 
 
+def _block_allocations(vocab_chunk: int, monkeypatch) -> int:
+    """Allocations of at least one logits block made by aten ops called directly from the reference fused logprob
+    (forward with entropy + backward), at 3 token chunks of 6 rows x 1000 / vocab_chunk vocab chunks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(ref, "CHUNK_ELEMENTS", 6 * vocab_chunk)
+    monkeypatch.setattr(ref, "VOCAB_CHUNK", vocab_chunk)
+    hidden, weight, _, ids = _inputs(17, 12, 1000, torch.float64, "cpu", bias=False)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logp, ent = ref.fused_linear_logprob(hidden, weight, ids, None, 1.0, return_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+    smallest_block = 5 * (1000 % vocab_chunk or vocab_chunk) * 8  # the last token chunk x the ragged vocab chunk
+    top_level = [e for e in prof.events() if e.name.startswith("aten::")
+                 and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
+    return sum(1 for e in top_level if e.cpu_memory_usage >= smallest_block)
+
+
+def test_reference_allocates_its_blocks_once_per_call(monkeypatch):
+    """The forward and the backward each allocate their two block buffers (logits, exp) once, plus dW: the count
+    does not grow with the number of vocab chunks (no fresh exp / product block per chunk)."""
+    assert _block_allocations(128, monkeypatch) == _block_allocations(100, monkeypatch) == 5
+
+
+def test_reference_reads_hidden_in_place_at_temperature_one(monkeypatch):
+    """At temperature 1 in the compute dtype the token chunks fed to the GEMMs are views of hidden (no copy); at
+    another temperature they are scaled copies."""
+    real_mm, firsts = torch.mm, []
+
+    def spy_mm(a, b, **kw):
+        firsts.append(a.untyped_storage().data_ptr())
+        return real_mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "mm", spy_mm)
+    hidden, weight, _, ids = _inputs(17, 12, 100, torch.float32, "cpu", bias=False)
+    for temperature, in_place in ((1.0, True), (0.5, False)):
+        firsts.clear()
+        logp = ref.fused_linear_logprob(hidden, weight, ids, None, temperature)
+        logp.sum().backward()
+        assert firsts and all((p == hidden.untyped_storage().data_ptr()) == in_place for p in firsts), temperature
+
+
 @pytest.mark.parametrize("kernel", ["tiled", "persistent-ptr", "persistent-tma"])
 def test_triton_backward_chunking(monkeypatch, device, kernel):
     """The Triton backward with token chunks and vocab chunks (GRAD_ELEMENTS small) matches the truth, with the
