@@ -1,5 +1,5 @@
 """Triton kernels of the GiGPO estimator (episode-level group advantages + step-level advantages over anchor
-states), semantics of ``reference.gigpo_advantages``. No autograd (advantages are constants of the loss).
+states), semantics of ``reference_gigpo.gigpo_advantages``. No autograd (advantages are constants of the loss).
 
 Inputs are turn-major: M turns in all, trajectory b owning turns ``cu_turns[b]:cu_turns[b + 1]``; each turn has
 the key of the state it starts from and its reward; ``turn_ids`` [N] maps every token to its turn (-1: none).
@@ -73,7 +73,7 @@ def gigpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_keys: t
                      step_gamma: float, norm_by_std: bool,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token advantages fp32 [N], step advantages fp32 [M], step group sizes int64 [M]); inputs as
-    ``reference.gigpo_advantages`` (checked by the caller)."""
+    ``reference_gigpo.gigpo_advantages`` (checked by the caller)."""
     n_seq, n_turns, n_tok = scores.shape[0], turn_keys.shape[0], mask.shape[0]
     dev = scores.device
     out = torch.zeros(n_tok, dtype=torch.float32, device=dev)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import reference as ref
+from .. import reference_gigpo
 
 BACKENDS = ("triton", "torch")
 #: Values of FASTPO_FLP_KERNEL: which Triton kernels run fused_linear_logprob (see :func:`flp_kernel`).
@@ -372,7 +373,7 @@ def gigpo_advantages(scores: Tensor, group_ids: Tensor, turn_keys: Tensor, turn_
             norm_by_std, eps)
     if backend_for(mask) == "triton":
         return triton_module("gigpo").gigpo_advantages(*args)
-    return ref.gigpo_advantages(*args)
+    return reference_gigpo.gigpo_advantages(*args)
 
 
 @gigpo_advantages.register_fake
