@@ -63,8 +63,12 @@ def time_steps(env, n: int, steps: int, render: bool, rng: np.random.Generator) 
         else:
             actions = rng.integers(1, top, size=n, dtype=np.int32)
         t0 = time.perf_counter()
-        _, _, terminated, truncated, _ = env.step(actions, render=render)
+        # The previous step's results stay alive until this call has returned, as in a rollout (it reads the
+        # observations to build the next prompts). Dropping them first would hand their memory back to the OS
+        # (glibc trims the heap top), and every step would pay page faults for new observation strings.
+        result = env.step(actions, render=render)
         elapsed += time.perf_counter() - t0
+        _, _, terminated, truncated, _ = result
         done = terminated | truncated
         if done.any():
             seeds = np.arange(n, dtype=np.int64) + seed_base + (k + 1) * n

@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cstring>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 #include <memory>
 #include <string>
 #include <vector>
@@ -218,20 +221,100 @@ py::list render_observations(SokobanBatch& b) {
   return b.obs_format() == fastpo::kObsGrid ? grids : with_coordinates(b, grids);
 }
 
-// Text observations built whole in C++ (2048): the strings (GIL released), then str objects (UTF-8 decoded).
+// Decodes UTF-8 that C++ wrote (valid by construction) straight into a str of the right kind: the widest lead
+// byte gives the kind (>= 0xF0: 4-byte units, >= 0xC4: 2-byte, else 1-byte) and the bytes that are not
+// continuation bytes give the length. Equal to PyUnicode_DecodeUTF8, without its scan for errors and its widening
+// as it meets wider characters. ASCII runs go 16 bytes at a time with SSE2 (a render is mostly ASCII with a mark
+// or two, which makes the whole str 2-byte).
+template <typename CharT>
+void widen_utf8(CharT* out, const unsigned char* s, size_t n) {
+  size_t k = 0;
+  while (k < n) {
+#ifdef __SSE2__
+    if (sizeof(CharT) == 2 && k + 16 <= n) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k));
+      if (_mm_movemask_epi8(v) == 0) {
+        const __m128i zero = _mm_setzero_si128();
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(v, zero));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), _mm_unpackhi_epi8(v, zero));
+        out += 16;
+        k += 16;
+        continue;
+      }
+    }
+#endif
+    const unsigned char b = s[k];
+    const int len = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
+    uint32_t c = len == 1 ? b : len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
+    for (int j = 1; j < len; ++j) c = (c << 6) | (s[k + j] & 0x3F);
+    *out++ = static_cast<CharT>(c);
+    k += static_cast<size_t>(len);
+  }
+}
+
+PyObject* str_from_utf8(const char* text, size_t n) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text);
+  unsigned char top = 0;
+  size_t continuation = 0;
+  size_t k = 0;
+#ifdef __SSE2__
+  // Continuation bytes are counted with sums of absolute differences (no popcount: baseline x86-64 lacks it).
+  __m128i vmax = _mm_setzero_si128(), vcount = _mm_setzero_si128();
+  const __m128i zero = _mm_setzero_si128(), one = _mm_set1_epi8(1);
+  const __m128i top2 = _mm_set1_epi8(static_cast<char>(0xC0)), cont = _mm_set1_epi8(static_cast<char>(0x80));
+  for (; k + 16 <= n; k += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k));
+    vmax = _mm_max_epu8(vmax, v);
+    const __m128i is_cont = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, top2), cont), one);
+    vcount = _mm_add_epi64(vcount, _mm_sad_epu8(is_cont, zero));
+  }
+  alignas(16) unsigned char lanes[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), vmax);
+  for (unsigned char lane : lanes) top = std::max(top, lane);
+  alignas(16) uint64_t counts[2];
+  _mm_store_si128(reinterpret_cast<__m128i*>(counts), vcount);
+  continuation = static_cast<size_t>(counts[0] + counts[1]);
+#endif
+  for (; k < n; ++k) {
+    top = std::max(top, s[k]);
+    continuation += (s[k] & 0xC0) == 0x80;
+  }
+  const auto len = static_cast<Py_ssize_t>(n - continuation);
+  PyObject* str = PyUnicode_New(len, top < 0x80 ? 127 : top < 0xC4 ? 255 : top < 0xF0 ? 0xFFFF : 0x10FFFF);
+  if (str == nullptr) throw py::error_already_set();
+  switch (PyUnicode_KIND(str)) {
+    case PyUnicode_1BYTE_KIND:
+      if (top < 0x80) {
+        std::memcpy(PyUnicode_1BYTE_DATA(str), s, n);
+      } else {
+        widen_utf8(PyUnicode_1BYTE_DATA(str), s, n);
+      }
+      break;
+    case PyUnicode_2BYTE_KIND:
+      widen_utf8(PyUnicode_2BYTE_DATA(str), s, n);
+      break;
+    default:
+      widen_utf8(PyUnicode_4BYTE_DATA(str), s, n);
+  }
+  return str;
+}
+
+// Text observations built whole in C++ (2048, Sudoku, the cube): the texts (GIL released), then str objects.
+// The texts live in a per-thread scratch that keeps its memory, so a render allocates only the str objects.
 template <typename Batch>
 py::list render_observations_text(Batch& b) {
-  std::vector<std::string> texts(static_cast<size_t>(b.num_envs()));
+  thread_local fastpo::TextBatch texts;
+  const auto n = static_cast<size_t>(b.num_envs());
+  texts.resize(n);
   {
     py::gil_scoped_release release;
-    b.render_texts(texts.data());
+    b.render_texts(texts);
   }
-  py::list out(texts.size());
-  for (size_t i = 0; i < texts.size(); ++i) {
-    PyObject* str = PyUnicode_DecodeUTF8(texts[i].data(), static_cast<Py_ssize_t>(texts[i].size()), "strict");
-    if (str == nullptr) throw py::error_already_set();
-    out[i] = py::reinterpret_steal<py::object>(str);
-  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+  if (list == nullptr) throw py::error_already_set();
+  py::list out = py::reinterpret_steal<py::list>(list);
+  for (size_t i = 0; i < n; ++i)
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), str_from_utf8(texts.buf[i].data(), texts.len[i]));
   return out;
 }
 
@@ -294,18 +377,23 @@ py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::h
     active_arr = strict_array<bool>(active_obj, {n}, "active");
     active = reinterpret_cast<const uint8_t*>(active_arr.data());
   }
-  require_ready(b);
-  std::vector<SudokuAction> acts(static_cast<size_t>(n));
+  // Kept between calls: the parser sets every field it reads back (the error only with kind 2). Nothing is stepped
+  // before every item has been checked, so a bad item leaves the batch as it was.
+  thread_local std::vector<SudokuAction> acts;
+  acts.resize(static_cast<size_t>(n));
   for (py::ssize_t i = 0; i < n; ++i) {
-    if (active != nullptr && !active[i]) continue;
     PyObject* item = PyList_GET_ITEM(actions_obj.ptr(), i);
-    if (!PyUnicode_Check(item)) throw py::value_error("actions[" + std::to_string(i) + "] must be a str");
+    if (!PyUnicode_Check(item))
+      throw py::value_error("actions[" + std::to_string(i) + "] must be a str, got " +
+                            py::handle(reinterpret_cast<PyObject*>(Py_TYPE(item))).attr("__name__").cast<std::string>());
+    if (active != nullptr && !active[i]) {
+      acts[i].kind = 0;
+      continue;
+    }
     bool done = false;
-    if (PyUnicode_IS_ASCII(item)) {
-      Py_ssize_t len = 0;
-      const char* data = PyUnicode_AsUTF8AndSize(item, &len);
-      if (data == nullptr) throw py::error_already_set();
-      done = fastpo::parse_sudoku_action(data, static_cast<size_t>(len), b.grid_size(), acts[i]);
+    if (PyUnicode_IS_COMPACT_ASCII(item)) {  // its characters are its bytes: no UTF-8 conversion to ask for
+      const auto* data = static_cast<const char*>(PyUnicode_DATA(item));
+      done = fastpo::parse_sudoku_action(data, static_cast<size_t>(PyUnicode_GET_LENGTH(item)), b.grid_size(), acts[i]);
     }
     if (!done) {
       auto t = parse(py::reinterpret_borrow<py::str>(item)).cast<py::tuple>();
@@ -316,6 +404,7 @@ py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::h
       acts[i].error = t[4].cast<std::string>();
     }
   }
+  require_ready(b);
   py::array_t<float> reward(n);
   py::array_t<bool> block({py::ssize_t{5}, n});
   uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "rng.h"
+#include "text_writer.h"
 #include "thread_pool.h"
 
 namespace fastpo {
@@ -30,7 +31,7 @@ class Game2048Batch {
   void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
   // RAGEN's text observation per instance (num_envs strings).
-  void render_texts(std::string* out);
+  void render_texts(TextBatch& out);
   // Exact state key per instance: FNV-1a 64 over the exponents (size * size bytes) then the score (int64
   // little-endian). The step counter and the spawn stream are not part of it.
   void state_keys(uint64_t* out);

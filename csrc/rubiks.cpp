@@ -1,9 +1,11 @@
 #include "rubiks.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "state_key.h"
+#include "text_writer.h"
 
 namespace fastpo {
 
@@ -19,6 +21,20 @@ constexpr uint8_t kTurn[6][24] = {
     {0, 1, 7, 5, 4, 20, 6, 21, 10, 8, 11, 9, 2, 13, 3, 15, 16, 17, 18, 19, 14, 12, 22, 23},
     {13, 15, 2, 3, 1, 5, 0, 7, 8, 9, 10, 11, 12, 22, 14, 23, 18, 16, 19, 17, 20, 21, 6, 4},
 };
+// The 12 moves (ids 1..12) as one permutation each: a prime turn (even id) is the quarter turn composed three
+// times, so a step is one gather whatever the move.
+struct MoveTable {
+  uint8_t p[12][24];
+  MoveTable() {
+    for (int a = 0; a < 12; ++a)
+      for (int k = 0; k < 24; ++k) {
+        const uint8_t* q = kTurn[a / 2];
+        p[a][k] = a % 2 == 0 ? q[k] : q[q[q[k]]];
+      }
+  }
+};
+const MoveTable kMoves;
+
 constexpr char kColour[6] = {'W', 'O', 'G', 'R', 'B', 'Y'};
 constexpr const char* kFaceLabel[6] = {"Up (U):    ", "Left (L):  ", "Front (F): ", "Right (R): ", "Back (B):  ",
                                        "Down (D):  "};
@@ -47,13 +63,10 @@ bool RubiksBatch::all_ready() const {
 }
 
 void RubiksBatch::turn(uint8_t* s, int action) const {
-  const uint8_t* p = kTurn[(action - 1) / 2];
-  const int quarters = action % 2 == 0 ? 3 : 1;  // even ids are the primes
+  const uint8_t* p = kMoves.p[action - 1];
   uint8_t tmp[24];
-  for (int q = 0; q < quarters; ++q) {
-    std::copy(s, s + 24, tmp);
-    for (int k = 0; k < 24; ++k) s[k] = tmp[p[k]];
-  }
+  std::memcpy(tmp, s, 24);
+  for (int k = 0; k < 24; ++k) s[k] = tmp[p[k]];
 }
 
 bool RubiksBatch::solved(const uint8_t* s) {
@@ -114,22 +127,27 @@ void RubiksBatch::step(const int32_t* actions, float* reward, uint8_t* terminate
   });
 }
 
-void RubiksBatch::render_texts(std::string* out) {
+void RubiksBatch::render_texts(TextBatch& out) {
   std::lock_guard<std::mutex> lock(mu_);
   pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-      std::string& t = out[i];
-      t = "=== Rubik's Cube 2x2 State ===\nStep: " + std::to_string(num_steps[i]) + "/" +
-          std::to_string(max_steps_) + "\n";
+      TextWriter w = out.begin(static_cast<size_t>(i), 384);  // the text is 300 bytes at most
+      w.lit("=== Rubik's Cube 2x2 State ===\nStep: ");
+      w.num(num_steps[i]);
+      w.ch('/');
+      w.num(max_steps_);
+      w.ch('\n');
       for (int f = 0; f < 6; ++f) {
         const uint8_t* c = s + f * 4;
-        t += "\n";
-        t += kFaceLabel[f];
-        t += {'[', kColour[c[0]], ',', ' ', kColour[c[1]], ']', '\n', ' ', '[', kColour[c[2]], ',', ' ',
-              kColour[c[3]], ']'};
+        w.ch('\n');
+        w.put(kFaceLabel[f], 11);
+        const char face[] = {'[', kColour[c[0]], ',', ' ', kColour[c[1]], ']', '\n', ' ', '[', kColour[c[2]], ',', ' ',
+                             kColour[c[3]], ']'};
+        w.put(face, sizeof(face));
       }
-      t += "\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?";
+      w.lit("\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?");
+      out.end(static_cast<size_t>(i), w);
     }
   });
 }
