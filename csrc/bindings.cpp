@@ -342,26 +342,35 @@ void require_ready(const Batch& b) {
     throw std::runtime_error("some instances were never reset; call reset() or reset_from_layouts() first");
 }
 
-// step() for either batch: (obs or None when render=False, reward f32[N], terminated, truncated, success, valid, effective bool[N]).
-template <typename Batch>
-py::tuple step_batch(Batch& b, const py::handle& actions_obj, bool render) {
+// The step of any batch once its actions are decoded: step(a) is b.step(a, reward, the five flag arrays) and runs
+// without the GIL. Returns (obs or None when render=False, reward f32[N], terminated, truncated, success, valid,
+// effective bool[N]).
+template <typename Batch, typename Actions>
+py::tuple run_step(Batch& b, const Actions* actions, bool render) {
   const py::ssize_t n = b.num_envs();
-  auto actions = strict_array_1d<int32_t>(actions_obj, n, "actions");
   require_ready(b);
   py::array_t<float> reward(n);
   // One allocation for the five flag arrays: bool[5, N], returned as its row views (each owns a reference
   // to the block, so they stay valid independently).
   py::array_t<bool> block({py::ssize_t{5}, n});
   uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());
-  const int32_t* a = actions.data();
   float* r = reward.mutable_data();
   {
     py::gil_scoped_release release;
-    b.step(a, r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
+    b.step(actions, r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
   }
-  auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
+  auto row = [&](int k) {
+    return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block);
+  };
   py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
   return py::make_tuple(obs_out, reward, row(0), row(1), row(2), row(3), row(4));
+}
+
+// step() of a batch with int32 action ids.
+template <typename Batch>
+py::tuple step_batch(Batch& b, const py::handle& actions_obj, bool render) {
+  auto actions = strict_array_1d<int32_t>(actions_obj, b.num_envs(), "actions");
+  return run_step(b, actions.data(), render);
 }
 
 // Sudoku's step: text actions parsed here (ASCII in C++; other text, or a number too long for int64, by the
@@ -384,8 +393,9 @@ py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::h
   for (py::ssize_t i = 0; i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(actions_obj.ptr(), i);
     if (!PyUnicode_Check(item))
-      throw py::value_error("actions[" + std::to_string(i) + "] must be a str, got " +
-                            py::handle(reinterpret_cast<PyObject*>(Py_TYPE(item))).attr("__name__").cast<std::string>());
+      throw py::value_error(
+          "actions[" + std::to_string(i) + "] must be a str, got " +
+          py::handle(reinterpret_cast<PyObject*>(Py_TYPE(item))).attr("__name__").cast<std::string>());
     if (active != nullptr && !active[i]) {
       acts[i].kind = 0;
       continue;
@@ -404,18 +414,7 @@ py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::h
       acts[i].error = t[4].cast<std::string>();
     }
   }
-  require_ready(b);
-  py::array_t<float> reward(n);
-  py::array_t<bool> block({py::ssize_t{5}, n});
-  uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());
-  float* r = reward.mutable_data();
-  {
-    py::gil_scoped_release release;
-    b.step(acts.data(), r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
-  }
-  auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
-  py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
-  return py::make_tuple(obs_out, reward, row(0), row(1), row(2), row(3), row(4));
+  return run_step(b, acts.data(), render);
 }
 
 template <typename Batch>
@@ -468,10 +467,38 @@ SokobanParams make_params(int rows, int cols, int num_boxes, int search_depth, d
   return p;
 }
 
+// What every batch class binds alike: num_envs, reset, render, state_keys and get_state. `fields(b, d, n)` puts
+// the game's own arrays into the exact state; the episode fields (num_steps, terminated, truncated) are added here.
+template <typename Batch, typename Fields>
+void bind_batch(py::class_<Batch>& cls, const char* keys_doc, Fields fields) {
+  cls.def_property_readonly("num_envs", [](const Batch& b) { return b.num_envs(); })
+      .def("reset", &reset_batch<Batch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations (instances reset in parallel).")
+      .def("render", &render_batch<Batch>)
+      .def("state_keys", &state_keys_batch<Batch>, keys_doc)
+      .def("get_state", [fields](Batch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs();
+        py::dict d;
+        fields(b, d, n);
+        d["num_steps"] = copy_out(b.num_steps, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+}
+
+// step() of the batches with integer action ids (all but Sudoku, whose actions are text); `doc` names the ids.
+template <typename Batch>
+void bind_discrete_step(py::class_<Batch>& cls, const char* doc) {
+  cls.def("step", &step_batch<Batch>, py::arg("actions"), py::arg("render") = true, doc);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048, Sudoku and the 2x2 cube with RAGEN's rules (see envs/).";
+  m.doc() =
+      "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048, Sudoku and the 2x2 cube with RAGEN's rules (see envs/).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -479,8 +506,12 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+  // The step docstrings: "<the ids> -> " then this.
+#define FASTPO_STEP_RETURNS \
+  " -> (obs, reward f32[N], terminated, truncated, success, action_is_valid, action_is_effective bool[N])."
 
-  py::class_<SokobanBatch>(m, "SokobanBatch", "num_envs Sokoban instances (cell codes 0..5 as gym-sokoban).")
+  py::class_<SokobanBatch> sokoban(m, "SokobanBatch", "num_envs Sokoban instances (cell codes 0..5 as gym-sokoban).");
+  sokoban
       .def(py::init([](int num_envs, int rows, int cols, int num_boxes, int search_depth, int max_steps,
                        std::vector<std::string> symbols, int num_threads, double p_change_directions,
                        int num_gen_steps, int observation_format) {
@@ -493,9 +524,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1, py::arg("observation_format") = 0,
            "symbols: 7 strings for codes 0..6; num_gen_steps < 0 means int(1.7 * (rows + cols)); "
            "observation_format 0 grid, 1 coord, 2 grid_coord.")
-      .def_property_readonly("num_envs", &SokobanBatch::num_envs)
-      .def("reset", &reset_batch<SokobanBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations. Generates in parallel.")
       .def(
           "set_layouts",
           [](SokobanBatch& b, const py::handle& fixed_obj, const py::handle& state_obj) {
@@ -505,25 +533,15 @@ PYBIND11_MODULE(_C, m) {
             b.set_layouts(fixed.data(), state.data());
             return render_batch(b);
           },
-          py::arg("room_fixed"), py::arg("room_state"), "uint8[N, R, C] each -> list of N observations.")
-      .def("step", &step_batch<SokobanBatch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids (1 Up, 2 Down, 3 Left, 4 Right) -> (obs, reward f32[N], terminated, truncated, success, "
-           "action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<SokobanBatch>)
-      .def("state_keys", &state_keys_batch<SokobanBatch>,
-           "uint64[N]: FNV-1a 64 of room_fixed then room_state (the exact state without the step counter).")
-      .def("get_state", [](SokobanBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), r = b.params().rows, c = b.params().cols;
-        py::dict d;
-        d["room_fixed"] = copy_out(b.room_fixed, {n, r, c});
-        d["room_state"] = copy_out(b.room_state, {n, r, c});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        d["boxes_on_target"] = copy_out(b.boxes_on_target, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          py::arg("room_fixed"), py::arg("room_state"), "uint8[N, R, C] each -> list of N observations.");
+  bind_batch(sokoban, "uint64[N]: FNV-1a 64 of room_fixed then room_state (the exact state without the step counter).",
+             [](SokobanBatch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t r = b.params().rows, c = b.params().cols;
+               d["room_fixed"] = copy_out(b.room_fixed, {n, r, c});
+               d["room_state"] = copy_out(b.room_state, {n, r, c});
+               d["boxes_on_target"] = copy_out(b.boxes_on_target, {n});
+             });
+  bind_discrete_step(sokoban, "int32[N] ids (1 Up, 2 Down, 3 Left, 4 Right)" FASTPO_STEP_RETURNS);
 
   m.def(
       "generate_sokoban",
@@ -545,15 +563,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("search_depth") = 300, py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1,
       "One level -> (room_fixed uint8[R, C], room_state uint8[R, C], attempt int).");
 
-  py::class_<FrozenLakeBatch>(m, "FrozenLakeBatch", "num_envs FrozenLake instances (maps as ASCII S F H G).")
+  py::class_<FrozenLakeBatch> frozenlake(m, "FrozenLakeBatch",
+                                         "num_envs FrozenLake instances (maps as ASCII S F H G).");
+  frozenlake
       .def(py::init<int, int, double, bool, int, int, double, int>(), py::arg("num_envs"), py::arg("size"),
            py::arg("p"), py::arg("is_slippery"), py::arg("max_steps"), py::arg("num_threads") = 1,
            py::arg("success_rate") = -1.0, py::arg("observation_format") = 0,
            "success_rate < 0: gym's 1/3 slip, else the intended move w.p. success_rate; observation_format 0 grid, "
            "1 coord, 2 grid_coord.")
-      .def_property_readonly("num_envs", &FrozenLakeBatch::num_envs)
-      .def("reset", &reset_batch<FrozenLakeBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_layouts",
           [](FrozenLakeBatch& b, const py::handle& desc_obj, const py::handle& start_obj, const py::handle& seeds_obj) {
@@ -565,33 +582,21 @@ PYBIND11_MODULE(_C, m) {
             return render_batch(b);
           },
           py::arg("desc"), py::arg("start"), py::arg("seeds"),
-          "desc uint8[N, S, S] ASCII, start int32[N] cells, seeds int64[N] (slip streams) -> observations.")
-      .def("step", &step_batch<FrozenLakeBatch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up) -> (obs, reward f32[N], terminated, truncated, success, "
-           "action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<FrozenLakeBatch>)
-      .def("state_keys", &state_keys_batch<FrozenLakeBatch>,
-           "uint64[N]: FNV-1a 64 of the map then the player cell (int32 little-endian).")
-      .def("get_state", [](FrozenLakeBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), s = b.size();
-        py::dict d;
-        d["desc"] = copy_out(b.desc, {n, s, s});
-        d["position"] = copy_out(b.position, {n});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        std::vector<int64_t> draws(b.slip_counter.begin(), b.slip_counter.end());
-        d["slip_draws"] = copy_out(draws, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          "desc uint8[N, S, S] ASCII, start int32[N] cells, seeds int64[N] (slip streams) -> observations.");
+  bind_batch(frozenlake, "uint64[N]: FNV-1a 64 of the map then the player cell (int32 little-endian).",
+             [](FrozenLakeBatch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t s = b.size();
+               d["desc"] = copy_out(b.desc, {n, s, s});
+               d["position"] = copy_out(b.position, {n});
+               std::vector<int64_t> draws(b.slip_counter.begin(), b.slip_counter.end());
+               d["slip_draws"] = copy_out(draws, {n});
+             });
+  bind_discrete_step(frozenlake, "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up)" FASTPO_STEP_RETURNS);
 
-  py::class_<Game2048Batch>(m, "Game2048Batch", "num_envs 2048 boards (RAGEN-2's game_2048).")
+  py::class_<Game2048Batch> game2048(m, "Game2048Batch", "num_envs 2048 boards (RAGEN-2's game_2048).");
+  game2048
       .def(py::init<int, int, double, bool, int, int>(), py::arg("num_envs"), py::arg("size"), py::arg("two_prob"),
            py::arg("use_log_reward"), py::arg("max_steps"), py::arg("num_threads") = 1)
-      .def_property_readonly("num_envs", &Game2048Batch::num_envs)
-      .def("reset", &reset_batch<Game2048Batch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_boards",
           [](Game2048Batch& b, const py::handle& tiles_obj, const py::handle& seeds_obj) {
@@ -602,30 +607,21 @@ PYBIND11_MODULE(_C, m) {
             return render_batch(b);
           },
           py::arg("tiles"), py::arg("seeds"),
-          "tiles int64[N, S, S] (0 or powers of two), seeds int64[N] (spawn streams) -> observations.")
-      .def("step", &step_batch<Game2048Batch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids (1 Up, 2 Right, 3 Down, 4 Left) -> (obs, reward f32[N], terminated, truncated, success, "
-           "action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<Game2048Batch>)
-      .def("state_keys", &state_keys_batch<Game2048Batch>,
-           "uint64[N]: FNV-1a 64 of the tile exponents then the score (int64 little-endian).")
-      .def("get_state", [](Game2048Batch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), s = b.size();
-        std::vector<int64_t> tiles(b.exps.size());
-        for (size_t c = 0; c < tiles.size(); ++c) tiles[c] = b.exps[c] == 0 ? 0 : int64_t{1} << b.exps[c];
-        py::dict d;
-        d["grid"] = copy_out(tiles, {n, s, s});
-        d["score"] = copy_out(b.score, {n});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
-        d["spawn_draws"] = copy_out(draws, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          "tiles int64[N, S, S] (0 or powers of two), seeds int64[N] (spawn streams) -> observations.");
+  bind_batch(game2048, "uint64[N]: FNV-1a 64 of the tile exponents then the score (int64 little-endian).",
+             [](Game2048Batch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t s = b.size();
+               std::vector<int64_t> tiles(b.exps.size());
+               for (size_t c = 0; c < tiles.size(); ++c) tiles[c] = b.exps[c] == 0 ? 0 : int64_t{1} << b.exps[c];
+               d["grid"] = copy_out(tiles, {n, s, s});
+               d["score"] = copy_out(b.score, {n});
+               std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
+               d["spawn_draws"] = copy_out(draws, {n});
+             });
+  bind_discrete_step(game2048, "int32[N] ids (1 Up, 2 Right, 3 Down, 4 Left)" FASTPO_STEP_RETURNS);
 
-  py::class_<SudokuBatch>(m, "SudokuBatch", "num_envs Sudoku puzzles (RAGEN-2's sudoku env).")
+  py::class_<SudokuBatch> sudoku(m, "SudokuBatch", "num_envs Sudoku puzzles (RAGEN-2's sudoku env).");
+  sudoku
       .def(py::init([](int num_envs, int grid_size, int cells_to_remove, int max_steps, int render_format,
                        bool show_conflicts, bool show_valid_numbers, double correct_score, double invalid_score,
                        double completion_bonus, int num_threads) {
@@ -637,9 +633,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("render_format"), py::arg("show_conflicts"), py::arg("show_valid_numbers"),
            py::arg("correct_score"), py::arg("invalid_score"), py::arg("completion_bonus"), py::arg("num_threads") = 1,
            "render_format 0 simple, 1 detailed, 2 with_feedback.")
-      .def_property_readonly("num_envs", &SudokuBatch::num_envs)
-      .def("reset", &reset_batch<SudokuBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_puzzles",
           [](SudokuBatch& b, const py::handle& initial_obj, const py::handle& solution_obj) {
@@ -651,30 +644,19 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("initial"), py::arg("solution"), "uint8[N, G, G] each (validated by the caller) -> observations.")
       .def("step", &sudoku_step, py::arg("actions"), py::arg("active"), py::arg("render"), py::arg("parse"),
-           "list of N str, active bool[N] or None, render, the Python parser for non-ASCII text -> (obs, reward "
-           "f32[N], terminated, truncated, success, action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<SudokuBatch>)
-      .def("state_keys", &state_keys_batch<SudokuBatch>,
-           "uint64[N]: FNV-1a 64 of the puzzle then the current grid.")
-      .def("get_state", [](SudokuBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), g = b.grid_size();
-        py::dict d;
-        d["initial"] = copy_out(b.initial, {n, g, g});
-        d["current"] = copy_out(b.current, {n, g, g});
-        d["solution"] = copy_out(b.solution, {n, g, g});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+           "list of N str, active bool[N] or None, render, the Python parser for non-ASCII text" FASTPO_STEP_RETURNS);
+  bind_batch(sudoku, "uint64[N]: FNV-1a 64 of the puzzle then the current grid.",
+             [](SudokuBatch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t g = b.grid_size();
+               d["initial"] = copy_out(b.initial, {n, g, g});
+               d["current"] = copy_out(b.current, {n, g, g});
+               d["solution"] = copy_out(b.solution, {n, g, g});
+             });
 
-  py::class_<RubiksBatch>(m, "RubiksBatch", "num_envs 2x2 Rubik's cubes (RAGEN-2's rubikscube).")
+  py::class_<RubiksBatch> rubiks(m, "RubiksBatch", "num_envs 2x2 Rubik's cubes (RAGEN-2's rubikscube).");
+  rubiks
       .def(py::init<int, int, int, int>(), py::arg("num_envs"), py::arg("scramble_depth"), py::arg("max_steps"),
            py::arg("num_threads") = 1)
-      .def_property_readonly("num_envs", &RubiksBatch::num_envs)
-      .def("reset", &reset_batch<RubiksBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_cubes",
           [](RubiksBatch& b, const py::handle& obj) {
@@ -682,22 +664,12 @@ PYBIND11_MODULE(_C, m) {
             b.set_cubes(stickers.data());
             return render_batch(b);
           },
-          py::arg("stickers"), "uint8[N, 24] colours 0..5 (checked by the caller) -> observations.")
-      .def("step", &step_batch<RubiksBatch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids 1..12 (U U' D D' L L' R R' F F' B B') -> (obs, reward f32[N], terminated, truncated, "
-           "success, action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<RubiksBatch>)
-      .def("state_keys", &state_keys_batch<RubiksBatch>, "uint64[N]: FNV-1a 64 of the 24 stickers.")
-      .def("get_state", [](RubiksBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs();
-        py::dict d;
-        d["stickers"] = copy_out(b.stickers, {n, 24});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          py::arg("stickers"), "uint8[N, 24] colours 0..5 (checked by the caller) -> observations.");
+  bind_batch(rubiks, "uint64[N]: FNV-1a 64 of the 24 stickers.", [](RubiksBatch& b, py::dict& d, py::ssize_t n) {
+    d["stickers"] = copy_out(b.stickers, {n, 24});
+  });
+  bind_discrete_step(rubiks, "int32[N] ids 1..12 (U U' D D' L L' R R' F F' B B')" FASTPO_STEP_RETURNS);
+#undef FASTPO_STEP_RETURNS
 
   m.def(
       "generate_frozenlake",

@@ -42,24 +42,10 @@ constexpr const char* kFaceLabel[6] = {"Up (U):    ", "Left (L):  ", "Front (F):
 }  // namespace
 
 RubiksBatch::RubiksBatch(int num_envs, int scramble_depth, int max_steps, int num_threads)
-    : n_(num_envs), scramble_depth_(scramble_depth), max_steps_(max_steps),
-      pool_(std::max(1, std::min(num_threads, 256))) {
-  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+    : BatchCore(num_envs, max_steps, num_threads), scramble_depth_(scramble_depth) {
   if (scramble_depth < 0 || scramble_depth > 1000)
     throw std::invalid_argument("scramble_depth must be in [0, 1000], got " + std::to_string(scramble_depth));
-  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
-  if (num_threads < 1 || num_threads > 256)
-    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
   stickers.assign(static_cast<size_t>(n_) * 24, 0);
-  num_steps.assign(n_, 0);
-  terminated.assign(n_, 0);
-  truncated.assign(n_, 0);
-  ready.assign(n_, 0);
-}
-
-bool RubiksBatch::all_ready() const {
-  if (all_ready_.load(std::memory_order_relaxed)) return true;
-  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
 }
 
 void RubiksBatch::turn(uint8_t* s, int action) const {
@@ -85,22 +71,17 @@ void RubiksBatch::reset(const int64_t* seeds, const uint8_t* mask) {
       for (int k = 0; k < 24; ++k) s[k] = static_cast<uint8_t>(k / 4);
       CounterRng rng(static_cast<uint64_t>(seeds[i]), kStreamRubiks);
       for (int d = 0; d < scramble_depth_; ++d) turn(s, static_cast<int>(rng.randint(12)) + 1);
-      num_steps[i] = 0;
-      terminated[i] = truncated[i] = 0;
-      ready[i] = 1;
+      begin_episode(i);
     }
   });
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
+  refresh_all_ready();
 }
 
 void RubiksBatch::set_cubes(const uint8_t* in) {
   std::lock_guard<std::mutex> lock(mu_);
   std::copy(in, in + static_cast<size_t>(n_) * 24, stickers.begin());
-  std::fill(num_steps.begin(), num_steps.end(), 0);
-  std::fill(terminated.begin(), terminated.end(), 0);
-  std::fill(truncated.begin(), truncated.end(), 0);
-  std::fill(ready.begin(), ready.end(), 1);
-  all_ready_.store(true);
+  for (int i = 0; i < n_; ++i) begin_episode(i);
+  set_all_ready();
 }
 
 void RubiksBatch::step(const int32_t* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
@@ -153,10 +134,7 @@ void RubiksBatch::render_texts(TextBatch& out) {
 }
 
 void RubiksBatch::state_keys(uint64_t* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = fnv1a64(&stickers[static_cast<size_t>(i) * 24], 24);
-  });
+  keys_into(out, [this](int64_t i) { return fnv1a64(&stickers[static_cast<size_t>(i) * 24], 24); });
 }
 
 }  // namespace fastpo

@@ -10,11 +10,11 @@
 
 #include "rng.h"
 #include "text_writer.h"
-#include "thread_pool.h"
+#include "batch_core.h"
 
 namespace fastpo {
 
-class RubiksBatch {
+class RubiksBatch : public BatchCore {
  public:
   RubiksBatch(int num_envs, int scramble_depth, int max_steps, int num_threads);
 
@@ -28,21 +28,14 @@ class RubiksBatch {
   void render_texts(TextBatch& out);  // RAGEN's render of every cube
   // FNV-1a 64 over the 24 stickers; not the step counter.
   void state_keys(uint64_t* out);
-  bool all_ready() const;
 
-  int num_envs() const { return n_; }
   std::vector<uint8_t> stickers;
-  std::vector<int32_t> num_steps;
-  std::vector<uint8_t> terminated, truncated, ready;
 
  private:
   void turn(uint8_t* s, int action) const;
   static bool solved(const uint8_t* s);
 
-  int n_, scramble_depth_, max_steps_;
-  ThreadPool pool_;
-  std::mutex mu_;
-  std::atomic<bool> all_ready_{false};
+  int scramble_depth_;
 };
 
 }  // namespace fastpo

@@ -187,44 +187,31 @@ bool parse_sudoku_action(const char* text, size_t len, int grid_size, SudokuActi
     }
   }
   out.kind = 2;
-  out.error = "Could not parse action: '" + std::string(s, n) + "'. Expected format: 'place 5 at row 2 col 3' or '2,3,5'";
+  out.error = "Could not parse action: '" + std::string(s, n) +
+              "'. Expected format: 'place 5 at row 2 col 3' or '2,3,5'";
   return true;
 }
 
 SudokuBatch::SudokuBatch(int num_envs, int grid_size, int cells_to_remove, int max_steps, SudokuRender render,
                          double correct_score, double invalid_score, double completion_bonus, int num_threads)
-    : n_(num_envs), g_(grid_size), box_(grid_size == 4 ? 2 : 3), cells_(grid_size * grid_size),
-      remove_(cells_to_remove), max_steps_(max_steps), render_(render), correct_score_(correct_score),
-      invalid_score_(invalid_score), completion_bonus_(completion_bonus),
-      pool_(std::max(1, std::min(num_threads, 256))) {
-  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+    : BatchCore(num_envs, max_steps, num_threads), g_(grid_size), box_(grid_size == 4 ? 2 : 3),
+      cells_(grid_size * grid_size), remove_(cells_to_remove), render_(render), correct_score_(correct_score),
+      invalid_score_(invalid_score), completion_bonus_(completion_bonus) {
   if (grid_size != 4 && grid_size != 9)
     throw std::invalid_argument("grid_size must be 4 or 9, got " + std::to_string(grid_size));
   if (cells_to_remove < 0 || cells_to_remove > cells_)
     throw std::invalid_argument("cells_to_remove must be in [0, " + std::to_string(cells_) + "], got " +
                                 std::to_string(cells_to_remove));
-  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
   if (render.format < 0 || render.format > 2)
     throw std::invalid_argument("render format must be in [0, 2], got " + std::to_string(render.format));
-  if (num_threads < 1 || num_threads > 256)
-    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
   for (int k = 0; k < g_; ++k) box_start_[k] = static_cast<uint8_t>(k / box_ * box_);
   const size_t total = static_cast<size_t>(n_) * cells_;
   initial.assign(total, 0);
   current.assign(total, 0);
   solution.assign(total, 0);
-  num_steps.assign(n_, 0);
   feedback.assign(n_, SudokuFeedback{});
   format_error.assign(n_, std::string());
-  terminated.assign(n_, 0);
-  truncated.assign(n_, 0);
   solved.assign(n_, 0);
-  ready.assign(n_, 0);
-}
-
-bool SudokuBatch::all_ready() const {
-  if (all_ready_.load(std::memory_order_relaxed)) return true;
-  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
 }
 
 uint32_t SudokuBatch::used_mask(const uint8_t* grid, int row, int col) const {
@@ -294,13 +281,12 @@ void SudokuBatch::reset(const int64_t* seeds, const uint8_t* mask) {
       generate(static_cast<int>(i), seeds[i]);
       const size_t at = static_cast<size_t>(i) * cells_;
       std::copy(&initial[at], &initial[at] + cells_, &current[at]);
-      num_steps[i] = 0;
+      begin_episode(i);
       feedback[i] = SudokuFeedback{};
-      terminated[i] = truncated[i] = solved[i] = 0;
-      ready[i] = 1;
+      solved[i] = 0;
     }
   });
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
+  refresh_all_ready();
 }
 
 void SudokuBatch::set_puzzles(const uint8_t* initial_in, const uint8_t* solution_in) {
@@ -310,12 +296,11 @@ void SudokuBatch::set_puzzles(const uint8_t* initial_in, const uint8_t* solution
   std::copy(initial_in, initial_in + total, current.begin());
   std::copy(solution_in, solution_in + total, solution.begin());
   for (int i = 0; i < n_; ++i) {
-    num_steps[i] = 0;
+    begin_episode(i);
     feedback[i] = SudokuFeedback{};
-    terminated[i] = truncated[i] = solved[i] = 0;
-    ready[i] = 1;
+    solved[i] = 0;
   }
-  all_ready_.store(true);
+  set_all_ready();
 }
 
 void SudokuBatch::step(const SudokuAction* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
@@ -588,12 +573,9 @@ void SudokuBatch::render_texts(TextBatch& out) {
 }
 
 void SudokuBatch::state_keys(uint64_t* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const size_t at = static_cast<size_t>(i) * cells_;
-      out[i] = fnv1a64(&current[at], cells_, fnv1a64(&initial[at], cells_));
-    }
+  keys_into(out, [this](int64_t i) {
+    const size_t at = static_cast<size_t>(i) * cells_;
+    return fnv1a64(&current[at], cells_, fnv1a64(&initial[at], cells_));
   });
 }
 

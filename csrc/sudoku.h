@@ -10,7 +10,7 @@
 
 #include "rng.h"
 #include "text_writer.h"
-#include "thread_pool.h"
+#include "batch_core.h"
 
 namespace fastpo {
 
@@ -46,7 +46,7 @@ struct SudokuRender {
   bool show_valid_numbers = true;
 };
 
-class SudokuBatch {
+class SudokuBatch : public BatchCore {
  public:
   // cells_to_remove: blanks per puzzle (RAGEN: int(G * G * 0.4 / 0.5 / 0.6) for easy / medium / hard).
   SudokuBatch(int num_envs, int grid_size, int cells_to_remove, int max_steps, SudokuRender render,
@@ -63,16 +63,13 @@ class SudokuBatch {
   void render_texts(TextBatch& out);  // RAGEN's render of every instance
   // FNV-1a 64 over the puzzle then the current grid (G * G bytes each); not the feedback or the step counter.
   void state_keys(uint64_t* out);
-  bool all_ready() const;
 
-  int num_envs() const { return n_; }
   int grid_size() const { return g_; }
   // Raw state (copied out by the bindings).
   std::vector<uint8_t> initial, current, solution;
-  std::vector<int32_t> num_steps;
   std::vector<SudokuFeedback> feedback;
   std::vector<std::string> format_error;  // per instance: RAGEN's parse message when feedback is kFormat
-  std::vector<uint8_t> terminated, truncated, solved, ready;
+  std::vector<uint8_t> solved;
 
  private:
   void generate(int i, int64_t seed);
@@ -80,13 +77,10 @@ class SudokuBatch {
   void render_one(int i, TextBatch& out) const;
   TextWriter write_feedback(int i, TextWriter w) const;  // RAGEN's feedback line of instance i
 
-  int n_, g_, box_, cells_, remove_, max_steps_;
+  int g_, box_, cells_, remove_;
   uint8_t box_start_[9] = {};  // first row (column) of the box holding row (column) k: no division per step
   SudokuRender render_;
   double correct_score_, invalid_score_, completion_bonus_;
-  ThreadPool pool_;
-  std::mutex mu_;
-  std::atomic<bool> all_ready_{false};
 };
 
 }  // namespace fastpo
