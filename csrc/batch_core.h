@@ -52,13 +52,29 @@ class BatchCore {
     std::fill(ready.begin(), ready.end(), 1);
     all_ready_.store(true);
   }
-  // out[i] = key(i) for every instance: the exact state keys, over the pool.
+  // fn(i) for every instance, over the pool in chunks of `grain`, under the lock: the body of step and render.
+  template <typename Fn>
+  void for_each_instance(int64_t grain, Fn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool_.run(n_, grain, [&](int, int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) fn(i);
+    });
+  }
+  // reset(): fn(worker, i, seed) for every instance with mask[i] (mask null: all), over the pool in chunks of
+  // `grain` (worker indexes per-thread scratch), under the lock; then the ready cache.
+  template <typename Fn>
+  void reset_masked(const int64_t* seeds, const uint8_t* mask, int64_t grain, Fn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool_.run(n_, grain, [&](int worker, int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        if (mask == nullptr || mask[i]) fn(worker, i, seeds[i]);
+    });
+    refresh_all_ready();
+  }
+  // out[i] = key(i) for every instance: the exact state keys.
   template <typename KeyFn>
   void keys_into(uint64_t* out, KeyFn key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) out[i] = key(i);
-    });
+    for_each_instance(4096, [&](int64_t i) { out[i] = key(i); });
   }
 
   int n_;

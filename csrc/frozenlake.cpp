@@ -88,17 +88,12 @@ void FrozenLakeBatch::start_episode(int i, int start, int64_t seed) {
 }
 
 void FrozenLakeBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
   const int cells = size_ * size_;
-  pool_.parallel_for(n_, 64, [&](int worker, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      const int start = generate_frozenlake(static_cast<uint64_t>(seeds[i]), size_, p_, &desc[i * cells],
-                                            scratch_[worker]);
-      start_episode(static_cast<int>(i), start, seeds[i]);
-    }
+  reset_masked(seeds, mask, 64, [&](int worker, int64_t i, int64_t seed) {
+    const int start = generate_frozenlake(static_cast<uint64_t>(seed), size_, p_, &desc[i * cells],
+                                          scratch_[worker]);
+    start_episode(static_cast<int>(i), start, seed);
   });
-  refresh_all_ready();
 }
 
 void FrozenLakeBatch::set_layouts(const uint8_t* desc_in, const int32_t* start, const int64_t* seeds) {

@@ -55,16 +55,11 @@ void Game2048Batch::start(int i, int64_t seed) {
 }
 
 void Game2048Batch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      start(static_cast<int>(i), seeds[i]);
-      spawn(static_cast<int>(i));
-      spawn(static_cast<int>(i));
-    }
+  reset_masked(seeds, mask, 1024, [&](int, int64_t i, int64_t seed) {
+    start(static_cast<int>(i), seed);
+    spawn(static_cast<int>(i));
+    spawn(static_cast<int>(i));
   });
-  refresh_all_ready();
 }
 
 void Game2048Batch::set_boards(const int64_t* tiles, const int64_t* seeds) {

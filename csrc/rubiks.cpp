@@ -63,18 +63,13 @@ bool RubiksBatch::solved(const uint8_t* s) {
 }
 
 void RubiksBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-      for (int k = 0; k < 24; ++k) s[k] = static_cast<uint8_t>(k / 4);
-      CounterRng rng(static_cast<uint64_t>(seeds[i]), kStreamRubiks);
-      for (int d = 0; d < scramble_depth_; ++d) turn(s, static_cast<int>(rng.randint(12)) + 1);
-      begin_episode(i);
-    }
+  reset_masked(seeds, mask, 1024, [&](int, int64_t i, int64_t seed) {
+    uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+    for (int k = 0; k < 24; ++k) s[k] = static_cast<uint8_t>(k / 4);
+    CounterRng rng(static_cast<uint64_t>(seed), kStreamRubiks);
+    for (int d = 0; d < scramble_depth_; ++d) turn(s, static_cast<int>(rng.randint(12)) + 1);
+    begin_episode(i);
   });
-  refresh_all_ready();
 }
 
 void RubiksBatch::set_cubes(const uint8_t* in) {
@@ -86,50 +81,44 @@ void RubiksBatch::set_cubes(const uint8_t* in) {
 
 void RubiksBatch::step(const int32_t* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
                        uint8_t* success, uint8_t* valid, uint8_t* effective) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-      reward[i] = 0.0f;
-      valid[i] = effective[i] = 0;
-      if (!terminated[i] && !truncated[i] && static_cast<uint32_t>(actions[i] - 1) <= 11u) {
-        turn(s, actions[i]);
-        const int steps = ++num_steps[i];
-        const bool done = solved(s);
-        reward[i] = done ? 1.0f : 0.0f;
-        terminated[i] = done;
-        truncated[i] = !done && steps >= max_steps_;
-        valid[i] = effective[i] = 1;  // RAGEN: every turn is valid and effective
-      }
-      success[i] = terminated[i];
-      terminated_out[i] = terminated[i];
-      truncated_out[i] = truncated[i];
+  for_each_instance(4096, [&](int64_t i) {
+    uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+    reward[i] = 0.0f;
+    valid[i] = effective[i] = 0;
+    if (!terminated[i] && !truncated[i] && static_cast<uint32_t>(actions[i] - 1) <= 11u) {
+      turn(s, actions[i]);
+      const int steps = ++num_steps[i];
+      const bool done = solved(s);
+      reward[i] = done ? 1.0f : 0.0f;
+      terminated[i] = done;
+      truncated[i] = !done && steps >= max_steps_;
+      valid[i] = effective[i] = 1;  // RAGEN: every turn is valid and effective
     }
+    success[i] = terminated[i];
+    terminated_out[i] = terminated[i];
+    truncated_out[i] = truncated[i];
   });
 }
 
 void RubiksBatch::render_texts(TextBatch& out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-      TextWriter w = out.begin(static_cast<size_t>(i), 384);  // the text is 300 bytes at most
-      w.lit("=== Rubik's Cube 2x2 State ===\nStep: ");
-      w.num(num_steps[i]);
-      w.ch('/');
-      w.num(max_steps_);
+  for_each_instance(1024, [&](int64_t i) {
+    const uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+    TextWriter w = out.begin(static_cast<size_t>(i), 384);  // the text is 300 bytes at most
+    w.lit("=== Rubik's Cube 2x2 State ===\nStep: ");
+    w.num(num_steps[i]);
+    w.ch('/');
+    w.num(max_steps_);
+    w.ch('\n');
+    for (int f = 0; f < 6; ++f) {
+      const uint8_t* c = s + f * 4;
       w.ch('\n');
-      for (int f = 0; f < 6; ++f) {
-        const uint8_t* c = s + f * 4;
-        w.ch('\n');
-        w.put(kFaceLabel[f], 11);
-        const char face[] = {'[', kColour[c[0]], ',', ' ', kColour[c[1]], ']', '\n', ' ', '[', kColour[c[2]], ',', ' ',
-                             kColour[c[3]], ']'};
-        w.put(face, sizeof(face));
-      }
-      w.lit("\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?");
-      out.end(static_cast<size_t>(i), w);
+      w.put(kFaceLabel[f], 11);
+      const char face[] = {'[', kColour[c[0]], ',', ' ', kColour[c[1]], ']', '\n', ' ', '[', kColour[c[2]], ',', ' ',
+                           kColour[c[3]], ']'};
+      w.put(face, sizeof(face));
     }
+    w.lit("\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?");
+    out.end(static_cast<size_t>(i), w);
   });
 }
 

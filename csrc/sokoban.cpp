@@ -336,21 +336,16 @@ void SokobanBatch::update_walled(int i) {
 }
 
 void SokobanBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.parallel_for(n_, 1, [&](int worker, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      uint8_t* fixed = &room_fixed[i * cells_];
-      uint8_t* state = &room_state[i * cells_];
-      generators_[worker]->generate(static_cast<uint64_t>(seeds[i]), fixed, state);
-      player[i] = static_cast<int32_t>(std::find(state, state + cells_, kPlayer) - state);
-      num_boxes[i] = p_.num_boxes;
-      boxes_on_target[i] = 0;  // generated boxes never start on a target
-      update_walled(static_cast<int>(i));
-      begin_episode(i);
-    }
+  reset_masked(seeds, mask, 1, [&](int worker, int64_t i, int64_t seed) {
+    uint8_t* fixed = &room_fixed[i * cells_];
+    uint8_t* state = &room_state[i * cells_];
+    generators_[worker]->generate(static_cast<uint64_t>(seed), fixed, state);
+    player[i] = static_cast<int32_t>(std::find(state, state + cells_, kPlayer) - state);
+    num_boxes[i] = p_.num_boxes;
+    boxes_on_target[i] = 0;  // generated boxes never start on a target
+    update_walled(static_cast<int>(i));
+    begin_episode(i);
   });
-  refresh_all_ready();
 }
 
 void SokobanBatch::set_layouts(const uint8_t* fixed_in, const uint8_t* state_in) {

@@ -274,19 +274,14 @@ void SudokuBatch::generate(int i, int64_t seed) {
 }
 
 void SudokuBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.parallel_for(n_, 16, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      generate(static_cast<int>(i), seeds[i]);
-      const size_t at = static_cast<size_t>(i) * cells_;
-      std::copy(&initial[at], &initial[at] + cells_, &current[at]);
-      begin_episode(i);
-      feedback[i] = SudokuFeedback{};
-      solved[i] = 0;
-    }
+  reset_masked(seeds, mask, 16, [&](int, int64_t i, int64_t seed) {
+    generate(static_cast<int>(i), seed);
+    const size_t at = static_cast<size_t>(i) * cells_;
+    std::copy(&initial[at], &initial[at] + cells_, &current[at]);
+    begin_episode(i);
+    feedback[i] = SudokuFeedback{};
+    solved[i] = 0;
   });
-  refresh_all_ready();
 }
 
 void SudokuBatch::set_puzzles(const uint8_t* initial_in, const uint8_t* solution_in) {
@@ -305,63 +300,60 @@ void SudokuBatch::set_puzzles(const uint8_t* initial_in, const uint8_t* solution
 
 void SudokuBatch::step(const SudokuAction* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
                        uint8_t* success, uint8_t* valid, uint8_t* effective) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      reward[i] = 0.0f;
-      valid[i] = effective[i] = 0;
-      const SudokuAction& a = actions[i];
-      if (a.kind != 0 && !terminated[i] && !truncated[i]) {
-        const int steps = ++num_steps[i];
-        uint8_t* grid = &current[static_cast<size_t>(i) * cells_];
-        SudokuFeedback& f = feedback[i];
-        f = SudokuFeedback{};
-        f.row = static_cast<uint8_t>(a.row);
-        f.col = static_cast<uint8_t>(a.col);
-        f.num = static_cast<uint8_t>(a.num);
-        const uint32_t used = a.kind == 1 ? used_mask(grid, a.row, a.col) : 0;
-        if (a.kind == 2) {
-          f.kind = SudokuFeedback::kFormat;
-          format_error[i] = a.error;
-          reward[i] = static_cast<float>(invalid_score_);
-        } else if (initial[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] != 0) {
-          f.kind = SudokuFeedback::kInitialCell;
-          reward[i] = static_cast<float>(invalid_score_);
-        } else if (used & (1u << a.num)) {
-          // Which of row, column and box already hold the number (the cell itself included, as RAGEN checks).
-          f.kind = SudokuFeedback::kConflict;
-          bool in_row = false, in_col = false, in_box = false;
-          for (int k = 0; k < g_; ++k) {
-            in_row |= grid[a.row * g_ + k] == a.num;
-            in_col |= grid[k * g_ + a.col] == a.num;
-          }
-          const int r0 = box_start_[a.row], c0 = box_start_[a.col];
-          for (int r = r0; r < r0 + box_; ++r)
-            for (int c = c0; c < c0 + box_; ++c) in_box |= grid[r * g_ + c] == a.num;
-          f.where = static_cast<uint8_t>(in_row | in_col << 1 | in_box << 2);
-          // RAGEN lists the valid numbers only for an empty cell.
-          if (grid[a.row * g_ + a.col] == 0) f.valid = static_cast<uint16_t>(~used & ((2u << g_) - 2));
-          reward[i] = static_cast<float>(invalid_score_);
-        } else {
-          grid[a.row * g_ + a.col] = static_cast<uint8_t>(a.num);
-          const bool correct = solution[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] == a.num;
-          f.kind = correct ? SudokuFeedback::kCorrect : SudokuFeedback::kPlaced;
-          double r = correct ? correct_score_ : correct_score_ * 0.5;
-          // Placements never conflict (each is checked), so a full grid is a solved one.
-          const bool full = std::find(grid, grid + cells_, 0) == grid + cells_;
-          if (full) r += completion_bonus_;
-          f.solved = full;
-          reward[i] = static_cast<float>(r);
-          solved[i] = full;
-          terminated[i] = full;
-          truncated[i] = !full && steps >= max_steps_;
-          valid[i] = effective[i] = 1;
+  for_each_instance(1024, [&](int64_t i) {
+    reward[i] = 0.0f;
+    valid[i] = effective[i] = 0;
+    const SudokuAction& a = actions[i];
+    if (a.kind != 0 && !terminated[i] && !truncated[i]) {
+      const int steps = ++num_steps[i];
+      uint8_t* grid = &current[static_cast<size_t>(i) * cells_];
+      SudokuFeedback& f = feedback[i];
+      f = SudokuFeedback{};
+      f.row = static_cast<uint8_t>(a.row);
+      f.col = static_cast<uint8_t>(a.col);
+      f.num = static_cast<uint8_t>(a.num);
+      const uint32_t used = a.kind == 1 ? used_mask(grid, a.row, a.col) : 0;
+      if (a.kind == 2) {
+        f.kind = SudokuFeedback::kFormat;
+        format_error[i] = a.error;
+        reward[i] = static_cast<float>(invalid_score_);
+      } else if (initial[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] != 0) {
+        f.kind = SudokuFeedback::kInitialCell;
+        reward[i] = static_cast<float>(invalid_score_);
+      } else if (used & (1u << a.num)) {
+        // Which of row, column and box already hold the number (the cell itself included, as RAGEN checks).
+        f.kind = SudokuFeedback::kConflict;
+        bool in_row = false, in_col = false, in_box = false;
+        for (int k = 0; k < g_; ++k) {
+          in_row |= grid[a.row * g_ + k] == a.num;
+          in_col |= grid[k * g_ + a.col] == a.num;
         }
+        const int r0 = box_start_[a.row], c0 = box_start_[a.col];
+        for (int r = r0; r < r0 + box_; ++r)
+          for (int c = c0; c < c0 + box_; ++c) in_box |= grid[r * g_ + c] == a.num;
+        f.where = static_cast<uint8_t>(in_row | in_col << 1 | in_box << 2);
+        // RAGEN lists the valid numbers only for an empty cell.
+        if (grid[a.row * g_ + a.col] == 0) f.valid = static_cast<uint16_t>(~used & ((2u << g_) - 2));
+        reward[i] = static_cast<float>(invalid_score_);
+      } else {
+        grid[a.row * g_ + a.col] = static_cast<uint8_t>(a.num);
+        const bool correct = solution[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] == a.num;
+        f.kind = correct ? SudokuFeedback::kCorrect : SudokuFeedback::kPlaced;
+        double r = correct ? correct_score_ : correct_score_ * 0.5;
+        // Placements never conflict (each is checked), so a full grid is a solved one.
+        const bool full = std::find(grid, grid + cells_, 0) == grid + cells_;
+        if (full) r += completion_bonus_;
+        f.solved = full;
+        reward[i] = static_cast<float>(r);
+        solved[i] = full;
+        terminated[i] = full;
+        truncated[i] = !full && steps >= max_steps_;
+        valid[i] = effective[i] = 1;
       }
-      success[i] = solved[i];
-      terminated_out[i] = terminated[i];
-      truncated_out[i] = truncated[i];
     }
+    success[i] = solved[i];
+    terminated_out[i] = terminated[i];
+    truncated_out[i] = truncated[i];
   });
 }
 
@@ -566,10 +558,7 @@ void SudokuBatch::render_one(int i, TextBatch& out) const {
 }
 
 void SudokuBatch::render_texts(TextBatch& out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 256, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) render_one(static_cast<int>(i), out);
-  });
+  for_each_instance(256, [&](int64_t i) { render_one(static_cast<int>(i), out); });
 }
 
 void SudokuBatch::state_keys(uint64_t* out) {
