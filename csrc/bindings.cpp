@@ -594,6 +594,7 @@ PYBIND11_MODULE(_C, m) {
   bind_discrete_step(frozenlake, "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up)" FASTPO_STEP_RETURNS);
 
   py::class_<Game2048Batch> game2048(m, "Game2048Batch", "num_envs 2048 boards (RAGEN-2's game_2048).");
+  // set_boards, set_puzzles, set_cubes and set_layouts look alike, but each checks and copies its own arrays.
   game2048
       .def(py::init<int, int, double, bool, int, int>(), py::arg("num_envs"), py::arg("size"), py::arg("two_prob"),
            py::arg("use_log_reward"), py::arg("max_steps"), py::arg("num_threads") = 1)

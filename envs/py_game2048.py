@@ -111,6 +111,7 @@ class PyGame2048Env(PyGridEnv):
     Config: see ``Game2048Config`` (``num_threads`` is accepted and ignored).
     """
 
+    # This game's data (name, ids, rules, config): like the other twins' by shape only.
     name = "game_2048"
     action_names = GAME2048_ACTIONS
     instruction_text = GAME2048_INSTRUCTION

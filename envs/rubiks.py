@@ -79,6 +79,7 @@ class RubiksEnv(CppGridEnv):
     config_cls = RubiksConfig
     config: RubiksConfig
 
+    # Like the other wrappers' __init__ by shape only: each hands its own config fields to its own _C class.
     def __init__(self, num_envs: int, **config: Any):
         super().__init__(num_envs, **config)
         from fastpo import _C
