@@ -18,6 +18,7 @@ namespace fastpo {
 class BatchCore {
  public:
   int num_envs() const { return n_; }
+  int num_threads() const { return pool_.size(); }
   // Whether every instance was reset (or set) at least once.
   bool all_ready() const {
     if (all_ready_.load(std::memory_order_relaxed)) return true;
@@ -52,13 +53,18 @@ class BatchCore {
     std::fill(ready.begin(), ready.end(), 1);
     all_ready_.store(true);
   }
-  // fn(i) for every instance, over the pool in chunks of `grain`, under the lock: the body of step and render.
+  // fn(i) for the instances first .. last - 1, over the pool in chunks of `grain`, under the lock: the body of
+  // step (all instances) and render (a range of them).
+  template <typename Fn>
+  void for_range(int64_t first, int64_t last, int64_t grain, Fn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool_.run(last - first, grain, [&](int, int64_t begin, int64_t end) {
+      for (int64_t i = first + begin; i < first + end; ++i) fn(i);
+    });
+  }
   template <typename Fn>
   void for_each_instance(int64_t grain, Fn fn) {
-    std::lock_guard<std::mutex> lock(mu_);
-    pool_.run(n_, grain, [&](int, int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) fn(i);
-    });
+    for_range(0, n_, grain, fn);
   }
   // reset(): fn(worker, i, seed) for every instance with mask[i] (mask null: all), over the pool in chunks of
   // `grain` (worker indexes per-thread scratch), under the lock; then the ready cache.

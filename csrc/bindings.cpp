@@ -299,22 +299,28 @@ PyObject* str_from_utf8(const char* text, size_t n) {
   return str;
 }
 
-// Text observations built whole in C++ (2048, Sudoku, the cube): the texts (GIL released), then str objects.
-// The texts live in a per-thread scratch that keeps its memory, so a render allocates only the str objects.
+// Text observations built whole in C++ (2048, Sudoku, the cube): the texts of a chunk of instances (GIL released),
+// then their str objects, chunk after chunk. The texts live in a per-thread scratch that keeps its memory, so a
+// render allocates only the str objects; a chunk's scratch stays in cache until its strs are made (rendering all
+// 1024 Sudoku texts first, then converting, went through memory twice: about 15% slower).
 template <typename Batch>
 py::list render_observations_text(Batch& b) {
   thread_local fastpo::TextBatch texts;
-  const auto n = static_cast<size_t>(b.num_envs());
-  texts.resize(n);
-  {
-    py::gil_scoped_release release;
-    b.render_texts(texts);
-  }
+  const int64_t n = b.num_envs(), chunk = int64_t{128} * b.num_threads();
+  texts.resize(static_cast<size_t>(std::min(n, chunk)));
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
   if (list == nullptr) throw py::error_already_set();
-  py::list out = py::reinterpret_steal<py::list>(list);
-  for (size_t i = 0; i < n; ++i)
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), str_from_utf8(texts.buf[i].data(), texts.len[i]));
+  py::list out = py::reinterpret_steal<py::list>(list);  // unset items are NULL, which the list's dealloc skips
+  for (int64_t first = 0; first < n; first += chunk) {
+    texts.first = first;
+    texts.count = std::min(chunk, n - first);
+    {
+      py::gil_scoped_release release;
+      b.render_texts(texts);
+    }
+    for (int64_t k = 0; k < texts.count; ++k)
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(first + k), str_from_utf8(texts.buf[k].data(), texts.len[k]));
+  }
   return out;
 }
 

@@ -174,8 +174,8 @@ void Game2048Batch::step(const int32_t* actions, float* reward, uint8_t* termina
 void Game2048Batch::render_texts(TextBatch& out) {
   std::lock_guard<std::mutex> lock(mu_);
   static const char* const kNames[4] = {"0(Up)", "1(Right)", "2(Down)", "3(Left)"};
-  pool_.run(n_, 256, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  pool_.run(out.count, 256, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = out.first + begin; i < out.first + end; ++i) {
       const uint8_t* g = &exps[static_cast<size_t>(i) * cells_];
       std::string s = "Current 2048 Grid:";
       for (int r = 0; r < size_; ++r) {
@@ -198,7 +198,7 @@ void Game2048Batch::render_texts(TextBatch& out) {
       if (!any) s += "None";
       s += ".\nGoal: Merge same numbers to reach 2048.\nCurrent Score: " + std::to_string(score[i]) +
            "\nWhat is your next move?";
-      out.set(static_cast<size_t>(i), s);
+      out.set(i, s);
     }
   });
 }

@@ -30,8 +30,8 @@ class Game2048Batch : public BatchCore {
   // actions: 1 Up, 2 Right, 3 Down, 4 Left (RAGEN's 0..3 plus one); anything else is no action.
   void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  // RAGEN's text observation per instance (num_envs strings).
-  void render_texts(TextBatch& out);
+  // RAGEN's text observation per instance.
+  void render_texts(TextBatch& out);  // the instances out.first .. + out.count - 1
   // Exact state key per instance: FNV-1a 64 over the exponents (size * size bytes) then the score (int64
   // little-endian). The step counter and the spawn stream are not part of it.
   void state_keys(uint64_t* out);

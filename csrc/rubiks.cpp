@@ -101,9 +101,9 @@ void RubiksBatch::step(const int32_t* actions, float* reward, uint8_t* terminate
 }
 
 void RubiksBatch::render_texts(TextBatch& out) {
-  for_each_instance(1024, [&](int64_t i) {
+  for_range(out.first, out.first + out.count, 1024, [&](int64_t i) {
     const uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-    TextWriter w = out.begin(static_cast<size_t>(i), 384);  // the text is 300 bytes at most
+    TextWriter w = out.begin(i, 384);  // the text is 300 bytes at most
     w.lit("=== Rubik's Cube 2x2 State ===\nStep: ");
     w.num(num_steps[i]);
     w.ch('/');
@@ -118,7 +118,7 @@ void RubiksBatch::render_texts(TextBatch& out) {
       w.put(face, sizeof(face));
     }
     w.lit("\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?");
-    out.end(static_cast<size_t>(i), w);
+    out.end(i, w);
   });
 }
 

@@ -25,7 +25,7 @@ class RubiksBatch : public BatchCore {
   // actions: 1 U, 2 U', 3 D, 4 D', 5 L, 6 L', 7 R, 8 R', 9 F, 10 F', 11 B, 12 B'; anything else is no action.
   void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  void render_texts(TextBatch& out);  // RAGEN's render of every cube
+  void render_texts(TextBatch& out);  // RAGEN's render of the cubes out.first .. + out.count - 1
   // FNV-1a 64 over the 24 stickers; not the step counter.
   void state_keys(uint64_t* out);
 

@@ -558,7 +558,7 @@ void SudokuBatch::render_one(int i, TextBatch& out) const {
 }
 
 void SudokuBatch::render_texts(TextBatch& out) {
-  for_each_instance(256, [&](int64_t i) { render_one(static_cast<int>(i), out); });
+  for_range(out.first, out.first + out.count, 256, [&](int64_t i) { render_one(static_cast<int>(i), out); });
 }
 
 void SudokuBatch::state_keys(uint64_t* out) {

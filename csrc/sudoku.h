@@ -60,7 +60,7 @@ class SudokuBatch : public BatchCore {
   // actions: num_envs parsed actions (kind 0 = not stepped).
   void step(const SudokuAction* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  void render_texts(TextBatch& out);  // RAGEN's render of every instance
+  void render_texts(TextBatch& out);  // RAGEN's render of the instances out.first .. + out.count - 1
   // FNV-1a 64 over the puzzle then the current grid (G * G bytes each); not the feedback or the step counter.
   void state_keys(uint64_t* out);
 

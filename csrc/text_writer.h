@@ -41,11 +41,13 @@ struct TextWriter {
   }
 };
 
-// A batch's rendered texts: text i is the first len[i] bytes of buf[i]. A buffer keeps its size between renders
-// (it only grows), so a render neither allocates nor zero-fills once the buffers have grown.
+// Rendered texts of the instances first .. first + count - 1: instance i's text is the first len[k] bytes of buf[k],
+// k = i - first. A buffer keeps its size between renders (it only grows), so a render neither allocates nor
+// zero-fills once the buffers have grown.
 struct TextBatch {
   std::vector<std::string> buf;
   std::vector<size_t> len;
+  int64_t first = 0, count = 0;
 
   void resize(size_t n) {
     if (buf.size() < n) {
@@ -53,14 +55,18 @@ struct TextBatch {
       len.resize(n);
     }
   }
-  // Starts text i, which needs at most `bound` bytes.
-  TextWriter begin(size_t i, size_t bound) {
-    if (buf[i].size() < bound) buf[i].resize(bound);
-    return TextWriter{&buf[i][0]};
+  // Starts the text of instance i, which needs at most `bound` bytes.
+  TextWriter begin(int64_t i, size_t bound) {
+    std::string& s = buf[static_cast<size_t>(i - first)];
+    if (s.size() < bound) s.resize(bound);
+    return TextWriter{&s[0]};
   }
-  void end(size_t i, const TextWriter& w) { len[i] = static_cast<size_t>(w.p - buf[i].data()); }
+  void end(int64_t i, const TextWriter& w) {
+    const size_t k = static_cast<size_t>(i - first);
+    len[k] = static_cast<size_t>(w.p - buf[k].data());
+  }
   // Text i as a whole string (for renders built with std::string).
-  void set(size_t i, const std::string& s) {
+  void set(int64_t i, const std::string& s) {
     TextWriter w = begin(i, s.size());
     w.str(s);
     end(i, w);
