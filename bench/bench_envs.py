@@ -2,12 +2,15 @@
 
     OMP_NUM_THREADS=1 python bench/bench_envs.py            # full table (a few minutes on 2 cores)
     python bench/bench_envs.py --quick                      # small sizes, for a smoke run
+    OMP_NUM_THREADS=1 python bench/bench_envs.py --envs game2048-4x4 sudoku-9x9 rubiks-2x2 --sizes 64 1024 \
+        --threads 1 2 --note "machine loaded"              # the RAGEN-2 games only, with a note in each row
 
 Measured per (env, backend, N, threads): env steps/s without rendering, env steps/s with the text render
 of every observation, Sokoban level generations/s, and resets/s of the RAGEN-2 games (2048, Sudoku, the 2x2
 cube). Steps use random valid ids (Sudoku: random placements in RAGEN's text formats); instances that finish are
 re-generated between timed calls (untimed), so every timed step is a real step, never a no-op on a finished
-episode. Each figure is the median (p20, p80) over repeats. Rows go to bench/results/envs.csv.
+episode; each step's results are kept until the next step has returned, as a rollout keeps its observations.
+Each figure is the median (p20, p80) over repeats. Rows go to bench/results/envs.csv.
 """
 
 from __future__ import annotations
@@ -63,8 +66,12 @@ def time_steps(env, n: int, steps: int, render: bool, rng: np.random.Generator) 
         else:
             actions = rng.integers(1, top, size=n, dtype=np.int32)
         t0 = time.perf_counter()
-        _, _, terminated, truncated, _ = env.step(actions, render=render)
+        # The previous step's results stay alive until this call has returned, as in a rollout (it reads the
+        # observations to build the next prompts). Dropping them first would hand their memory back to the OS
+        # (glibc trims the heap top), and every step would pay page faults for new observation strings.
+        result = env.step(actions, render=render)
         elapsed += time.perf_counter() - t0
+        _, _, terminated, truncated, _ = result
         done = terminated | truncated
         if done.any():
             seeds = np.arange(n, dtype=np.int64) + seed_base + (k + 1) * n
@@ -102,6 +109,8 @@ def run(args) -> list[dict]:
                     results["generate" if env_key.startswith("sokoban") else "reset"] = quantiles(
                         [gen_n / t for t in per_call])
                 cfg = f"{CONFIGS[env_key][1]} threads={threads} steps/rep={steps} repeats={args.repeats}"
+                if args.note:
+                    cfg += f" note={args.note}"
                 for mode, (p50, p20, p80) in results.items():
                     metric = {"generate": "levels_per_s", "reset": "resets_per_s"}.get(mode, "env_steps_per_s")
                     rows.append(dict(name=env_key, provider=backend, mode=mode, metric=metric, unit="1/s",
@@ -138,6 +147,8 @@ def main() -> None:
     parser.add_argument("--max-python-n", type=int, default=1024, help="largest N run on the Python twin")
     parser.add_argument("--max-python-gen", type=int, default=1024, help="levels generated per Python repeat")
     parser.add_argument("--quick", action="store_true", help="small sizes and repeats (smoke run)")
+    parser.add_argument("--note", default="", help="context stamped into each row's config column, e.g. 'machine "
+                        "loaded by other jobs' (compare only the C++ / twin ratios of such a run)")
     parser.add_argument("--no-save", action="store_true", help="print only, append nothing to bench/results")
     add_allow_dirty(parser)
     args = parser.parse_args()

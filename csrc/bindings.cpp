@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cstring>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 #include <memory>
 #include <string>
 #include <vector>
@@ -218,19 +221,105 @@ py::list render_observations(SokobanBatch& b) {
   return b.obs_format() == fastpo::kObsGrid ? grids : with_coordinates(b, grids);
 }
 
-// Text observations built whole in C++ (2048): the strings (GIL released), then str objects (UTF-8 decoded).
+// Decodes UTF-8 that C++ wrote (valid by construction) straight into a str of the right kind: the widest lead
+// byte gives the kind (>= 0xF0: 4-byte units, >= 0xC4: 2-byte, else 1-byte) and the bytes that are not
+// continuation bytes give the length. Equal to PyUnicode_DecodeUTF8, without its scan for errors and its widening
+// as it meets wider characters. ASCII runs go 16 bytes at a time with SSE2 (a render is mostly ASCII with a mark
+// or two, which makes the whole str 2-byte).
+template <typename CharT>
+void widen_utf8(CharT* out, const unsigned char* s, size_t n) {
+  size_t k = 0;
+  while (k < n) {
+#ifdef __SSE2__
+    if (sizeof(CharT) == 2 && k + 16 <= n) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k));
+      if (_mm_movemask_epi8(v) == 0) {
+        const __m128i zero = _mm_setzero_si128();
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(v, zero));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), _mm_unpackhi_epi8(v, zero));
+        out += 16;
+        k += 16;
+        continue;
+      }
+    }
+#endif
+    const unsigned char b = s[k];
+    const int len = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
+    uint32_t c = len == 1 ? b : len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
+    for (int j = 1; j < len; ++j) c = (c << 6) | (s[k + j] & 0x3F);
+    *out++ = static_cast<CharT>(c);
+    k += static_cast<size_t>(len);
+  }
+}
+
+PyObject* str_from_utf8(const char* text, size_t n) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text);
+  unsigned char top = 0;
+  size_t continuation = 0;
+  size_t k = 0;
+#ifdef __SSE2__
+  // Continuation bytes are counted with sums of absolute differences (no popcount: baseline x86-64 lacks it).
+  __m128i vmax = _mm_setzero_si128(), vcount = _mm_setzero_si128();
+  const __m128i zero = _mm_setzero_si128(), one = _mm_set1_epi8(1);
+  const __m128i top2 = _mm_set1_epi8(static_cast<char>(0xC0)), cont = _mm_set1_epi8(static_cast<char>(0x80));
+  for (; k + 16 <= n; k += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k));
+    vmax = _mm_max_epu8(vmax, v);
+    const __m128i is_cont = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, top2), cont), one);
+    vcount = _mm_add_epi64(vcount, _mm_sad_epu8(is_cont, zero));
+  }
+  alignas(16) unsigned char lanes[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), vmax);
+  for (unsigned char lane : lanes) top = std::max(top, lane);
+  alignas(16) uint64_t counts[2];
+  _mm_store_si128(reinterpret_cast<__m128i*>(counts), vcount);
+  continuation = static_cast<size_t>(counts[0] + counts[1]);
+#endif
+  for (; k < n; ++k) {
+    top = std::max(top, s[k]);
+    continuation += (s[k] & 0xC0) == 0x80;
+  }
+  const auto len = static_cast<Py_ssize_t>(n - continuation);
+  PyObject* str = PyUnicode_New(len, top < 0x80 ? 127 : top < 0xC4 ? 255 : top < 0xF0 ? 0xFFFF : 0x10FFFF);
+  if (str == nullptr) throw py::error_already_set();
+  switch (PyUnicode_KIND(str)) {
+    case PyUnicode_1BYTE_KIND:
+      if (top < 0x80) {
+        std::memcpy(PyUnicode_1BYTE_DATA(str), s, n);
+      } else {
+        widen_utf8(PyUnicode_1BYTE_DATA(str), s, n);
+      }
+      break;
+    case PyUnicode_2BYTE_KIND:
+      widen_utf8(PyUnicode_2BYTE_DATA(str), s, n);
+      break;
+    default:
+      widen_utf8(PyUnicode_4BYTE_DATA(str), s, n);
+  }
+  return str;
+}
+
+// Text observations built whole in C++ (2048, Sudoku, the cube): the texts of a chunk of instances (GIL released),
+// then their str objects, chunk after chunk. The texts live in a per-thread scratch that keeps its memory, so a
+// render allocates only the str objects; a chunk's scratch stays in cache until its strs are made (rendering all
+// 1024 Sudoku texts first, then converting, went through memory twice: about 15% slower).
 template <typename Batch>
 py::list render_observations_text(Batch& b) {
-  std::vector<std::string> texts(static_cast<size_t>(b.num_envs()));
-  {
-    py::gil_scoped_release release;
-    b.render_texts(texts.data());
-  }
-  py::list out(texts.size());
-  for (size_t i = 0; i < texts.size(); ++i) {
-    PyObject* str = PyUnicode_DecodeUTF8(texts[i].data(), static_cast<Py_ssize_t>(texts[i].size()), "strict");
-    if (str == nullptr) throw py::error_already_set();
-    out[i] = py::reinterpret_steal<py::object>(str);
+  thread_local fastpo::TextBatch texts;
+  const int64_t n = b.num_envs(), chunk = int64_t{128} * b.num_threads();
+  texts.resize(static_cast<size_t>(std::min(n, chunk)));
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+  if (list == nullptr) throw py::error_already_set();
+  py::list out = py::reinterpret_steal<py::list>(list);  // unset items are NULL, which the list's dealloc skips
+  for (int64_t first = 0; first < n; first += chunk) {
+    texts.first = first;
+    texts.count = std::min(chunk, n - first);
+    {
+      py::gil_scoped_release release;
+      b.render_texts(texts);
+    }
+    for (int64_t k = 0; k < texts.count; ++k)
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(first + k), str_from_utf8(texts.buf[k].data(), texts.len[k]));
   }
   return out;
 }
@@ -259,26 +348,35 @@ void require_ready(const Batch& b) {
     throw std::runtime_error("some instances were never reset; call reset() or reset_from_layouts() first");
 }
 
-// step() for either batch: (obs or None when render=False, reward f32[N], terminated, truncated, success, valid, effective bool[N]).
-template <typename Batch>
-py::tuple step_batch(Batch& b, const py::handle& actions_obj, bool render) {
+// The step of any batch once its actions are decoded: step(a) is b.step(a, reward, the five flag arrays) and runs
+// without the GIL. Returns (obs or None when render=False, reward f32[N], terminated, truncated, success, valid,
+// effective bool[N]).
+template <typename Batch, typename Actions>
+py::tuple run_step(Batch& b, const Actions* actions, bool render) {
   const py::ssize_t n = b.num_envs();
-  auto actions = strict_array_1d<int32_t>(actions_obj, n, "actions");
   require_ready(b);
   py::array_t<float> reward(n);
   // One allocation for the five flag arrays: bool[5, N], returned as its row views (each owns a reference
   // to the block, so they stay valid independently).
   py::array_t<bool> block({py::ssize_t{5}, n});
   uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());
-  const int32_t* a = actions.data();
   float* r = reward.mutable_data();
   {
     py::gil_scoped_release release;
-    b.step(a, r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
+    b.step(actions, r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
   }
-  auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
+  auto row = [&](int k) {
+    return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block);
+  };
   py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
   return py::make_tuple(obs_out, reward, row(0), row(1), row(2), row(3), row(4));
+}
+
+// step() of a batch with int32 action ids.
+template <typename Batch>
+py::tuple step_batch(Batch& b, const py::handle& actions_obj, bool render) {
+  auto actions = strict_array_1d<int32_t>(actions_obj, b.num_envs(), "actions");
+  return run_step(b, actions.data(), render);
 }
 
 // Sudoku's step: text actions parsed here (ASCII in C++; other text, or a number too long for int64, by the
@@ -294,18 +392,24 @@ py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::h
     active_arr = strict_array<bool>(active_obj, {n}, "active");
     active = reinterpret_cast<const uint8_t*>(active_arr.data());
   }
-  require_ready(b);
-  std::vector<SudokuAction> acts(static_cast<size_t>(n));
+  // Kept between calls: the parser sets every field it reads back (the error only with kind 2). Nothing is stepped
+  // before every item has been checked, so a bad item leaves the batch as it was.
+  thread_local std::vector<SudokuAction> acts;
+  acts.resize(static_cast<size_t>(n));
   for (py::ssize_t i = 0; i < n; ++i) {
-    if (active != nullptr && !active[i]) continue;
     PyObject* item = PyList_GET_ITEM(actions_obj.ptr(), i);
-    if (!PyUnicode_Check(item)) throw py::value_error("actions[" + std::to_string(i) + "] must be a str");
+    if (!PyUnicode_Check(item))
+      throw py::value_error(
+          "actions[" + std::to_string(i) + "] must be a str, got " +
+          py::handle(reinterpret_cast<PyObject*>(Py_TYPE(item))).attr("__name__").cast<std::string>());
+    if (active != nullptr && !active[i]) {
+      acts[i].kind = 0;
+      continue;
+    }
     bool done = false;
-    if (PyUnicode_IS_ASCII(item)) {
-      Py_ssize_t len = 0;
-      const char* data = PyUnicode_AsUTF8AndSize(item, &len);
-      if (data == nullptr) throw py::error_already_set();
-      done = fastpo::parse_sudoku_action(data, static_cast<size_t>(len), b.grid_size(), acts[i]);
+    if (PyUnicode_IS_COMPACT_ASCII(item)) {  // its characters are its bytes: no UTF-8 conversion to ask for
+      const auto* data = static_cast<const char*>(PyUnicode_DATA(item));
+      done = fastpo::parse_sudoku_action(data, static_cast<size_t>(PyUnicode_GET_LENGTH(item)), b.grid_size(), acts[i]);
     }
     if (!done) {
       auto t = parse(py::reinterpret_borrow<py::str>(item)).cast<py::tuple>();
@@ -316,17 +420,7 @@ py::tuple sudoku_step(SudokuBatch& b, const py::handle& actions_obj, const py::h
       acts[i].error = t[4].cast<std::string>();
     }
   }
-  py::array_t<float> reward(n);
-  py::array_t<bool> block({py::ssize_t{5}, n});
-  uint8_t* base = reinterpret_cast<uint8_t*>(block.mutable_data());
-  float* r = reward.mutable_data();
-  {
-    py::gil_scoped_release release;
-    b.step(acts.data(), r, base, base + n, base + 2 * n, base + 3 * n, base + 4 * n);
-  }
-  auto row = [&](int k) { return py::array_t<bool>({n}, {py::ssize_t{1}}, reinterpret_cast<bool*>(base + k * n), block); };
-  py::object obs_out = render ? py::object(render_observations(b)) : py::object(py::none());
-  return py::make_tuple(obs_out, reward, row(0), row(1), row(2), row(3), row(4));
+  return run_step(b, acts.data(), render);
 }
 
 template <typename Batch>
@@ -379,10 +473,38 @@ SokobanParams make_params(int rows, int cols, int num_boxes, int search_depth, d
   return p;
 }
 
+// What every batch class binds alike: num_envs, reset, render, state_keys and get_state. `fields(b, d, n)` puts
+// the game's own arrays into the exact state; the episode fields (num_steps, terminated, truncated) are added here.
+template <typename Batch, typename Fields>
+void bind_batch(py::class_<Batch>& cls, const char* keys_doc, Fields fields) {
+  cls.def_property_readonly("num_envs", [](const Batch& b) { return b.num_envs(); })
+      .def("reset", &reset_batch<Batch>, py::arg("seeds"), py::arg("mask") = py::none(),
+           "seeds int64[N], mask bool[N] or None -> list of N observations (instances reset in parallel).")
+      .def("render", &render_batch<Batch>)
+      .def("state_keys", &state_keys_batch<Batch>, keys_doc)
+      .def("get_state", [fields](Batch& b) {
+        require_ready(b);
+        const py::ssize_t n = b.num_envs();
+        py::dict d;
+        fields(b, d, n);
+        d["num_steps"] = copy_out(b.num_steps, {n});
+        d["terminated"] = copy_bool(b.terminated);
+        d["truncated"] = copy_bool(b.truncated);
+        return d;
+      });
+}
+
+// step() of the batches with integer action ids (all but Sudoku, whose actions are text); `doc` names the ids.
+template <typename Batch>
+void bind_discrete_step(py::class_<Batch>& cls, const char* doc) {
+  cls.def("step", &step_batch<Batch>, py::arg("actions"), py::arg("render") = true, doc);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048, Sudoku and the 2x2 cube with RAGEN's rules (see envs/).";
+  m.doc() =
+      "fastpo C++ batch simulator: Sokoban, FrozenLake, 2048, Sudoku and the 2x2 cube with RAGEN's rules (see envs/).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -390,8 +512,12 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+  // The step docstrings: "<the ids> -> " then this.
+#define FASTPO_STEP_RETURNS \
+  " -> (obs, reward f32[N], terminated, truncated, success, action_is_valid, action_is_effective bool[N])."
 
-  py::class_<SokobanBatch>(m, "SokobanBatch", "num_envs Sokoban instances (cell codes 0..5 as gym-sokoban).")
+  py::class_<SokobanBatch> sokoban(m, "SokobanBatch", "num_envs Sokoban instances (cell codes 0..5 as gym-sokoban).");
+  sokoban
       .def(py::init([](int num_envs, int rows, int cols, int num_boxes, int search_depth, int max_steps,
                        std::vector<std::string> symbols, int num_threads, double p_change_directions,
                        int num_gen_steps, int observation_format) {
@@ -404,9 +530,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1, py::arg("observation_format") = 0,
            "symbols: 7 strings for codes 0..6; num_gen_steps < 0 means int(1.7 * (rows + cols)); "
            "observation_format 0 grid, 1 coord, 2 grid_coord.")
-      .def_property_readonly("num_envs", &SokobanBatch::num_envs)
-      .def("reset", &reset_batch<SokobanBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations. Generates in parallel.")
       .def(
           "set_layouts",
           [](SokobanBatch& b, const py::handle& fixed_obj, const py::handle& state_obj) {
@@ -416,25 +539,15 @@ PYBIND11_MODULE(_C, m) {
             b.set_layouts(fixed.data(), state.data());
             return render_batch(b);
           },
-          py::arg("room_fixed"), py::arg("room_state"), "uint8[N, R, C] each -> list of N observations.")
-      .def("step", &step_batch<SokobanBatch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids (1 Up, 2 Down, 3 Left, 4 Right) -> (obs, reward f32[N], terminated, truncated, success, "
-           "action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<SokobanBatch>)
-      .def("state_keys", &state_keys_batch<SokobanBatch>,
-           "uint64[N]: FNV-1a 64 of room_fixed then room_state (the exact state without the step counter).")
-      .def("get_state", [](SokobanBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), r = b.params().rows, c = b.params().cols;
-        py::dict d;
-        d["room_fixed"] = copy_out(b.room_fixed, {n, r, c});
-        d["room_state"] = copy_out(b.room_state, {n, r, c});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        d["boxes_on_target"] = copy_out(b.boxes_on_target, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          py::arg("room_fixed"), py::arg("room_state"), "uint8[N, R, C] each -> list of N observations.");
+  bind_batch(sokoban, "uint64[N]: FNV-1a 64 of room_fixed then room_state (the exact state without the step counter).",
+             [](SokobanBatch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t r = b.params().rows, c = b.params().cols;
+               d["room_fixed"] = copy_out(b.room_fixed, {n, r, c});
+               d["room_state"] = copy_out(b.room_state, {n, r, c});
+               d["boxes_on_target"] = copy_out(b.boxes_on_target, {n});
+             });
+  bind_discrete_step(sokoban, "int32[N] ids (1 Up, 2 Down, 3 Left, 4 Right)" FASTPO_STEP_RETURNS);
 
   m.def(
       "generate_sokoban",
@@ -456,15 +569,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("search_depth") = 300, py::arg("p_change_directions") = 0.35, py::arg("num_gen_steps") = -1,
       "One level -> (room_fixed uint8[R, C], room_state uint8[R, C], attempt int).");
 
-  py::class_<FrozenLakeBatch>(m, "FrozenLakeBatch", "num_envs FrozenLake instances (maps as ASCII S F H G).")
+  py::class_<FrozenLakeBatch> frozenlake(m, "FrozenLakeBatch",
+                                         "num_envs FrozenLake instances (maps as ASCII S F H G).");
+  frozenlake
       .def(py::init<int, int, double, bool, int, int, double, int>(), py::arg("num_envs"), py::arg("size"),
            py::arg("p"), py::arg("is_slippery"), py::arg("max_steps"), py::arg("num_threads") = 1,
            py::arg("success_rate") = -1.0, py::arg("observation_format") = 0,
            "success_rate < 0: gym's 1/3 slip, else the intended move w.p. success_rate; observation_format 0 grid, "
            "1 coord, 2 grid_coord.")
-      .def_property_readonly("num_envs", &FrozenLakeBatch::num_envs)
-      .def("reset", &reset_batch<FrozenLakeBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_layouts",
           [](FrozenLakeBatch& b, const py::handle& desc_obj, const py::handle& start_obj, const py::handle& seeds_obj) {
@@ -476,33 +588,22 @@ PYBIND11_MODULE(_C, m) {
             return render_batch(b);
           },
           py::arg("desc"), py::arg("start"), py::arg("seeds"),
-          "desc uint8[N, S, S] ASCII, start int32[N] cells, seeds int64[N] (slip streams) -> observations.")
-      .def("step", &step_batch<FrozenLakeBatch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up) -> (obs, reward f32[N], terminated, truncated, success, "
-           "action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<FrozenLakeBatch>)
-      .def("state_keys", &state_keys_batch<FrozenLakeBatch>,
-           "uint64[N]: FNV-1a 64 of the map then the player cell (int32 little-endian).")
-      .def("get_state", [](FrozenLakeBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), s = b.size();
-        py::dict d;
-        d["desc"] = copy_out(b.desc, {n, s, s});
-        d["position"] = copy_out(b.position, {n});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        std::vector<int64_t> draws(b.slip_counter.begin(), b.slip_counter.end());
-        d["slip_draws"] = copy_out(draws, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          "desc uint8[N, S, S] ASCII, start int32[N] cells, seeds int64[N] (slip streams) -> observations.");
+  bind_batch(frozenlake, "uint64[N]: FNV-1a 64 of the map then the player cell (int32 little-endian).",
+             [](FrozenLakeBatch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t s = b.size();
+               d["desc"] = copy_out(b.desc, {n, s, s});
+               d["position"] = copy_out(b.position, {n});
+               std::vector<int64_t> draws(b.slip_counter.begin(), b.slip_counter.end());
+               d["slip_draws"] = copy_out(draws, {n});
+             });
+  bind_discrete_step(frozenlake, "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up)" FASTPO_STEP_RETURNS);
 
-  py::class_<Game2048Batch>(m, "Game2048Batch", "num_envs 2048 boards (RAGEN-2's game_2048).")
+  py::class_<Game2048Batch> game2048(m, "Game2048Batch", "num_envs 2048 boards (RAGEN-2's game_2048).");
+  // set_boards, set_puzzles, set_cubes and set_layouts look alike, but each checks and copies its own arrays.
+  game2048
       .def(py::init<int, int, double, bool, int, int>(), py::arg("num_envs"), py::arg("size"), py::arg("two_prob"),
            py::arg("use_log_reward"), py::arg("max_steps"), py::arg("num_threads") = 1)
-      .def_property_readonly("num_envs", &Game2048Batch::num_envs)
-      .def("reset", &reset_batch<Game2048Batch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_boards",
           [](Game2048Batch& b, const py::handle& tiles_obj, const py::handle& seeds_obj) {
@@ -513,30 +614,21 @@ PYBIND11_MODULE(_C, m) {
             return render_batch(b);
           },
           py::arg("tiles"), py::arg("seeds"),
-          "tiles int64[N, S, S] (0 or powers of two), seeds int64[N] (spawn streams) -> observations.")
-      .def("step", &step_batch<Game2048Batch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids (1 Up, 2 Right, 3 Down, 4 Left) -> (obs, reward f32[N], terminated, truncated, success, "
-           "action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<Game2048Batch>)
-      .def("state_keys", &state_keys_batch<Game2048Batch>,
-           "uint64[N]: FNV-1a 64 of the tile exponents then the score (int64 little-endian).")
-      .def("get_state", [](Game2048Batch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), s = b.size();
-        std::vector<int64_t> tiles(b.exps.size());
-        for (size_t c = 0; c < tiles.size(); ++c) tiles[c] = b.exps[c] == 0 ? 0 : int64_t{1} << b.exps[c];
-        py::dict d;
-        d["grid"] = copy_out(tiles, {n, s, s});
-        d["score"] = copy_out(b.score, {n});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
-        d["spawn_draws"] = copy_out(draws, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          "tiles int64[N, S, S] (0 or powers of two), seeds int64[N] (spawn streams) -> observations.");
+  bind_batch(game2048, "uint64[N]: FNV-1a 64 of the tile exponents then the score (int64 little-endian).",
+             [](Game2048Batch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t s = b.size();
+               std::vector<int64_t> tiles(b.exps.size());
+               for (size_t c = 0; c < tiles.size(); ++c) tiles[c] = b.exps[c] == 0 ? 0 : int64_t{1} << b.exps[c];
+               d["grid"] = copy_out(tiles, {n, s, s});
+               d["score"] = copy_out(b.score, {n});
+               std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
+               d["spawn_draws"] = copy_out(draws, {n});
+             });
+  bind_discrete_step(game2048, "int32[N] ids (1 Up, 2 Right, 3 Down, 4 Left)" FASTPO_STEP_RETURNS);
 
-  py::class_<SudokuBatch>(m, "SudokuBatch", "num_envs Sudoku puzzles (RAGEN-2's sudoku env).")
+  py::class_<SudokuBatch> sudoku(m, "SudokuBatch", "num_envs Sudoku puzzles (RAGEN-2's sudoku env).");
+  sudoku
       .def(py::init([](int num_envs, int grid_size, int cells_to_remove, int max_steps, int render_format,
                        bool show_conflicts, bool show_valid_numbers, double correct_score, double invalid_score,
                        double completion_bonus, int num_threads) {
@@ -548,9 +640,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("render_format"), py::arg("show_conflicts"), py::arg("show_valid_numbers"),
            py::arg("correct_score"), py::arg("invalid_score"), py::arg("completion_bonus"), py::arg("num_threads") = 1,
            "render_format 0 simple, 1 detailed, 2 with_feedback.")
-      .def_property_readonly("num_envs", &SudokuBatch::num_envs)
-      .def("reset", &reset_batch<SudokuBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_puzzles",
           [](SudokuBatch& b, const py::handle& initial_obj, const py::handle& solution_obj) {
@@ -562,30 +651,19 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("initial"), py::arg("solution"), "uint8[N, G, G] each (validated by the caller) -> observations.")
       .def("step", &sudoku_step, py::arg("actions"), py::arg("active"), py::arg("render"), py::arg("parse"),
-           "list of N str, active bool[N] or None, render, the Python parser for non-ASCII text -> (obs, reward "
-           "f32[N], terminated, truncated, success, action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<SudokuBatch>)
-      .def("state_keys", &state_keys_batch<SudokuBatch>,
-           "uint64[N]: FNV-1a 64 of the puzzle then the current grid.")
-      .def("get_state", [](SudokuBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs(), g = b.grid_size();
-        py::dict d;
-        d["initial"] = copy_out(b.initial, {n, g, g});
-        d["current"] = copy_out(b.current, {n, g, g});
-        d["solution"] = copy_out(b.solution, {n, g, g});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+           "list of N str, active bool[N] or None, render, the Python parser for non-ASCII text" FASTPO_STEP_RETURNS);
+  bind_batch(sudoku, "uint64[N]: FNV-1a 64 of the puzzle then the current grid.",
+             [](SudokuBatch& b, py::dict& d, py::ssize_t n) {
+               const py::ssize_t g = b.grid_size();
+               d["initial"] = copy_out(b.initial, {n, g, g});
+               d["current"] = copy_out(b.current, {n, g, g});
+               d["solution"] = copy_out(b.solution, {n, g, g});
+             });
 
-  py::class_<RubiksBatch>(m, "RubiksBatch", "num_envs 2x2 Rubik's cubes (RAGEN-2's rubikscube).")
+  py::class_<RubiksBatch> rubiks(m, "RubiksBatch", "num_envs 2x2 Rubik's cubes (RAGEN-2's rubikscube).");
+  rubiks
       .def(py::init<int, int, int, int>(), py::arg("num_envs"), py::arg("scramble_depth"), py::arg("max_steps"),
            py::arg("num_threads") = 1)
-      .def_property_readonly("num_envs", &RubiksBatch::num_envs)
-      .def("reset", &reset_batch<RubiksBatch>, py::arg("seeds"), py::arg("mask") = py::none(),
-           "seeds int64[N], mask bool[N] or None -> list of N observations.")
       .def(
           "set_cubes",
           [](RubiksBatch& b, const py::handle& obj) {
@@ -593,22 +671,12 @@ PYBIND11_MODULE(_C, m) {
             b.set_cubes(stickers.data());
             return render_batch(b);
           },
-          py::arg("stickers"), "uint8[N, 24] colours 0..5 (checked by the caller) -> observations.")
-      .def("step", &step_batch<RubiksBatch>, py::arg("actions"), py::arg("render") = true,
-           "int32[N] ids 1..12 (U U' D D' L L' R R' F F' B B') -> (obs, reward f32[N], terminated, truncated, "
-           "success, action_is_valid, action_is_effective bool[N]).")
-      .def("render", &render_batch<RubiksBatch>)
-      .def("state_keys", &state_keys_batch<RubiksBatch>, "uint64[N]: FNV-1a 64 of the 24 stickers.")
-      .def("get_state", [](RubiksBatch& b) {
-        require_ready(b);
-        const py::ssize_t n = b.num_envs();
-        py::dict d;
-        d["stickers"] = copy_out(b.stickers, {n, 24});
-        d["num_steps"] = copy_out(b.num_steps, {n});
-        d["terminated"] = copy_bool(b.terminated);
-        d["truncated"] = copy_bool(b.truncated);
-        return d;
-      });
+          py::arg("stickers"), "uint8[N, 24] colours 0..5 (checked by the caller) -> observations.");
+  bind_batch(rubiks, "uint64[N]: FNV-1a 64 of the 24 stickers.", [](RubiksBatch& b, py::dict& d, py::ssize_t n) {
+    d["stickers"] = copy_out(b.stickers, {n, 24});
+  });
+  bind_discrete_step(rubiks, "int32[N] ids 1..12 (U U' D D' L L' R R' F F' B B')" FASTPO_STEP_RETURNS);
+#undef FASTPO_STEP_RETURNS
 
   m.def(
       "generate_frozenlake",

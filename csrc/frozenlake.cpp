@@ -58,26 +58,18 @@ int generate_frozenlake(uint64_t seed, int size, double p, uint8_t* desc, Frozen
 
 FrozenLakeBatch::FrozenLakeBatch(int num_envs, int size, double p, bool is_slippery, int max_steps, int num_threads,
                                  double success_rate, int obs_format)
-    : n_(num_envs), size_(size), p_(p), is_slippery_(is_slippery), max_steps_(max_steps),
-      success_rate_(success_rate), obs_format_(obs_format), pool_(std::max(1, std::min(num_threads, 256))) {
-  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+    : BatchCore(num_envs, max_steps, num_threads), size_(size), p_(p), is_slippery_(is_slippery),
+      success_rate_(success_rate), obs_format_(obs_format) {
   if (size < 2 || size > 64) throw std::invalid_argument("size must be in [2, 64], got " + std::to_string(size));
   if (!(p > 0.0 && p <= 1.0)) throw std::invalid_argument("p must be in (0, 1], got " + std::to_string(p));
-  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
-  if (num_threads < 1 || num_threads > 256)
-    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
   if (!(success_rate < 0.0 || success_rate <= 1.0))  // negative: gym's slip; NaN is refused
     throw std::invalid_argument("success_rate must be in [0, 1] (or negative for gym's 1/3 slip), got " +
                                 std::to_string(success_rate));
   check_obs_format(obs_format);
   desc.assign(static_cast<size_t>(n_) * size_ * size_, 'F');
   position.assign(n_, 0);
-  num_steps.assign(n_, 0);
   slip_key.assign(n_, 0);
   slip_counter.assign(n_, 0);
-  terminated.assign(n_, 0);
-  truncated.assign(n_, 0);
-  ready.assign(n_, 0);
   scratch_.resize(pool_.size());
   move_.resize(static_cast<size_t>(size_) * size_ * 4);
   for (int cell = 0; cell < size_ * size_; ++cell)
@@ -88,32 +80,20 @@ FrozenLakeBatch::FrozenLakeBatch(int num_envs, int size, double p, bool is_slipp
     }
 }
 
-bool FrozenLakeBatch::all_ready() const {
-  if (all_ready_.load(std::memory_order_relaxed)) return true;
-  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
-}
-
 void FrozenLakeBatch::start_episode(int i, int start, int64_t seed) {
   position[i] = start;
-  num_steps[i] = 0;
   slip_key[i] = rng_key(static_cast<uint64_t>(seed), kStreamFrozenLakeSlip, 0);
   slip_counter[i] = 0;
-  terminated[i] = truncated[i] = 0;
-  ready[i] = 1;
+  begin_episode(i);
 }
 
 void FrozenLakeBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
   const int cells = size_ * size_;
-  pool_.parallel_for(n_, 64, [&](int worker, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      const int start = generate_frozenlake(static_cast<uint64_t>(seeds[i]), size_, p_, &desc[i * cells],
-                                            scratch_[worker]);
-      start_episode(static_cast<int>(i), start, seeds[i]);
-    }
+  reset_masked(seeds, mask, 64, [&](int worker, int64_t i, int64_t seed) {
+    const int start = generate_frozenlake(static_cast<uint64_t>(seed), size_, p_, &desc[i * cells],
+                                          scratch_[worker]);
+    start_episode(static_cast<int>(i), start, seed);
   });
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
 }
 
 void FrozenLakeBatch::set_layouts(const uint8_t* desc_in, const int32_t* start, const int64_t* seeds) {
@@ -131,7 +111,7 @@ void FrozenLakeBatch::set_layouts(const uint8_t* desc_in, const int32_t* start, 
   }
   std::copy(desc_in, desc_in + static_cast<size_t>(n_) * cells, desc.begin());
   for (int i = 0; i < n_; ++i) start_episode(i, start[i], seeds[i]);
-  all_ready_.store(true);
+  set_all_ready();
 }
 
 void FrozenLakeBatch::step(const int32_t* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
@@ -219,15 +199,12 @@ void FrozenLakeBatch::render_codes(uint8_t* out) {
 }
 
 void FrozenLakeBatch::state_keys(uint64_t* out) {
-  std::lock_guard<std::mutex> lock(mu_);
   const int cells = size_ * size_;
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint32_t cell = static_cast<uint32_t>(position[i]);
-      const uint8_t le[4] = {static_cast<uint8_t>(cell), static_cast<uint8_t>(cell >> 8),
-                             static_cast<uint8_t>(cell >> 16), static_cast<uint8_t>(cell >> 24)};
-      out[i] = fnv1a64(le, 4, fnv1a64(&desc[static_cast<size_t>(i) * cells], cells));
-    }
+  keys_into(out, [this, cells](int64_t i) {
+    const uint32_t cell = static_cast<uint32_t>(position[i]);
+    const uint8_t le[4] = {static_cast<uint8_t>(cell), static_cast<uint8_t>(cell >> 8),
+                           static_cast<uint8_t>(cell >> 16), static_cast<uint8_t>(cell >> 24)};
+    return fnv1a64(le, 4, fnv1a64(&desc[static_cast<size_t>(i) * cells], cells));
   });
 }
 

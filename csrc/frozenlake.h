@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "rng.h"
-#include "thread_pool.h"
+#include "batch_core.h"
 
 namespace fastpo {
 
@@ -27,7 +27,7 @@ struct FrozenLakeScratch {
 int generate_frozenlake(uint64_t seed, int size, double p, uint8_t* desc, FrozenLakeScratch& scratch);
 
 // N FrozenLake instances, struct of arrays. All methods are safe to call without the GIL.
-class FrozenLakeBatch {
+class FrozenLakeBatch : public BatchCore {
  public:
   // success_rate < 0: gym's slip (the intended and each perpendicular direction w.p. 1/3, one randint(3) draw);
   // in [0, 1]: the intended direction w.p. success_rate, each perpendicular one w.p. (1 - success_rate) / 2
@@ -49,32 +49,24 @@ class FrozenLakeBatch {
   void state_keys(uint64_t* out);
   // RAGEN's coordinate text per instance (num_envs strings; see coords.h).
   void coord_texts(std::string* out);
-  bool all_ready() const;
 
-  int num_envs() const { return n_; }
   int size() const { return size_; }
   int obs_format() const { return obs_format_; }
   // Raw state (copied out by the bindings).
   std::vector<uint8_t> desc;
-  std::vector<int32_t> position, num_steps;
+  std::vector<int32_t> position;
   std::vector<uint64_t> slip_key, slip_counter;
-  std::vector<uint8_t> terminated, truncated, ready;
 
  private:
   void start_episode(int i, int start, int64_t seed);
 
-  int n_;
   int size_;
   double p_;
   bool is_slippery_;
-  int max_steps_;
   double success_rate_;
   int obs_format_;
-  ThreadPool pool_;
   std::vector<FrozenLakeScratch> scratch_;  // one per worker
-  std::mutex mu_;
   std::vector<int32_t> move_;  // move_[cell * 4 + gym_action]: the cell reached (clamped to the map)
-  std::atomic<bool> all_ready_{false};  // cached: ready flags only ever go 0 -> 1
 };
 
 }  // namespace fastpo

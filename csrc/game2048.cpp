@@ -10,25 +10,17 @@ namespace fastpo {
 
 Game2048Batch::Game2048Batch(int num_envs, int size, double two_prob, bool use_log_reward, int max_steps,
                              int num_threads)
-    : n_(num_envs), size_(size), cells_(size * size), two_prob_(two_prob), use_log_reward_(use_log_reward),
-      max_steps_(max_steps), pool_(std::max(1, std::min(num_threads, 256))) {
-  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+    : BatchCore(num_envs, max_steps, num_threads), size_(size), cells_(size * size), two_prob_(two_prob),
+      use_log_reward_(use_log_reward) {
   if (size < 2 || size > kGame2048MaxSize)
     throw std::invalid_argument("size must be in [2, " + std::to_string(kGame2048MaxSize) + "], got " +
                                 std::to_string(size));
   if (!(two_prob >= 0.0 && two_prob <= 1.0))
     throw std::invalid_argument("two_prob must be in [0, 1], got " + std::to_string(two_prob));
-  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
-  if (num_threads < 1 || num_threads > 256)
-    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
   exps.assign(static_cast<size_t>(n_) * cells_, 0);
   score.assign(n_, 0);
-  num_steps.assign(n_, 0);
   spawn_key.assign(n_, 0);
   spawn_counter.assign(n_, 0);
-  terminated.assign(n_, 0);
-  truncated.assign(n_, 0);
-  ready.assign(n_, 0);
   // RAGEN's _move_sim: Up = columns top-down, Right = rows right-left, Down = columns bottom-up, Left = rows.
   lines_.resize(static_cast<size_t>(4) * size_ * size_);
   for (int line = 0; line < size_; ++line)
@@ -38,11 +30,6 @@ Game2048Batch::Game2048Batch(int num_envs, int size, double two_prob, bool use_l
       lines_[(2 * size_ + line) * size_ + k] = (size_ - 1 - k) * size_ + line;
       lines_[(3 * size_ + line) * size_ + k] = line * size_ + k;
     }
-}
-
-bool Game2048Batch::all_ready() const {
-  if (all_ready_.load(std::memory_order_relaxed)) return true;
-  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
 }
 
 void Game2048Batch::spawn(int i) {
@@ -62,24 +49,17 @@ void Game2048Batch::spawn(int i) {
 void Game2048Batch::start(int i, int64_t seed) {
   std::fill_n(&exps[static_cast<size_t>(i) * cells_], cells_, 0);
   score[i] = 0;
-  num_steps[i] = 0;
   spawn_key[i] = rng_key(static_cast<uint64_t>(seed), kStreamGame2048, 0);
   spawn_counter[i] = 0;
-  terminated[i] = truncated[i] = 0;
-  ready[i] = 1;
+  begin_episode(i);
 }
 
 void Game2048Batch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      start(static_cast<int>(i), seeds[i]);
-      spawn(static_cast<int>(i));
-      spawn(static_cast<int>(i));
-    }
+  reset_masked(seeds, mask, 1024, [&](int, int64_t i, int64_t seed) {
+    start(static_cast<int>(i), seed);
+    spawn(static_cast<int>(i));
+    spawn(static_cast<int>(i));
   });
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
 }
 
 void Game2048Batch::set_boards(const int64_t* tiles, const int64_t* seeds) {
@@ -101,7 +81,7 @@ void Game2048Batch::set_boards(const int64_t* tiles, const int64_t* seeds) {
       exps[static_cast<size_t>(i) * cells_ + c] = e;
     }
   }
-  all_ready_.store(true);
+  set_all_ready();
 }
 
 int64_t Game2048Batch::slide(const uint8_t* g, int dir, uint8_t* out) const {
@@ -191,14 +171,13 @@ void Game2048Batch::step(const int32_t* actions, float* reward, uint8_t* termina
   });
 }
 
-void Game2048Batch::render_texts(std::string* out) {
+void Game2048Batch::render_texts(TextBatch& out) {
   std::lock_guard<std::mutex> lock(mu_);
   static const char* const kNames[4] = {"0(Up)", "1(Right)", "2(Down)", "3(Left)"};
-  pool_.run(n_, 256, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  pool_.run(out.count, 256, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = out.first + begin; i < out.first + end; ++i) {
       const uint8_t* g = &exps[static_cast<size_t>(i) * cells_];
-      std::string& s = out[i];
-      s.assign("Current 2048 Grid:");
+      std::string s = "Current 2048 Grid:";
       for (int r = 0; r < size_; ++r) {
         s += "\nRow " + std::to_string(r + 1) + ": [";
         for (int c = 0; c < size_; ++c) {
@@ -219,19 +198,17 @@ void Game2048Batch::render_texts(std::string* out) {
       if (!any) s += "None";
       s += ".\nGoal: Merge same numbers to reach 2048.\nCurrent Score: " + std::to_string(score[i]) +
            "\nWhat is your next move?";
+      out.set(i, s);
     }
   });
 }
 
 void Game2048Batch::state_keys(uint64_t* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      uint8_t le[8];
-      const uint64_t s = static_cast<uint64_t>(score[i]);
-      for (int k = 0; k < 8; ++k) le[k] = static_cast<uint8_t>(s >> (8 * k));
-      out[i] = fnv1a64(le, 8, fnv1a64(&exps[static_cast<size_t>(i) * cells_], cells_));
-    }
+  keys_into(out, [this](int64_t i) {
+    uint8_t le[8];
+    const uint64_t s = static_cast<uint64_t>(score[i]);
+    for (int k = 0; k < 8; ++k) le[k] = static_cast<uint8_t>(s >> (8 * k));
+    return fnv1a64(le, 8, fnv1a64(&exps[static_cast<size_t>(i) * cells_], cells_));
   });
 }
 

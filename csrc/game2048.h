@@ -9,13 +9,14 @@
 #include <vector>
 
 #include "rng.h"
-#include "thread_pool.h"
+#include "text_writer.h"
+#include "batch_core.h"
 
 namespace fastpo {
 
 constexpr int kGame2048MaxSize = 6;  // 2^(36 + 1) still fits the int64 tiles and score
 
-class Game2048Batch {
+class Game2048Batch : public BatchCore {
  public:
   // two_prob: probability that a new tile is a 2 (else a 4). use_log_reward: RAGEN's 0.1 * log2(merged + 1) for a
   // move that merges, 0 otherwise; else the merged sum, and -0.1 for a move that moves nothing.
@@ -29,21 +30,17 @@ class Game2048Batch {
   // actions: 1 Up, 2 Right, 3 Down, 4 Left (RAGEN's 0..3 plus one); anything else is no action.
   void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  // RAGEN's text observation per instance (num_envs strings).
-  void render_texts(std::string* out);
+  // RAGEN's text observation per instance.
+  void render_texts(TextBatch& out);  // the instances out.first .. + out.count - 1
   // Exact state key per instance: FNV-1a 64 over the exponents (size * size bytes) then the score (int64
   // little-endian). The step counter and the spawn stream are not part of it.
   void state_keys(uint64_t* out);
-  bool all_ready() const;
 
-  int num_envs() const { return n_; }
   int size() const { return size_; }
   // Raw state (copied out by the bindings).
   std::vector<uint8_t> exps;
   std::vector<int64_t> score;
-  std::vector<int32_t> num_steps;
   std::vector<uint64_t> spawn_key, spawn_counter;
-  std::vector<uint8_t> terminated, truncated, ready;
 
  private:
   void start(int i, int64_t seed);
@@ -53,16 +50,11 @@ class Game2048Batch {
   bool moves(const uint8_t* g, int dir) const;
   bool won(int i) const;
 
-  int n_;
   int size_;
   int cells_;
   double two_prob_;
   bool use_log_reward_;
-  int max_steps_;
-  ThreadPool pool_;
-  std::mutex mu_;
   std::vector<int> lines_;  // lines_[(dir * size + line) * size + k]: cell k of a line, from the wall it slides to
-  std::atomic<bool> all_ready_{false};
 };
 
 }  // namespace fastpo

@@ -1,9 +1,11 @@
 #include "rubiks.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "state_key.h"
+#include "text_writer.h"
 
 namespace fastpo {
 
@@ -19,6 +21,20 @@ constexpr uint8_t kTurn[6][24] = {
     {0, 1, 7, 5, 4, 20, 6, 21, 10, 8, 11, 9, 2, 13, 3, 15, 16, 17, 18, 19, 14, 12, 22, 23},
     {13, 15, 2, 3, 1, 5, 0, 7, 8, 9, 10, 11, 12, 22, 14, 23, 18, 16, 19, 17, 20, 21, 6, 4},
 };
+// The 12 moves (ids 1..12) as one permutation each: a prime turn (even id) is the quarter turn composed three
+// times, so a step is one gather whatever the move.
+struct MoveTable {
+  uint8_t p[12][24];
+  MoveTable() {
+    for (int a = 0; a < 12; ++a)
+      for (int k = 0; k < 24; ++k) {
+        const uint8_t* q = kTurn[a / 2];
+        p[a][k] = a % 2 == 0 ? q[k] : q[q[q[k]]];
+      }
+  }
+};
+const MoveTable kMoves;
+
 constexpr char kColour[6] = {'W', 'O', 'G', 'R', 'B', 'Y'};
 constexpr const char* kFaceLabel[6] = {"Up (U):    ", "Left (L):  ", "Front (F): ", "Right (R): ", "Back (B):  ",
                                        "Down (D):  "};
@@ -26,34 +42,17 @@ constexpr const char* kFaceLabel[6] = {"Up (U):    ", "Left (L):  ", "Front (F):
 }  // namespace
 
 RubiksBatch::RubiksBatch(int num_envs, int scramble_depth, int max_steps, int num_threads)
-    : n_(num_envs), scramble_depth_(scramble_depth), max_steps_(max_steps),
-      pool_(std::max(1, std::min(num_threads, 256))) {
-  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+    : BatchCore(num_envs, max_steps, num_threads), scramble_depth_(scramble_depth) {
   if (scramble_depth < 0 || scramble_depth > 1000)
     throw std::invalid_argument("scramble_depth must be in [0, 1000], got " + std::to_string(scramble_depth));
-  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
-  if (num_threads < 1 || num_threads > 256)
-    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
   stickers.assign(static_cast<size_t>(n_) * 24, 0);
-  num_steps.assign(n_, 0);
-  terminated.assign(n_, 0);
-  truncated.assign(n_, 0);
-  ready.assign(n_, 0);
-}
-
-bool RubiksBatch::all_ready() const {
-  if (all_ready_.load(std::memory_order_relaxed)) return true;
-  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
 }
 
 void RubiksBatch::turn(uint8_t* s, int action) const {
-  const uint8_t* p = kTurn[(action - 1) / 2];
-  const int quarters = action % 2 == 0 ? 3 : 1;  // even ids are the primes
+  const uint8_t* p = kMoves.p[action - 1];
   uint8_t tmp[24];
-  for (int q = 0; q < quarters; ++q) {
-    std::copy(s, s + 24, tmp);
-    for (int k = 0; k < 24; ++k) s[k] = tmp[p[k]];
-  }
+  std::memcpy(tmp, s, 24);
+  for (int k = 0; k < 24; ++k) s[k] = tmp[p[k]];
 }
 
 bool RubiksBatch::solved(const uint8_t* s) {
@@ -64,81 +63,67 @@ bool RubiksBatch::solved(const uint8_t* s) {
 }
 
 void RubiksBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-      for (int k = 0; k < 24; ++k) s[k] = static_cast<uint8_t>(k / 4);
-      CounterRng rng(static_cast<uint64_t>(seeds[i]), kStreamRubiks);
-      for (int d = 0; d < scramble_depth_; ++d) turn(s, static_cast<int>(rng.randint(12)) + 1);
-      num_steps[i] = 0;
-      terminated[i] = truncated[i] = 0;
-      ready[i] = 1;
-    }
+  reset_masked(seeds, mask, 1024, [&](int, int64_t i, int64_t seed) {
+    uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+    for (int k = 0; k < 24; ++k) s[k] = static_cast<uint8_t>(k / 4);
+    CounterRng rng(static_cast<uint64_t>(seed), kStreamRubiks);
+    for (int d = 0; d < scramble_depth_; ++d) turn(s, static_cast<int>(rng.randint(12)) + 1);
+    begin_episode(i);
   });
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
 }
 
 void RubiksBatch::set_cubes(const uint8_t* in) {
   std::lock_guard<std::mutex> lock(mu_);
   std::copy(in, in + static_cast<size_t>(n_) * 24, stickers.begin());
-  std::fill(num_steps.begin(), num_steps.end(), 0);
-  std::fill(terminated.begin(), terminated.end(), 0);
-  std::fill(truncated.begin(), truncated.end(), 0);
-  std::fill(ready.begin(), ready.end(), 1);
-  all_ready_.store(true);
+  for (int i = 0; i < n_; ++i) begin_episode(i);
+  set_all_ready();
 }
 
 void RubiksBatch::step(const int32_t* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
                        uint8_t* success, uint8_t* valid, uint8_t* effective) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-      reward[i] = 0.0f;
-      valid[i] = effective[i] = 0;
-      if (!terminated[i] && !truncated[i] && static_cast<uint32_t>(actions[i] - 1) <= 11u) {
-        turn(s, actions[i]);
-        const int steps = ++num_steps[i];
-        const bool done = solved(s);
-        reward[i] = done ? 1.0f : 0.0f;
-        terminated[i] = done;
-        truncated[i] = !done && steps >= max_steps_;
-        valid[i] = effective[i] = 1;  // RAGEN: every turn is valid and effective
-      }
-      success[i] = terminated[i];
-      terminated_out[i] = terminated[i];
-      truncated_out[i] = truncated[i];
+  for_each_instance(4096, [&](int64_t i) {
+    uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+    reward[i] = 0.0f;
+    valid[i] = effective[i] = 0;
+    if (!terminated[i] && !truncated[i] && static_cast<uint32_t>(actions[i] - 1) <= 11u) {
+      turn(s, actions[i]);
+      const int steps = ++num_steps[i];
+      const bool done = solved(s);
+      reward[i] = done ? 1.0f : 0.0f;
+      terminated[i] = done;
+      truncated[i] = !done && steps >= max_steps_;
+      valid[i] = effective[i] = 1;  // RAGEN: every turn is valid and effective
     }
+    success[i] = terminated[i];
+    terminated_out[i] = terminated[i];
+    truncated_out[i] = truncated[i];
   });
 }
 
-void RubiksBatch::render_texts(std::string* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
-      std::string& t = out[i];
-      t = "=== Rubik's Cube 2x2 State ===\nStep: " + std::to_string(num_steps[i]) + "/" +
-          std::to_string(max_steps_) + "\n";
-      for (int f = 0; f < 6; ++f) {
-        const uint8_t* c = s + f * 4;
-        t += "\n";
-        t += kFaceLabel[f];
-        t += {'[', kColour[c[0]], ',', ' ', kColour[c[1]], ']', '\n', ' ', '[', kColour[c[2]], ',', ' ',
-              kColour[c[3]], ']'};
-      }
-      t += "\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?";
+void RubiksBatch::render_texts(TextBatch& out) {
+  for_range(out.first, out.first + out.count, 1024, [&](int64_t i) {
+    const uint8_t* s = &stickers[static_cast<size_t>(i) * 24];
+    TextWriter w = out.begin(i, 384);  // the text is 300 bytes at most
+    w.lit("=== Rubik's Cube 2x2 State ===\nStep: ");
+    w.num(num_steps[i]);
+    w.ch('/');
+    w.num(max_steps_);
+    w.ch('\n');
+    for (int f = 0; f < 6; ++f) {
+      const uint8_t* c = s + f * 4;
+      w.ch('\n');
+      w.put(kFaceLabel[f], 11);
+      const char face[] = {'[', kColour[c[0]], ',', ' ', kColour[c[1]], ']', '\n', ' ', '[', kColour[c[2]], ',', ' ',
+                           kColour[c[3]], ']'};
+      w.put(face, sizeof(face));
     }
+    w.lit("\n\nAvailable Actions:\nU, U', D, D', L, L', R, R', F, F', B, B'\n\nWhat is your next move?");
+    out.end(i, w);
   });
 }
 
 void RubiksBatch::state_keys(uint64_t* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = fnv1a64(&stickers[static_cast<size_t>(i) * 24], 24);
-  });
+  keys_into(out, [this](int64_t i) { return fnv1a64(&stickers[static_cast<size_t>(i) * 24], 24); });
 }
 
 }  // namespace fastpo

@@ -9,11 +9,12 @@
 #include <vector>
 
 #include "rng.h"
-#include "thread_pool.h"
+#include "text_writer.h"
+#include "batch_core.h"
 
 namespace fastpo {
 
-class RubiksBatch {
+class RubiksBatch : public BatchCore {
  public:
   RubiksBatch(int num_envs, int scramble_depth, int max_steps, int num_threads);
 
@@ -24,24 +25,17 @@ class RubiksBatch {
   // actions: 1 U, 2 U', 3 D, 4 D', 5 L, 6 L', 7 R, 8 R', 9 F, 10 F', 11 B, 12 B'; anything else is no action.
   void step(const int32_t* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  void render_texts(std::string* out);
+  void render_texts(TextBatch& out);  // RAGEN's render of the cubes out.first .. + out.count - 1
   // FNV-1a 64 over the 24 stickers; not the step counter.
   void state_keys(uint64_t* out);
-  bool all_ready() const;
 
-  int num_envs() const { return n_; }
   std::vector<uint8_t> stickers;
-  std::vector<int32_t> num_steps;
-  std::vector<uint8_t> terminated, truncated, ready;
 
  private:
   void turn(uint8_t* s, int action) const;
   static bool solved(const uint8_t* s);
 
-  int n_, scramble_depth_, max_steps_;
-  ThreadPool pool_;
-  std::mutex mu_;
-  std::atomic<bool> all_ready_{false};
+  int scramble_depth_;
 };
 
 }  // namespace fastpo

@@ -299,25 +299,17 @@ static_assert(kBoxOnTarget + 1 == kBox, "step_range computes the box code as kBo
 
 SokobanBatch::SokobanBatch(int num_envs, const SokobanParams& params, int max_steps, std::vector<std::string> symbols,
                            int num_threads, int obs_format)
-    : n_(num_envs), p_(params), cells_(params.rows * params.cols), max_steps_(max_steps),
-      symbols_(std::move(symbols)), obs_format_(obs_format), pool_(std::max(1, std::min(num_threads, 256))) {
+    : BatchCore(num_envs, max_steps, num_threads), p_(params), cells_(params.rows * params.cols),
+      symbols_(std::move(symbols)), obs_format_(obs_format) {
   p_.validate();
   check_obs_format(obs_format);
-  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
-  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
-  if (num_threads < 1 || num_threads > 256)
-    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
   if (symbols_.size() != 7)
     throw std::invalid_argument("symbols must hold 7 strings (codes 0..6), got " + std::to_string(symbols_.size()));
   room_fixed.assign(static_cast<size_t>(n_) * cells_, kWall);
   room_state.assign(static_cast<size_t>(n_) * cells_, kWall);
-  num_steps.assign(n_, 0);
   boxes_on_target.assign(n_, 0);
   num_boxes.assign(n_, 0);
   player.assign(n_, 0);
-  terminated.assign(n_, 0);
-  truncated.assign(n_, 0);
-  ready.assign(n_, 0);
   walled_.assign(n_, 0);
   for (int a = 0; a < 4; ++a) delta_[a] = kChangeRow[a] * p_.cols + kChangeCol[a];
   for (int sign = -1; sign <= 1; ++sign)
@@ -334,11 +326,6 @@ SokobanBatch::SokobanBatch(int num_envs, const SokobanParams& params, int max_st
   for (int w = 0; w < pool_.size(); ++w) generators_.push_back(std::make_unique<SokobanGenerator>(p_));
 }
 
-bool SokobanBatch::all_ready() const {
-  if (all_ready_.load(std::memory_order_relaxed)) return true;
-  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
-}
-
 void SokobanBatch::update_walled(int i) {
   const uint8_t* state = &room_state[static_cast<size_t>(i) * cells_];
   bool walls = true;
@@ -349,23 +336,16 @@ void SokobanBatch::update_walled(int i) {
 }
 
 void SokobanBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.parallel_for(n_, 1, [&](int worker, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      uint8_t* fixed = &room_fixed[i * cells_];
-      uint8_t* state = &room_state[i * cells_];
-      generators_[worker]->generate(static_cast<uint64_t>(seeds[i]), fixed, state);
-      player[i] = static_cast<int32_t>(std::find(state, state + cells_, kPlayer) - state);
-      num_boxes[i] = p_.num_boxes;
-      boxes_on_target[i] = 0;  // generated boxes never start on a target
-      num_steps[i] = 0;
-      terminated[i] = truncated[i] = 0;
-      update_walled(static_cast<int>(i));
-      ready[i] = 1;
-    }
+  reset_masked(seeds, mask, 1, [&](int worker, int64_t i, int64_t seed) {
+    uint8_t* fixed = &room_fixed[i * cells_];
+    uint8_t* state = &room_state[i * cells_];
+    generators_[worker]->generate(static_cast<uint64_t>(seed), fixed, state);
+    player[i] = static_cast<int32_t>(std::find(state, state + cells_, kPlayer) - state);
+    num_boxes[i] = p_.num_boxes;
+    boxes_on_target[i] = 0;  // generated boxes never start on a target
+    update_walled(static_cast<int>(i));
+    begin_episode(i);
   });
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
 }
 
 void SokobanBatch::set_layouts(const uint8_t* fixed_in, const uint8_t* state_in) {
@@ -390,12 +370,10 @@ void SokobanBatch::set_layouts(const uint8_t* fixed_in, const uint8_t* state_in)
     player[i] = static_cast<int32_t>(std::find(state, state + cells_, kPlayer) - state);
     num_boxes[i] = boxes;
     boxes_on_target[i] = on_target;  // RAGEN starts at 0; the actual count keeps +1/-1 rewards right
-    num_steps[i] = 0;
-    terminated[i] = truncated[i] = 0;
     update_walled(i);
-    ready[i] = 1;
+    begin_episode(i);
   }
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
+  refresh_all_ready();
 }
 
 __attribute__((noinline)) void SokobanBatch::step_one(int i, int32_t action, float* reward, uint8_t* success, uint8_t* valid,
@@ -540,12 +518,9 @@ void SokobanBatch::render_codes(uint8_t* out) {
 }
 
 void SokobanBatch::state_keys(uint64_t* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const size_t at = static_cast<size_t>(i) * cells_;
-      out[i] = fnv1a64(&room_state[at], cells_, fnv1a64(&room_fixed[at], cells_));
-    }
+  keys_into(out, [this](int64_t i) {
+    const size_t at = static_cast<size_t>(i) * cells_;
+    return fnv1a64(&room_state[at], cells_, fnv1a64(&room_fixed[at], cells_));
   });
 }
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "rng.h"
-#include "thread_pool.h"
+#include "batch_core.h"
 
 namespace fastpo {
 
@@ -100,7 +100,7 @@ class SokobanGenerator {
 };
 
 // N Sokoban instances, struct of arrays. All methods are safe to call without the GIL.
-class SokobanBatch {
+class SokobanBatch : public BatchCore {
  public:
   // obs_format: an ObsFormat (coords.h): the symbol grid, RAGEN's coordinate lists, or both.
   SokobanBatch(int num_envs, const SokobanParams& params, int max_steps, std::vector<std::string> symbols,
@@ -119,16 +119,13 @@ class SokobanBatch {
   void state_keys(uint64_t* out);
   // RAGEN's coordinate text per instance (num_envs strings; see coords.h).
   void coord_texts(std::string* out);
-  bool all_ready() const;
 
-  int num_envs() const { return n_; }
   int obs_format() const { return obs_format_; }
   const SokobanParams& params() const { return p_; }
   const std::vector<std::string>& symbols() const { return symbols_; }
   // Raw state (copied out by the bindings).
   std::vector<uint8_t> room_fixed, room_state;
-  std::vector<int32_t> num_steps, boxes_on_target, num_boxes, player;
-  std::vector<uint8_t> terminated, truncated, ready;
+  std::vector<int32_t> boxes_on_target, num_boxes, player;
 
  private:
   void step_one(int i, int32_t action, float* reward, uint8_t* success, uint8_t* valid, uint8_t* effective);
@@ -136,21 +133,16 @@ class SokobanBatch {
                   uint8_t* truncated_out, uint8_t* success, uint8_t* valid, uint8_t* effective);
   void update_walled(int i);
 
-  int n_;
   SokobanParams p_;
   int cells_;
-  int max_steps_;
   std::vector<std::string> symbols_;
   int obs_format_;
-  ThreadPool pool_;
   std::vector<std::unique_ptr<SokobanGenerator>> generators_;  // one per worker
-  std::mutex mu_;  // one public call at a time (the GIL is released inside)
   // Fast step path: walled[i] = 1 when every border cell of room_state[i] is a wall (always so for generated
   // levels; walls never move), so the player is always inside and no grid-bounds check is needed.
   std::vector<uint8_t> walled_;
   int delta_[4] = {};            // cell offset per action 1..4 (up, down, left, right)
   float reward_table_[6] = {};   // [(sign of box-on-target change + 1) * 2 + won], as step_one computes it
-  std::atomic<bool> all_ready_{false};  // cached: ready flags only ever go 0 -> 1
 };
 
 }  // namespace fastpo

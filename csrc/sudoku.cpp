@@ -1,9 +1,11 @@
 #include "sudoku.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "state_key.h"
+#include "text_writer.h"
 
 namespace fastpo {
 
@@ -16,6 +18,23 @@ constexpr const char* kWarn = "\xE2\x9A\xA0";      // U+26A0
 constexpr const char* kParty = "\xF0\x9F\x8E\x89"; // U+1F389
 constexpr const char* kBulb = "\xF0\x9F\x92\xA1";  // U+1F4A1
 
+// A cell of the simple render by its number (0 empty), and of the detailed one by the initial puzzle's number
+// there (0: not given) and its number now: " . " empty, "[N]" given, " N " placed. Numbers stop at 9 (grids are
+// 4x4 or 9x9).
+constexpr char kSimpleCell[10] = {'.', '1', '2', '3', '4', '5', '6', '7', '8', '9'};
+struct DetailedCells {
+  char c[10][10][3];
+  DetailedCells() : c{} {
+    for (int given = 0; given < 10; ++given)
+      for (int v = 0; v < 10; ++v) {
+        const char d = static_cast<char>('0' + v);
+        const char cell[3] = {v == 0 ? ' ' : given ? '[' : ' ', v == 0 ? '.' : d, v == 0 ? ' ' : given ? ']' : ' '};
+        std::memcpy(c[given][v], cell, 3);
+      }
+  }
+};
+const DetailedCells kDetailedCell;
+
 // Python's str.isspace() on ASCII: \t \n \v \f \r, the separators 0x1C-0x1F, and space (also what \s matches).
 inline bool py_space(unsigned char c) { return (c >= 9 && c <= 13) || (c >= 28 && c <= 32); }
 inline bool digit(unsigned char c) { return c >= '0' && c <= '9'; }
@@ -24,7 +43,17 @@ inline bool digit(unsigned char c) { return c >= '0' && c <= '9'; }
 struct Tok {
   enum Kind { kLit, kWsPlus, kWsStar, kNum } kind;
   const char* lit;
+  size_t len;  // of lit, counted once here rather than at every match attempt
+  Tok(Kind k, const char* l) : kind(k), lit(l), len(std::char_traits<char>::length(l)) {}
 };
+
+// Whether s[at..n) starts with the literal (a loop: the literals are 1 to 5 bytes, too short for memcmp's call).
+inline bool starts_with(const char* s, size_t n, size_t at, const char* lit, size_t len) {
+  if (at + len > n) return false;
+  for (size_t k = 0; k < len; ++k)
+    if (s[at + k] != lit[k]) return false;
+  return true;
+}
 
 // RAGEN's six patterns, in its order. Every \s run and digit run is followed by a character it cannot match, so a
 // greedy match from a fixed start is the regex's match.
@@ -48,23 +77,22 @@ const std::vector<std::vector<Tok>>& patterns() {
   return p;
 }
 
-// Matches `pat` at s[start..); fills up to 3 digit-run spans. Returns 1 on a match, 0 on none, -1 when a captured
+// Matches `pat` at s[start..n); fills up to 3 digit-run spans. Returns 1 on a match, 0 on none, -1 when a captured
 // number has more than 18 digits (Python's int would still read it).
-int match_at(const std::string& s, size_t start, const std::vector<Tok>& pat, int64_t* nums) {
+int match_at(const char* s, size_t n, size_t start, const std::vector<Tok>& pat, int64_t* nums) {
   size_t at = start;
   int captured = 0;
   for (const Tok& t : pat) {
     if (t.kind == Tok::kLit) {
-      const size_t n = std::char_traits<char>::length(t.lit);
-      if (s.compare(at, n, t.lit) != 0 || at + n > s.size()) return 0;
-      at += n;
+      if (!starts_with(s, n, at, t.lit, t.len)) return 0;
+      at += t.len;
     } else if (t.kind == Tok::kWsPlus || t.kind == Tok::kWsStar) {
       const size_t from = at;
-      while (at < s.size() && py_space(static_cast<unsigned char>(s[at]))) ++at;
+      while (at < n && py_space(static_cast<unsigned char>(s[at]))) ++at;
       if (t.kind == Tok::kWsPlus && at == from) return 0;
     } else {
       const size_t from = at;
-      while (at < s.size() && digit(static_cast<unsigned char>(s[at]))) ++at;
+      while (at < n && digit(static_cast<unsigned char>(s[at]))) ++at;
       if (at == from) return 0;
       if (at - from > 18) return -1;
       int64_t v = 0;
@@ -75,86 +103,121 @@ int match_at(const std::string& s, size_t start, const std::vector<Tok>& pat, in
   return 1;
 }
 
+bool contains(const char* s, size_t n, const char* word, size_t len) {
+  for (size_t k = 0; k + len <= n; ++k)
+    if (s[k] == word[0] && starts_with(s, n, k, word, len)) return true;
+  return false;
+}
+
+}  // namespace
+
+namespace {
+
+// A match's numbers -> a placement, or RAGEN's out-of-range message (row, then column, then number).
+void finish_action(int64_t row, int64_t col, int64_t num, int grid_size, SudokuAction& out) {
+  const char* label = !(row >= 1 && row <= grid_size)   ? "Row "
+                      : !(col >= 1 && col <= grid_size) ? "Column "
+                      : !(num >= 1 && num <= grid_size) ? "Number "
+                                                        : nullptr;
+  if (label != nullptr) {
+    const int64_t bad = label[0] == 'R' ? row : label[0] == 'C' ? col : num;
+    out.kind = 2;
+    out.error = label + std::to_string(bad) + " is out of range (1-" + std::to_string(grid_size) + ")";
+    return;
+  }
+  out.kind = 1;
+  out.row = static_cast<int>(row - 1);
+  out.col = static_cast<int>(col - 1);
+  out.num = static_cast<int>(num);
+}
+
+// RAGEN's two canonical forms with one-digit numbers, exactly as its prompt spells them: "R,C,N" and
+// "place N at row R col C". For these the general search below finds the same match (the first form has no "place"
+// or "at", no "(", so only the last pattern applies, at the start; the second is the first pattern, at the start),
+// so they skip it: they are what a policy writes almost every time.
+bool parse_canonical(const char* t, size_t len, int grid_size, SudokuAction& out) {
+  auto d = [t](size_t k) { return static_cast<unsigned>(static_cast<unsigned char>(t[k])) - unsigned{'0'}; };
+  if (len == 5 && t[1] == ',' && t[3] == ',' && d(0) <= 9 && d(2) <= 9 && d(4) <= 9) {
+    finish_action(d(0), d(2), d(4), grid_size, out);  // row, col, num
+    return true;
+  }
+  static constexpr char kPlace[] = "place _ at row _ col _";
+  if (len == sizeof(kPlace) - 1 && d(6) <= 9 && d(15) <= 9 && d(21) <= 9) {
+    for (size_t k = 0; k < len; ++k)
+      if (kPlace[k] != '_' && t[k] != kPlace[k]) return false;
+    finish_action(d(15), d(21), d(6), grid_size, out);
+    return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 bool parse_sudoku_action(const char* text, size_t len, int grid_size, SudokuAction& out) {
+  if (parse_canonical(text, len, grid_size, out)) return true;
   size_t b = 0, e = len;
   while (b < e && py_space(static_cast<unsigned char>(text[b]))) ++b;
   while (e > b && py_space(static_cast<unsigned char>(text[e - 1]))) --e;
-  std::string s(text + b, e - b);
-  for (char& c : s)
-    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
-  for (const auto& pat : patterns()) {
-    for (size_t start = 0; start <= s.size(); ++start) {
+  // The stripped, lowercased text: on the stack for the usual short action, on the heap otherwise.
+  const size_t n = e - b;
+  char stack[256];
+  std::string heap;
+  char* s = n <= sizeof(stack) ? stack : (heap.resize(n), &heap[0]);
+  for (size_t k = 0; k < n; ++k) {
+    const char c = text[b + k];
+    s[k] = c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c;
+  }
+  // RAGEN: "place NUM at ..." when the text says place or at anywhere, else "ROW,COL,NUM". The first three patterns
+  // need "place" and the fourth "at", so a text without them skips those.
+  const bool has_place = contains(s, n, "place", 5), has_at = contains(s, n, "at", 2);
+  const bool num_first = has_place || has_at;
+  const auto& pats = patterns();
+  for (size_t p = 0; p < pats.size(); ++p) {
+    if ((p < 3 && !has_place) || (p == 3 && !has_at)) continue;
+    for (size_t start = 0; start <= n; ++start) {
       int64_t nums[3] = {0, 0, 0};
-      const int m = match_at(s, start, pat, nums);
+      const int m = match_at(s, n, start, pats[p], nums);
       if (m < 0) return false;
       if (m == 0) continue;
-      // RAGEN: "place NUM at ..." when the text says place or at anywhere, else "ROW,COL,NUM".
-      const bool num_first = s.find("place") != std::string::npos || s.find("at") != std::string::npos;
       const int64_t num = num_first ? nums[0] : nums[2];
       const int64_t row = num_first ? nums[1] : nums[0];
       const int64_t col = num_first ? nums[2] : nums[1];
-      const std::string range = " is out of range (1-" + std::to_string(grid_size) + ")";
-      out.kind = 2;
-      if (!(row >= 1 && row <= grid_size)) {
-        out.error = "Row " + std::to_string(row) + range;
-      } else if (!(col >= 1 && col <= grid_size)) {
-        out.error = "Column " + std::to_string(col) + range;
-      } else if (!(num >= 1 && num <= grid_size)) {
-        out.error = "Number " + std::to_string(num) + range;
-      } else {
-        out.kind = 1;
-        out.row = static_cast<int>(row - 1);
-        out.col = static_cast<int>(col - 1);
-        out.num = static_cast<int>(num);
-      }
+      finish_action(row, col, num, grid_size, out);
       return true;
     }
   }
   out.kind = 2;
-  out.error = "Could not parse action: '" + s + "'. Expected format: 'place 5 at row 2 col 3' or '2,3,5'";
+  out.error = "Could not parse action: '" + std::string(s, n) +
+              "'. Expected format: 'place 5 at row 2 col 3' or '2,3,5'";
   return true;
 }
 
 SudokuBatch::SudokuBatch(int num_envs, int grid_size, int cells_to_remove, int max_steps, SudokuRender render,
                          double correct_score, double invalid_score, double completion_bonus, int num_threads)
-    : n_(num_envs), g_(grid_size), box_(grid_size == 4 ? 2 : 3), cells_(grid_size * grid_size),
-      remove_(cells_to_remove), max_steps_(max_steps), render_(render), correct_score_(correct_score),
-      invalid_score_(invalid_score), completion_bonus_(completion_bonus),
-      pool_(std::max(1, std::min(num_threads, 256))) {
-  if (num_envs < 1) throw std::invalid_argument("num_envs must be >= 1, got " + std::to_string(num_envs));
+    : BatchCore(num_envs, max_steps, num_threads), g_(grid_size), box_(grid_size == 4 ? 2 : 3),
+      cells_(grid_size * grid_size), remove_(cells_to_remove), render_(render), correct_score_(correct_score),
+      invalid_score_(invalid_score), completion_bonus_(completion_bonus) {
   if (grid_size != 4 && grid_size != 9)
     throw std::invalid_argument("grid_size must be 4 or 9, got " + std::to_string(grid_size));
   if (cells_to_remove < 0 || cells_to_remove > cells_)
     throw std::invalid_argument("cells_to_remove must be in [0, " + std::to_string(cells_) + "], got " +
                                 std::to_string(cells_to_remove));
-  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1, got " + std::to_string(max_steps));
   if (render.format < 0 || render.format > 2)
     throw std::invalid_argument("render format must be in [0, 2], got " + std::to_string(render.format));
-  if (num_threads < 1 || num_threads > 256)
-    throw std::invalid_argument("num_threads must be in [1, 256], got " + std::to_string(num_threads));
+  for (int k = 0; k < g_; ++k) box_start_[k] = static_cast<uint8_t>(k / box_ * box_);
   const size_t total = static_cast<size_t>(n_) * cells_;
   initial.assign(total, 0);
   current.assign(total, 0);
   solution.assign(total, 0);
-  num_steps.assign(n_, 0);
-  feedback.assign(n_, std::string());
-  terminated.assign(n_, 0);
-  truncated.assign(n_, 0);
+  feedback.assign(n_, SudokuFeedback{});
+  format_error.assign(n_, std::string());
   solved.assign(n_, 0);
-  ready.assign(n_, 0);
-}
-
-bool SudokuBatch::all_ready() const {
-  if (all_ready_.load(std::memory_order_relaxed)) return true;
-  return std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; });
 }
 
 uint32_t SudokuBatch::used_mask(const uint8_t* grid, int row, int col) const {
   uint32_t used = 0;
   for (int k = 0; k < g_; ++k) used |= (1u << grid[row * g_ + k]) | (1u << grid[k * g_ + col]);
-  const int r0 = row / box_ * box_, c0 = col / box_ * box_;
+  const int r0 = box_start_[row], c0 = box_start_[col];
   for (int r = r0; r < r0 + box_; ++r)
     for (int c = c0; c < c0 + box_; ++c) used |= 1u << grid[r * g_ + c];
   return used & ~1u;  // bit 0 is "empty"
@@ -211,20 +274,14 @@ void SudokuBatch::generate(int i, int64_t seed) {
 }
 
 void SudokuBatch::reset(const int64_t* seeds, const uint8_t* mask) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.parallel_for(n_, 16, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (mask != nullptr && !mask[i]) continue;
-      generate(static_cast<int>(i), seeds[i]);
-      const size_t at = static_cast<size_t>(i) * cells_;
-      std::copy(&initial[at], &initial[at] + cells_, &current[at]);
-      num_steps[i] = 0;
-      feedback[i].clear();
-      terminated[i] = truncated[i] = solved[i] = 0;
-      ready[i] = 1;
-    }
+  reset_masked(seeds, mask, 16, [&](int, int64_t i, int64_t seed) {
+    generate(static_cast<int>(i), seed);
+    const size_t at = static_cast<size_t>(i) * cells_;
+    std::copy(&initial[at], &initial[at] + cells_, &current[at]);
+    begin_episode(i);
+    feedback[i] = SudokuFeedback{};
+    solved[i] = 0;
   });
-  all_ready_.store(std::all_of(ready.begin(), ready.end(), [](uint8_t r) { return r != 0; }));
 }
 
 void SudokuBatch::set_puzzles(const uint8_t* initial_in, const uint8_t* solution_in) {
@@ -234,171 +291,280 @@ void SudokuBatch::set_puzzles(const uint8_t* initial_in, const uint8_t* solution
   std::copy(initial_in, initial_in + total, current.begin());
   std::copy(solution_in, solution_in + total, solution.begin());
   for (int i = 0; i < n_; ++i) {
-    num_steps[i] = 0;
-    feedback[i].clear();
-    terminated[i] = truncated[i] = solved[i] = 0;
-    ready[i] = 1;
+    begin_episode(i);
+    feedback[i] = SudokuFeedback{};
+    solved[i] = 0;
   }
-  all_ready_.store(true);
+  set_all_ready();
 }
 
 void SudokuBatch::step(const SudokuAction* actions, float* reward, uint8_t* terminated_out, uint8_t* truncated_out,
                        uint8_t* success, uint8_t* valid, uint8_t* effective) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 1024, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      reward[i] = 0.0f;
-      valid[i] = effective[i] = 0;
-      const SudokuAction& a = actions[i];
-      if (a.kind != 0 && !terminated[i] && !truncated[i]) {
-        const int steps = ++num_steps[i];
-        uint8_t* grid = &current[static_cast<size_t>(i) * cells_];
-        const std::string at = "(" + std::to_string(a.row + 1) + "," + std::to_string(a.col + 1) + ")";
-        if (a.kind == 2) {
-          feedback[i] = std::string(kCross) + " Invalid action format: " + a.error;
-          reward[i] = static_cast<float>(invalid_score_);
-        } else if (initial[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] != 0) {
-          feedback[i] = std::string(kCross) + " Cannot modify initial cell at " + at;
-          reward[i] = static_cast<float>(invalid_score_);
-        } else if (used_mask(grid, a.row, a.col) & (1u << a.num)) {
-          // Which of row, column and box already hold the number (the cell itself included, as RAGEN checks).
-          std::string where;
-          auto add = [&where](const std::string& w) { where += (where.empty() ? "" : ", ") + w; };
-          bool in_row = false, in_col = false, in_box = false;
-          for (int k = 0; k < g_; ++k) {
-            in_row |= grid[a.row * g_ + k] == a.num;
-            in_col |= grid[k * g_ + a.col] == a.num;
-          }
-          const int r0 = a.row / box_ * box_, c0 = a.col / box_ * box_;
-          for (int r = r0; r < r0 + box_; ++r)
-            for (int c = c0; c < c0 + box_; ++c) in_box |= grid[r * g_ + c] == a.num;
-          if (in_row) add("row " + std::to_string(a.row + 1));
-          if (in_col) add("column " + std::to_string(a.col + 1));
-          if (in_box) add("box (" + std::to_string(r0 / box_ + 1) + "," + std::to_string(c0 / box_ + 1) + ")");
-          feedback[i] = std::string(kCross) + " Invalid placement: " + std::to_string(a.num) + " conflicts with " +
-                        where;
-          if (grid[a.row * g_ + a.col] == 0) {  // RAGEN lists valid numbers only for an empty cell
-            const uint32_t used = used_mask(grid, a.row, a.col);
-            std::string list;
-            for (int v = 1; v <= g_; ++v)
-              if (!(used & (1u << v))) list += (list.empty() ? "" : ", ") + std::to_string(v);
-            if (!list.empty()) feedback[i] += "\n   Valid numbers for " + at + ": [" + list + "]";
-          }
-          reward[i] = static_cast<float>(invalid_score_);
-        } else {
-          grid[a.row * g_ + a.col] = static_cast<uint8_t>(a.num);
-          const bool correct = solution[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] == a.num;
-          double r;
-          if (correct) {
-            feedback[i] = std::string(kCheck) + " Correct! Placed " + std::to_string(a.num) + " at " + at;
-            r = correct_score_;
-          } else {
-            feedback[i] = std::string(kWarn) + " Placed " + std::to_string(a.num) + " at " + at +
-                          " - Valid but not optimal";
-            r = correct_score_ * 0.5;
-          }
-          // Placements never conflict (each is checked), so a full grid is a solved one.
-          const bool full = std::find(grid, grid + cells_, 0) == grid + cells_;
-          if (full) {
-            feedback[i] += std::string("\n") + kParty + " Congratulations! Puzzle solved!";
-            r += completion_bonus_;
-          }
-          reward[i] = static_cast<float>(r);
-          solved[i] = full;
-          terminated[i] = full;
-          truncated[i] = !full && steps >= max_steps_;
-          valid[i] = effective[i] = 1;
+  for_each_instance(1024, [&](int64_t i) {
+    reward[i] = 0.0f;
+    valid[i] = effective[i] = 0;
+    const SudokuAction& a = actions[i];
+    if (a.kind != 0 && !terminated[i] && !truncated[i]) {
+      const int steps = ++num_steps[i];
+      uint8_t* grid = &current[static_cast<size_t>(i) * cells_];
+      SudokuFeedback& f = feedback[i];
+      f = SudokuFeedback{};
+      f.row = static_cast<uint8_t>(a.row);
+      f.col = static_cast<uint8_t>(a.col);
+      f.num = static_cast<uint8_t>(a.num);
+      const uint32_t used = a.kind == 1 ? used_mask(grid, a.row, a.col) : 0;
+      if (a.kind == 2) {
+        f.kind = SudokuFeedback::kFormat;
+        format_error[i] = a.error;
+        reward[i] = static_cast<float>(invalid_score_);
+      } else if (initial[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] != 0) {
+        f.kind = SudokuFeedback::kInitialCell;
+        reward[i] = static_cast<float>(invalid_score_);
+      } else if (used & (1u << a.num)) {
+        // Which of row, column and box already hold the number (the cell itself included, as RAGEN checks).
+        f.kind = SudokuFeedback::kConflict;
+        bool in_row = false, in_col = false, in_box = false;
+        for (int k = 0; k < g_; ++k) {
+          in_row |= grid[a.row * g_ + k] == a.num;
+          in_col |= grid[k * g_ + a.col] == a.num;
         }
+        const int r0 = box_start_[a.row], c0 = box_start_[a.col];
+        for (int r = r0; r < r0 + box_; ++r)
+          for (int c = c0; c < c0 + box_; ++c) in_box |= grid[r * g_ + c] == a.num;
+        f.where = static_cast<uint8_t>(in_row | in_col << 1 | in_box << 2);
+        // RAGEN lists the valid numbers only for an empty cell.
+        if (grid[a.row * g_ + a.col] == 0) f.valid = static_cast<uint16_t>(~used & ((2u << g_) - 2));
+        reward[i] = static_cast<float>(invalid_score_);
+      } else {
+        grid[a.row * g_ + a.col] = static_cast<uint8_t>(a.num);
+        const bool correct = solution[static_cast<size_t>(i) * cells_ + a.row * g_ + a.col] == a.num;
+        f.kind = correct ? SudokuFeedback::kCorrect : SudokuFeedback::kPlaced;
+        double r = correct ? correct_score_ : correct_score_ * 0.5;
+        // Placements never conflict (each is checked), so a full grid is a solved one.
+        const bool full = std::find(grid, grid + cells_, 0) == grid + cells_;
+        if (full) r += completion_bonus_;
+        f.solved = full;
+        reward[i] = static_cast<float>(r);
+        solved[i] = full;
+        terminated[i] = full;
+        truncated[i] = !full && steps >= max_steps_;
+        valid[i] = effective[i] = 1;
       }
-      success[i] = solved[i];
-      terminated_out[i] = terminated[i];
-      truncated_out[i] = truncated[i];
     }
+    success[i] = solved[i];
+    terminated_out[i] = terminated[i];
+    truncated_out[i] = truncated[i];
   });
 }
 
-void SudokuBatch::render_one(int i, std::string& s) const {
-  const uint8_t* grid = &current[static_cast<size_t>(i) * cells_];
-  const uint8_t* ini = &initial[static_cast<size_t>(i) * cells_];
-  s.clear();
-  s.reserve(1024);  // a 9x9 "with_feedback" render is about 700 bytes
-  if (render_.format == 0) {  // format_grid_simple
-    for (int r = 0; r < g_; ++r) {
-      if (r > 0) s += '\n';
-      if (r > 0 && r % box_ == 0) s += std::string(g_ * 2 + box_ - 1, '-') + "\n";
-      std::string row;
-      for (int c = 0; c < g_; ++c) {
-        if (c > 0 && c % box_ == 0) row += "| ";
-        row += (grid[r * g_ + c] ? std::to_string(grid[r * g_ + c]) : std::string(".")) + " ";
-      }
-      while (!row.empty() && row.back() == ' ') row.pop_back();
-      s += row;
+namespace {
+
+// The writers take and return the TextWriter by value: its pointer then stays in a register (a reference would
+// let every char store alias it, a store-to-load round trip per character).
+
+// The grid, RAGEN's format_grid_simple (cells "N " or ". ") or, detailed, format_grid_with_conflicts (cells " . ",
+// "[N]" given, " N " placed); "| " between boxes, a dashed line between bands, each row's trailing spaces stripped.
+// On a plain pointer, and box borders by counters, not r % box: a division, a branch on whether a cell is empty or
+// a pointer kept in memory cost more per cell than the rest of the render.
+char* write_grid(char* p, const uint8_t* grid, const uint8_t* ini, int g, int box, bool detailed) {
+  const int width = detailed ? 3 : 2;
+  for (int r = 0, rk = 0; r < g; ++r, ++rk) {
+    if (r > 0) *p++ = '\n';
+    if (rk == box) {
+      std::memset(p, '-', static_cast<size_t>(g * width + box - 1));
+      p += g * width + box - 1;
+      *p++ = '\n';
+      rk = 0;
     }
+    for (int c = 0, ck = 0; c < g; ++c, ++ck) {
+      if (ck == box) {
+        *p++ = '|';
+        *p++ = ' ';
+        ck = 0;
+      }
+      const int k = r * g + c;
+      if (detailed) {
+        std::memcpy(p, kDetailedCell.c[ini[k]][grid[k]], 3);
+      } else {
+        p[0] = kSimpleCell[grid[k]];
+        p[1] = ' ';
+      }
+      p += width;
+    }
+    if (p[-1] == ' ') --p;  // the row's trailing space; "]", "." or a digit stays
+  }
+  return p;
+}
+
+// "(r,c)" 1-based, as RAGEN names a cell.
+TextWriter write_cell(TextWriter w, int row, int col) {
+  w.ch('(');
+  w.num(row + 1);
+  w.ch(',');
+  w.num(col + 1);
+  w.ch(')');
+  return w;
+}
+
+// "[a, b, c]": the numbers whose bit is set in `mask` (bit v = number v).
+TextWriter write_numbers(TextWriter w, uint32_t mask, int g) {
+  w.ch('[');
+  bool first = true;
+  for (int v = 1; v <= g; ++v) {
+    if (!(mask & (1u << v))) continue;
+    if (!first) w.lit(", ");
+    w.num(v);
+    first = false;
+  }
+  w.ch(']');
+  return w;
+}
+
+}  // namespace
+
+TextWriter SudokuBatch::write_feedback(int i, TextWriter w) const {
+  const SudokuFeedback& f = feedback[i];
+  switch (f.kind) {
+    case SudokuFeedback::kFormat:
+      w.put(kCross, 3);
+      w.lit(" Invalid action format: ");
+      w.str(format_error[i]);
+      return w;
+    case SudokuFeedback::kInitialCell:
+      w.put(kCross, 3);
+      w.lit(" Cannot modify initial cell at ");
+      w = write_cell(w, f.row, f.col);
+      return w;
+    case SudokuFeedback::kConflict: {
+      w.put(kCross, 3);
+      w.lit(" Invalid placement: ");
+      w.num(f.num);
+      w.lit(" conflicts with ");
+      bool first = true;
+      auto sep = [&]() {
+        if (!first) w.lit(", ");
+        first = false;
+      };
+      if (f.where & 1) {
+        sep();
+        w.lit("row ");
+        w.num(f.row + 1);
+      }
+      if (f.where & 2) {
+        sep();
+        w.lit("column ");
+        w.num(f.col + 1);
+      }
+      if (f.where & 4) {
+        sep();
+        w.lit("box (");
+        w.num(f.row / box_ + 1);
+        w.ch(',');
+        w.num(f.col / box_ + 1);
+        w.ch(')');
+      }
+      if (f.valid != 0) {
+        w.lit("\n   Valid numbers for ");
+        w = write_cell(w, f.row, f.col);
+        w.lit(": ");
+        w = write_numbers(w, f.valid, g_);
+      }
+      return w;
+    }
+    case SudokuFeedback::kCorrect:
+    case SudokuFeedback::kPlaced:
+      if (f.kind == SudokuFeedback::kCorrect) {
+        w.put(kCheck, 3);
+        w.lit(" Correct! Placed ");
+      } else {
+        w.put(kWarn, 3);
+        w.lit(" Placed ");
+      }
+      w.num(f.num);
+      w.lit(" at ");
+      w = write_cell(w, f.row, f.col);
+      if (f.kind == SudokuFeedback::kPlaced) w.lit(" - Valid but not optimal");
+      if (f.solved) {
+        w.ch('\n');
+        w.put(kParty, 4);
+        w.lit(" Congratulations! Puzzle solved!");
+      }
+      return w;
+    default:
+      return w;
+  }
+}
+
+void SudokuBatch::render_one(int i, TextBatch& out) const {
+  // Locals, not members: a char store may alias any member, which would then be reloaded after every character.
+  const int g = g_, box = box_, cells = cells_;
+  const uint8_t* grid = &current[static_cast<size_t>(i) * cells];
+  const uint8_t* ini = &initial[static_cast<size_t>(i) * cells];
+  // A 9x9 "with_feedback" render is about 700 bytes and never more than 1500 plus the parse message it quotes.
+  const bool with_error = feedback[i].kind == SudokuFeedback::kFormat;
+  TextWriter w = out.begin(i, 1536 + (with_error ? format_error[i].size() : 0));
+  if (render_.format == 0) {  // format_grid_simple
+    w.p = write_grid(w.p, grid, ini, g, box, false);
+    out.end(i, w);
     return;
   }
-  const std::string bar(50, '=');
-  s = bar + "\nSUDOKU PUZZLE\n" + bar + "\n";
-  for (int r = 0; r < g_; ++r) {  // format_grid_with_conflicts (a grid here never has conflicts)
-    if (r > 0) s += '\n';
-    if (r > 0 && r % box_ == 0) s += std::string(g_ * 3 + box_ - 1, '-') + "\n";
-    std::string row;
-    for (int c = 0; c < g_; ++c) {
-      if (c > 0 && c % box_ == 0) row += "| ";
-      const uint8_t v = grid[r * g_ + c];
-      if (v == 0) {
-        row += " . ";
-      } else if (ini[r * g_ + c] != 0) {
-        row += "[" + std::to_string(v) + "]";
-      } else {
-        row += " " + std::to_string(v) + " ";
-      }
-    }
-    while (!row.empty() && row.back() == ' ') row.pop_back();
-    s += row;
+  w.fill('=', 50);
+  w.lit("\nSUDOKU PUZZLE\n");
+  w.fill('=', 50);
+  w.ch('\n');
+  w.p = write_grid(w.p, grid, ini, g, box, true);  // format_grid_with_conflicts (a grid never has conflicts here)
+  w.lit("\n\nLegend: [N]=initial cell, N=user-placed, *N*=conflict, .=empty");
+  if (feedback[i].kind != SudokuFeedback::kNone) {
+    w.lit("\n\n");
+    w = write_feedback(i, w);
   }
-  s += "\n\nLegend: [N]=initial cell, N=user-placed, *N*=conflict, .=empty";
-  if (!feedback[i].empty()) s += "\n\n" + feedback[i];
-  if (render_.format == 1) return;
-  if (render_.show_valid_numbers) {
-    int empty = 0;
-    for (int c = 0; c < cells_; ++c) empty += grid[c] == 0;
-    if (empty > 0 && empty <= 10) {
-      s += std::string("\n\n") + kBulb + " VALID NUMBERS FOR EMPTY CELLS:";
-      for (int c = 0; c < cells_; ++c) {
-        if (grid[c] != 0) continue;
-        const uint32_t used = used_mask(grid, c / g_, c % g_);
-        std::string list;
-        for (int v = 1; v <= g_; ++v)
-          if (!(used & (1u << v))) list += (list.empty() ? "" : ", ") + std::to_string(v);
-        if (!list.empty())
-          s += "\n  - (" + std::to_string(c / g_ + 1) + "," + std::to_string(c % g_ + 1) + "): [" + list + "]";
-      }
-    }
+  if (render_.format == 1) {
+    out.end(i, w);
+    return;
   }
   int filled = 0, given = 0;
-  for (int c = 0; c < cells_; ++c) {
+  for (int c = 0; c < cells; ++c) {
     filled += grid[c] != 0;
     given += ini[c] != 0;
   }
-  s += "\n\nProgress: " + std::to_string(filled) + "/" + std::to_string(cells_) + " cells filled (" +
-       std::to_string(given) + " initial, " + std::to_string(filled - given) + " placed)\nSteps: " +
-       std::to_string(num_steps[i]) + "/" + std::to_string(max_steps_);
+  const int empty = cells - filled;
+  if (render_.show_valid_numbers && empty > 0 && empty <= 10) {
+    w.lit("\n\n");
+    w.put(kBulb, 4);
+    w.lit(" VALID NUMBERS FOR EMPTY CELLS:");
+    for (int c = 0; c < cells; ++c) {
+      if (grid[c] != 0) continue;
+      const uint32_t allowed = ~used_mask(grid, c / g, c % g) & ((2u << g) - 2);
+      if (allowed == 0) continue;
+      w.lit("\n  - ");
+      w = write_cell(w, c / g, c % g);
+      w.lit(": ");
+      w = write_numbers(w, allowed, g);
+    }
+  }
+  w.lit("\n\nProgress: ");
+  w.num(filled);
+  w.ch('/');
+  w.num(cells);
+  w.lit(" cells filled (");
+  w.num(given);
+  w.lit(" initial, ");
+  w.num(filled - given);
+  w.lit(" placed)\nSteps: ");
+  w.num(num_steps[i]);
+  w.ch('/');
+  w.num(max_steps_);
+  out.end(i, w);
 }
 
-void SudokuBatch::render_texts(std::string* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 256, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) render_one(static_cast<int>(i), out[i]);
-  });
+void SudokuBatch::render_texts(TextBatch& out) {
+  for_range(out.first, out.first + out.count, 256, [&](int64_t i) { render_one(static_cast<int>(i), out); });
 }
 
 void SudokuBatch::state_keys(uint64_t* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_.run(n_, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const size_t at = static_cast<size_t>(i) * cells_;
-      out[i] = fnv1a64(&current[at], cells_, fnv1a64(&initial[at], cells_));
-    }
+  keys_into(out, [this](int64_t i) {
+    const size_t at = static_cast<size_t>(i) * cells_;
+    return fnv1a64(&current[at], cells_, fnv1a64(&initial[at], cells_));
   });
 }
 

@@ -9,7 +9,8 @@
 #include <vector>
 
 #include "rng.h"
-#include "thread_pool.h"
+#include "text_writer.h"
+#include "batch_core.h"
 
 namespace fastpo {
 
@@ -28,13 +29,24 @@ struct SudokuAction {
 // 18 digits), true with `out` filled otherwise.
 bool parse_sudoku_action(const char* text, size_t len, int grid_size, SudokuAction& out);
 
+// The feedback line of an instance's last step, kept as codes: the step stays free of string building, and the
+// render writes RAGEN's words (SudokuBatch::write_feedback).
+struct SudokuFeedback {
+  enum Kind : uint8_t { kNone, kFormat, kInitialCell, kConflict, kCorrect, kPlaced };
+  uint8_t kind = kNone;
+  uint8_t row = 0, col = 0, num = 0;  // 0-based row and col
+  uint8_t where = 0;                   // kConflict: bit 0 the row, 1 the column, 2 the box already holds num
+  bool solved = false;                 // kCorrect / kPlaced: the placement filled the grid
+  uint16_t valid = 0;                  // kConflict on an empty cell: bit v set when v is allowed there
+};
+
 struct SudokuRender {
   int format = 2;  // 0 simple, 1 detailed, 2 with_feedback
   bool show_conflicts = true;
   bool show_valid_numbers = true;
 };
 
-class SudokuBatch {
+class SudokuBatch : public BatchCore {
  public:
   // cells_to_remove: blanks per puzzle (RAGEN: int(G * G * 0.4 / 0.5 / 0.6) for easy / medium / hard).
   SudokuBatch(int num_envs, int grid_size, int cells_to_remove, int max_steps, SudokuRender render,
@@ -48,30 +60,27 @@ class SudokuBatch {
   // actions: num_envs parsed actions (kind 0 = not stepped).
   void step(const SudokuAction* actions, float* reward, uint8_t* terminated, uint8_t* truncated, uint8_t* success,
             uint8_t* valid, uint8_t* effective);
-  void render_texts(std::string* out);
+  void render_texts(TextBatch& out);  // RAGEN's render of the instances out.first .. + out.count - 1
   // FNV-1a 64 over the puzzle then the current grid (G * G bytes each); not the feedback or the step counter.
   void state_keys(uint64_t* out);
-  bool all_ready() const;
 
-  int num_envs() const { return n_; }
   int grid_size() const { return g_; }
   // Raw state (copied out by the bindings).
   std::vector<uint8_t> initial, current, solution;
-  std::vector<int32_t> num_steps;
-  std::vector<std::string> feedback;
-  std::vector<uint8_t> terminated, truncated, solved, ready;
+  std::vector<SudokuFeedback> feedback;
+  std::vector<std::string> format_error;  // per instance: RAGEN's parse message when feedback is kFormat
+  std::vector<uint8_t> solved;
 
  private:
   void generate(int i, int64_t seed);
   uint32_t used_mask(const uint8_t* grid, int row, int col) const;  // bit v: v is in the row, column or box
-  void render_one(int i, std::string& s) const;
+  void render_one(int i, TextBatch& out) const;
+  TextWriter write_feedback(int i, TextWriter w) const;  // RAGEN's feedback line of instance i
 
-  int n_, g_, box_, cells_, remove_, max_steps_;
+  int g_, box_, cells_, remove_;
+  uint8_t box_start_[9] = {};  // first row (column) of the box holding row (column) k: no division per step
   SudokuRender render_;
   double correct_score_, invalid_score_, completion_bonus_;
-  ThreadPool pool_;
-  std::mutex mu_;
-  std::atomic<bool> all_ready_{false};
 };
 
 }  // namespace fastpo

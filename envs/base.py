@@ -151,16 +151,18 @@ def check_discrete_actions(actions: Any, num_envs: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-def check_text_actions(actions: Any, num_envs: int) -> list[str]:
-    """Validate text actions: a sequence of ``num_envs`` strings."""
+def check_text_actions(actions: Any, num_envs: int, check_items: bool = True) -> list[str]:
+    """Validate text actions: a list or tuple of ``num_envs`` strings -> a list. ``check_items=False`` leaves the
+    check that each item is a str to the caller (the C++ Sudoku step does it, with the same message)."""
     if isinstance(actions, str) or not isinstance(actions, (list, tuple)):
         raise ValueError(f"actions must be a list of {num_envs} strings, got {type(actions).__name__}")
     if len(actions) != num_envs:
         raise ValueError(f"actions must have length {num_envs}, got {len(actions)}")
-    for i, a in enumerate(actions):
-        if not isinstance(a, str):
-            raise ValueError(f"actions[{i}] must be a str, got {type(a).__name__}")
-    return list(actions)
+    if check_items:
+        for i, a in enumerate(actions):
+            if not isinstance(a, str):
+                raise ValueError(f"actions[{i}] must be a str, got {type(a).__name__}")
+    return actions if type(actions) is list else list(actions)
 
 
 def build_config(config_cls: type, env_name: str, overrides: dict[str, Any]):

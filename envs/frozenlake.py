@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import build_config, check_seeds
+from .base import check_seeds
 from .grid import CppGridEnv
 from .layouts import (
     FROZENLAKE_ACTIONS,
@@ -43,12 +43,13 @@ class FrozenLakeEnv(CppGridEnv):
     action_names = FROZENLAKE_ACTIONS
     grid_vocab = FROZENLAKE_GRID_VOCAB
     instruction_text = FROZENLAKE_INSTRUCTION
+    config_cls = FrozenLakeConfig
+    config: FrozenLakeConfig
 
     def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
+        super().__init__(num_envs, **config)
         from fastpo import _C
 
-        self.config: FrozenLakeConfig = build_config(FrozenLakeConfig, self.name, config)
         cfg = self.config
         success_rate = -1.0 if cfg.success_rate is None else cfg.success_rate  # negative: gym's 1/3 slip
         self._batch = _C.FrozenLakeBatch(

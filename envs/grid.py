@@ -1,6 +1,7 @@
-"""What the grid games (Sokoban, FrozenLake) share, once for the C++ batch wrappers and once for their pure-Python
-twins: the instruction with its symbol legend, and stepping, rendering, state keys and exact state on top of a
-batch simulator (``CppGridEnv``) or of one Python game object per instance (``PyGridEnv``)."""
+"""What the games with integer action ids (Sokoban, FrozenLake, 2048, the 2x2 cube) share, once for the C++ batch
+wrappers and once for their pure-Python twins: the config, the instruction with its symbol legend, and resetting,
+stepping, rendering, state keys and exact state on top of a batch simulator (``CppGridEnv``) or of one Python game
+object per instance (``PyGridEnv``)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,24 @@ from typing import Any
 
 import numpy as np
 
-from .base import BatchEnv, StepResult, check_discrete_actions, check_mask, check_seeds, empty_info
+from .base import BatchEnv, StepResult, build_config, check_discrete_actions, check_mask, check_seeds, empty_info
 
 
 class GridEnv(BatchEnv):
-    """A grid game: ``instruction_text`` (the rules) and ``grid_vocab`` (symbol -> meaning) make the instruction."""
+    """A grid game: ``config_cls`` (its config dataclass, built from the keyword arguments), ``instruction_text`` (the
+    rules) and ``grid_vocab`` (symbol -> meaning; empty for games without a legend) make the env."""
 
     instruction_text: str = ""
     grid_vocab: dict[str, str] = {}
+    config_cls: type
+
+    def __init__(self, num_envs: int, **config: Any):
+        super().__init__(num_envs)
+        self.config = build_config(self.config_cls, self.name, config)
 
     def instruction(self) -> str:
+        if not self.grid_vocab:  # 2048 and the cube: RAGEN's instruction is the rules alone
+            return self.instruction_text
         legend = ", ".join(f"{k}: {v}" for k, v in self.grid_vocab.items())
         return f"{self.instruction_text}\nThe meaning of each symbol in the state is:\n{legend}"
 
@@ -58,12 +67,31 @@ class CppGridEnv(GridEnv):
 
 
 class PyGridEnv(GridEnv):
-    """A grid game as one Python game object per instance (``self.games``); the subclass says how a game scores
-    success (``_success``), renders (``_render_game``), keys its state (``_state_key``) and which fields make its
-    exact state (``_state_fields``: name -> (getter, dtype), dtype None for arrays stacked as they are)."""
+    """A grid game as one Python game object per instance (``self.games``); the subclass says how a game starts from
+    a seed (``_new_game``), scores success (``_success``), renders (``_render_game``; default ``game.render()``), keys
+    its state (``_state_key``) and which fields of its own make its exact state (``_state_fields``: name -> (getter,
+    dtype), dtype None for arrays stacked as they are; every game also has ``num_steps``, ``terminated`` and
+    ``truncated``, added here as the C++ simulators add them)."""
 
     games: list[Any]
     _state_fields: dict[str, tuple[Any, Any]] = {}
+    _EPISODE_FIELDS: dict[str, tuple[Any, Any]] = {
+        "num_steps": (lambda g: g.num_steps, np.int32),
+        "terminated": (lambda g: g.terminated, bool),
+        "truncated": (lambda g: g.truncated, bool),
+    }
+
+    def __init__(self, num_envs: int, **config: Any):
+        super().__init__(num_envs, **config)
+        self.games = [None] * self.num_envs
+
+    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]`` (only True instances start a new
+        game). Returns all observations."""
+        seeds = check_seeds(seeds, self.num_envs)
+        for i in np.flatnonzero(check_mask(mask, self.num_envs)):
+            self.games[i] = self._new_game(int(seeds[i]))
+        return self.render()
 
     def step(self, actions: Any, render: bool = True) -> StepResult:
         """``actions``: ``int32[num_envs]`` ids (``action_names[i - 1]`` names id i; others are invalid); the same
@@ -90,16 +118,21 @@ class PyGridEnv(GridEnv):
     def get_state(self) -> dict[str, np.ndarray]:
         """The exact state: each field of ``_state_fields`` over the instances."""
         games = self._games()
+        fields = {**self._state_fields, **self._EPISODE_FIELDS}
         return {name: np.stack([get(g) for g in games]) if dtype is None else
-                np.array([get(g) for g in games], dtype=dtype) for name, (get, dtype) in self._state_fields.items()}
+                np.array([get(g) for g in games], dtype=dtype) for name, (get, dtype) in fields.items()}
+
+    @abstractmethod
+    def _new_game(self, seed: int) -> Any:
+        """A new game generated from `seed`."""
 
     @abstractmethod
     def _success(self, game: Any) -> bool:
         """Whether `game` is solved (info ``success``)."""
 
-    @abstractmethod
     def _render_game(self, game: Any) -> str:
         """`game`'s text observation."""
+        return game.render()
 
     @abstractmethod
     def _state_key(self, game: Any) -> int:

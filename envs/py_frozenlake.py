@@ -13,11 +13,10 @@ direction actually taken is ``[(a - 1) % 4, a, (a + 1) % 4][k]``, where ``slip``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from .base import build_config, check_mask, check_seeds, fnv1a64
+from .base import check_seeds, fnv1a64
 from .grid import PyGridEnv
 from .layouts import (
     FROZENLAKE_ACTIONS,
@@ -137,31 +136,20 @@ class PyFrozenLakeEnv(PyGridEnv):
     action_names = FROZENLAKE_ACTIONS
     grid_vocab = FROZENLAKE_GRID_VOCAB
     instruction_text = FROZENLAKE_INSTRUCTION
+    config_cls = FrozenLakeConfig
+    config: FrozenLakeConfig
     _state_fields = {
         "desc": (lambda g: g.desc, None),
         "position": (lambda g: g.position, np.int32),
-        "num_steps": (lambda g: g.num_steps, np.int32),
         "slip_draws": (lambda g: g.slip.counter, np.int64),
-        "terminated": (lambda g: g.terminated, bool),
-        "truncated": (lambda g: g.truncated, bool),
     }
 
-    def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
-        self.config: FrozenLakeConfig = build_config(FrozenLakeConfig, self.name, config)
-        self.games: list[FrozenLakeGame | None] = [None] * self.num_envs
-
-    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
-        """``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]``. Returns all observations."""
-        seeds = check_seeds(seeds, self.num_envs)
-        mask = check_mask(mask, self.num_envs)
+    def _new_game(self, seed: int) -> FrozenLakeGame:
         cfg = self.config
-        for i in np.flatnonzero(mask):
-            rows = generate_random_map(int(seeds[i]), cfg.size, cfg.p)
-            desc = np.frombuffer("".join(rows).encode("ascii"), dtype=np.uint8).reshape(cfg.size, cfg.size)
-            start = int(np.flatnonzero(desc.ravel() == ord("S"))[0])
-            self.games[i] = FrozenLakeGame(desc, start, int(seeds[i]), cfg.is_slippery, cfg.max_steps, cfg.success_rate)
-        return self.render()
+        rows = generate_random_map(seed, cfg.size, cfg.p)
+        desc = np.frombuffer("".join(rows).encode("ascii"), dtype=np.uint8).reshape(cfg.size, cfg.size)
+        start = int(np.flatnonzero(desc.ravel() == ord("S"))[0])
+        return FrozenLakeGame(desc, start, seed, cfg.is_slippery, cfg.max_steps, cfg.success_rate)
 
     def reset_from_layouts(
         self, layouts: Sequence[str | Sequence[str]], seeds: Sequence[int] | np.ndarray | None = None

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import build_config, check_mask, check_seeds, fnv1a64
+from .base import check_seeds, fnv1a64
 from .game2048 import Game2048Config, check_boards
 from .grid import PyGridEnv
 from .prompt_text import GAME2048_ACTIONS, GAME2048_INSTRUCTION
@@ -111,33 +111,21 @@ class PyGame2048Env(PyGridEnv):
     Config: see ``Game2048Config`` (``num_threads`` is accepted and ignored).
     """
 
+    # This game's data (name, ids, rules, config): like the other twins' by shape only.
     name = "game_2048"
     action_names = GAME2048_ACTIONS
     instruction_text = GAME2048_INSTRUCTION
+    config_cls = Game2048Config
+    config: Game2048Config
     _state_fields = {
         "grid": (lambda g: np.array(g.board, dtype=np.int64), None),
         "score": (lambda g: g.score, np.int64),
-        "num_steps": (lambda g: g.num_steps, np.int32),
         "spawn_draws": (lambda g: g.rng.counter, np.int64),
-        "terminated": (lambda g: g.terminated, bool),
-        "truncated": (lambda g: g.truncated, bool),
     }
 
-    def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
-        self.config: Game2048Config = build_config(Game2048Config, self.name, config)
-        self.games: list[Game2048 | None] = [None] * self.num_envs
-
-    def instruction(self) -> str:
-        return self.instruction_text
-
-    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
-        """``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]``. Returns all observations."""
-        seeds = check_seeds(seeds, self.num_envs)
+    def _new_game(self, seed: int) -> Game2048:
         size = self.config.size
-        for i in np.flatnonzero(check_mask(mask, self.num_envs)):
-            self.games[i] = Game2048([[0] * size for _ in range(size)], int(seeds[i]), self.config, spawn_two=True)
-        return self.render()
+        return Game2048([[0] * size for _ in range(size)], seed, self.config, spawn_two=True)
 
     def reset_from_boards(self, tiles: Any, seeds: Sequence[int] | np.ndarray | None = None) -> list[str]:
         """Start every instance from a board (see ``game2048.check_boards``); ``seeds`` start the spawn streams."""
@@ -149,9 +137,6 @@ class PyGame2048Env(PyGridEnv):
 
     def _success(self, game: Game2048) -> bool:
         return game.won()
-
-    def _render_game(self, game: Game2048) -> str:
-        return game.render()
 
     def _state_key(self, game: Game2048) -> int:
         """FNV-1a 64 of the tile exponents then the score (int64 little-endian), as ``Game2048Env``."""

@@ -3,12 +3,11 @@ whose docstring states the rules)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .base import build_config, check_mask, check_seeds, fnv1a64
+from .base import fnv1a64
 from .grid import PyGridEnv
 from .prompt_text import RUBIKS_ACTIONS, RUBIKS_INSTRUCTION
 from .rng import STREAM_RUBIKS, CounterRng
@@ -57,30 +56,16 @@ class PyRubiksEnv(PyGridEnv):
     name = "rubikscube"
     action_names = RUBIKS_ACTIONS
     instruction_text = RUBIKS_INSTRUCTION
-    _state_fields = {
-        "stickers": (lambda g: np.array(g.stickers, dtype=np.uint8), None),
-        "num_steps": (lambda g: g.num_steps, np.int32),
-        "terminated": (lambda g: g.terminated, bool),
-        "truncated": (lambda g: g.truncated, bool),
-    }
+    config_cls = RubiksConfig
+    config: RubiksConfig
+    _state_fields = {"stickers": (lambda g: np.array(g.stickers, dtype=np.uint8), None)}
 
-    def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
-        self.config: RubiksConfig = build_config(RubiksConfig, self.name, config)
-        self.games: list[Cube | None] = [None] * self.num_envs
-
-    def instruction(self) -> str:
-        return self.instruction_text
-
-    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
-        seeds = check_seeds(seeds, self.num_envs)
-        for i in np.flatnonzero(check_mask(mask, self.num_envs)):
-            cube = Cube([k // 4 for k in range(24)], self.config.max_steps)
-            rng = CounterRng(int(seeds[i]), STREAM_RUBIKS)
-            for _ in range(self.config.scramble_depth):
-                cube.turn(rng.randint(12) + 1)
-            self.games[i] = cube
-        return self.render()
+    def _new_game(self, seed: int) -> Cube:
+        cube = Cube([k // 4 for k in range(24)], self.config.max_steps)
+        rng = CounterRng(seed, STREAM_RUBIKS)
+        for _ in range(self.config.scramble_depth):
+            cube.turn(rng.randint(12) + 1)
+        return cube
 
     def reset_from_cubes(self, stickers: Any) -> list[str]:
         arr = check_cubes(stickers, self.num_envs)
@@ -89,9 +74,6 @@ class PyRubiksEnv(PyGridEnv):
 
     def _success(self, game: Cube) -> bool:
         return game.terminated
-
-    def _render_game(self, game: Cube) -> str:
-        return game.render()
 
     def _state_key(self, game: Cube) -> int:
         return fnv1a64(bytes(game.stickers))

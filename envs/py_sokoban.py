@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import build_config, check_mask, check_seeds, fnv1a64
+from .base import fnv1a64
 from .grid import PyGridEnv
 from .layouts import (
     SOKOBAN_ACTIONS,
@@ -336,33 +336,25 @@ class PySokobanEnv(PyGridEnv):
     name = "sokoban"
     action_names = SOKOBAN_ACTIONS
     instruction_text = SOKOBAN_INSTRUCTION
+    config_cls = SokobanConfig
+    config: SokobanConfig
     _state_fields = {
         "room_fixed": (lambda g: g.room_fixed, None),
         "room_state": (lambda g: g.room_state, None),
-        "num_steps": (lambda g: g.num_steps, np.int32),
         "boxes_on_target": (lambda g: g.boxes_on_target, np.int32),
-        "terminated": (lambda g: g.terminated, bool),
-        "truncated": (lambda g: g.truncated, bool),
     }
 
     def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
-        self.config: SokobanConfig = build_config(SokobanConfig, self.name, config)
+        super().__init__(num_envs, **config)
         self.symbols = SOKOBAN_SYMBOLS[self.config.symbols]
         self.grid_vocab = sokoban_grid_vocab(self.config.symbols)
-        self.games: list[SokobanGame | None] = [None] * self.num_envs
 
-    def reset(self, seeds: Sequence[int] | np.ndarray, mask: np.ndarray | None = None) -> list[str]:
-        """``seeds``: ``int64[num_envs]``; ``mask``: optional ``bool[num_envs]``. Returns all observations."""
-        seeds = check_seeds(seeds, self.num_envs)
-        mask = check_mask(mask, self.num_envs)
+    def _new_game(self, seed: int) -> SokobanGame:
         cfg = self.config
-        for i in np.flatnonzero(mask):
-            room_fixed, room_state, _ = generate_level(
-                int(seeds[i]), cfg.dim_room, cfg.num_boxes, cfg.search_depth, cfg.p_change_directions, cfg.gen_steps
-            )
-            self.games[i] = SokobanGame(room_fixed, room_state, cfg.max_steps)
-        return self.render()
+        room_fixed, room_state, _ = generate_level(
+            seed, cfg.dim_room, cfg.num_boxes, cfg.search_depth, cfg.p_change_directions, cfg.gen_steps
+        )
+        return SokobanGame(room_fixed, room_state, cfg.max_steps)
 
     def reset_from_layouts(self, layouts: Sequence[str | Sequence[str]]) -> list[str]:
         """Start every instance from a text grid in the default symbols (see ``parse_sokoban_layouts``).

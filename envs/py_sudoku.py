@@ -126,28 +126,30 @@ class SudokuGame:
         used = used_numbers(self.grid, row, col)
         return [v for v in range(1, self.size + 1) if v not in used]
 
-    def render(self) -> str:
-        size, box, cfg = self.size, box_of(self.size), self.config
-        if cfg.render_format == "simple":
-            lines = []
-            for r, row in enumerate(self.grid):
-                if r > 0 and r % box == 0:
-                    lines.append("-" * (size * 2 + box - 1))
-                text = ""
-                for c, v in enumerate(row):
-                    text += ("| " if c > 0 and c % box == 0 else "") + (str(v) if v else ".") + " "
-                lines.append(text.rstrip())
-            return "\n".join(lines)
+    def grid_text(self, detailed: bool) -> str:
+        """RAGEN's format_grid_simple (cells "N " or ". ") or, ``detailed``, format_grid_with_conflicts (cells " . ",
+        "[N]" given, " N " placed; a grid here never has conflicts): "| " between boxes, dashes between bands."""
+        size, box = self.size, box_of(self.size)
+        width = 3 if detailed else 2
         lines = []
         for r, row in enumerate(self.grid):
             if r > 0 and r % box == 0:
-                lines.append("-" * (size * 3 + box - 1))
+                lines.append("-" * (size * width + box - 1))
             text = ""
             for c, v in enumerate(row):
                 text += "| " if c > 0 and c % box == 0 else ""
-                text += " . " if v == 0 else f"[{v}]" if self.initial[r][c] else f" {v} "
+                if detailed:
+                    text += " . " if v == 0 else f"[{v}]" if self.initial[r][c] else f" {v} "
+                else:
+                    text += (str(v) if v else ".") + " "
             lines.append(text.rstrip())
-        out = ["=" * 50, "SUDOKU PUZZLE", "=" * 50, "\n".join(lines), "",
+        return "\n".join(lines)
+
+    def render(self) -> str:
+        size, cfg = self.size, self.config
+        if cfg.render_format == "simple":
+            return self.grid_text(detailed=False)
+        out = ["=" * 50, "SUDOKU PUZZLE", "=" * 50, self.grid_text(detailed=True), "",
                "Legend: [N]=initial cell, N=user-placed, *N*=conflict, .=empty"]
         if self.feedback:
             out += ["", self.feedback]

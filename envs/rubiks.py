@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from .base import build_config
 from .grid import CppGridEnv
 from .layouts import _check_int
 from .prompt_text import RUBIKS_ACTIONS, RUBIKS_INSTRUCTION
@@ -77,17 +76,16 @@ class RubiksEnv(CppGridEnv):
     name = "rubikscube"
     action_names = RUBIKS_ACTIONS
     instruction_text = RUBIKS_INSTRUCTION
+    config_cls = RubiksConfig
+    config: RubiksConfig
 
+    # Like the other wrappers' __init__ by shape only: each hands its own config fields to its own _C class.
     def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
+        super().__init__(num_envs, **config)
         from fastpo import _C
 
-        self.config: RubiksConfig = build_config(RubiksConfig, self.name, config)
         cfg = self.config
         self._batch = _C.RubiksBatch(self.num_envs, cfg.scramble_depth, cfg.max_steps, cfg.num_threads)
-
-    def instruction(self) -> str:
-        return self.instruction_text
 
     def reset_from_cubes(self, stickers: Any) -> list[str]:
         """Start every instance from given stickers (see ``check_cubes``)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import build_config
 from .grid import CppGridEnv
 from .layouts import (
     OBSERVATION_FORMATS,
@@ -41,12 +40,13 @@ class SokobanEnv(CppGridEnv):
     name = "sokoban"
     action_names = SOKOBAN_ACTIONS
     instruction_text = SOKOBAN_INSTRUCTION
+    config_cls = SokobanConfig
+    config: SokobanConfig
 
     def __init__(self, num_envs: int, **config: Any):
-        super().__init__(num_envs)
-        from fastpo import _C  # imported here so the config errors above never need the extension
+        super().__init__(num_envs, **config)
+        from fastpo import _C  # imported after the config is built, so its errors never need the extension
 
-        self.config: SokobanConfig = build_config(SokobanConfig, self.name, config)
         cfg = self.config
         self.grid_vocab = sokoban_grid_vocab(cfg.symbols)
         self._batch = _C.SokobanBatch(

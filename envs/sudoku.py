@@ -196,7 +196,7 @@ class SudokuEnv(SudokuBase):
 
     def step(self, actions: Sequence[str], active: np.ndarray | None = None, render: bool = True) -> StepResult:
         """One text action per instance -> ``(obs or None, reward float32[N], terminated, truncated, info)``."""
-        actions = check_text_actions(actions, self.num_envs)
+        actions = check_text_actions(actions, self.num_envs, check_items=False)  # items: in C++
         active = None if active is None else check_mask(active, self.num_envs)
         obs, reward, terminated, truncated, success, valid, effective = self._batch.step(
             actions, active, render, self._parse)

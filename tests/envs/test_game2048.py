@@ -9,11 +9,11 @@ import math
 
 import numpy as np
 import pytest
+from twin_checks import BACKENDS, assert_bad_config_is_one_line
 
 import fastpo.envs as envs
 from fastpo.envs.rng import STREAM_GAME2048, CounterRng
 
-BACKENDS = ["cpp", "python"]
 UP, RIGHT, DOWN, LEFT = 1, 2, 3, 4  # RAGEN's 0..3 plus one
 MIXED = [[2, 2, 2, 2], [4, 0, 4, 8], [0, 0, 0, 2], [16, 8, 8, 0]]
 STUCK = [[2, 4, 2, 4], [4, 2, 4, 2], [2, 4, 2, 4], [4, 2, 4, 2]]
@@ -132,9 +132,7 @@ def test_reset_spawns_two_tiles_from_the_seed(backend):
     ({"grid_size": 4}, r"^unknown config key\(s\) \['grid_size'\] for env 'game_2048'"),
 ])
 def test_bad_config_is_one_line(config, message):
-    for backend in BACKENDS:
-        with pytest.raises(ValueError, match=message):
-            make(backend, 1, **config)
+    assert_bad_config_is_one_line("game_2048", config, message)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

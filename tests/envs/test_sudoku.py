@@ -9,11 +9,11 @@ k actions (0: the first one).
 
 import numpy as np
 import pytest
+from twin_checks import BACKENDS, assert_bad_config_is_one_line
 
 import fastpo.envs as envs
 from fastpo.envs.sudoku import parse_action
 
-BACKENDS = ["cpp", "python"]
 SOLUTION = [[1, 2, 3, 4], [3, 4, 1, 2], [2, 1, 4, 3], [4, 3, 2, 1]]
 PUZZLE = [[1, 0, 0, 4], [0, 4, 0, 0], [2, 0, 0, 3], [0, 0, 2, 0]]
 TEXTS = ["place 2 at row 1 col 2", "1,3,4", "place 4 at (2, 1)", "place 9 at row 1 col 1", "place 3 at row 1 col 1",
@@ -179,9 +179,7 @@ def test_ascii_parser_equals_python_on_random_text():
     ({"show_candidates": True}, r"^unknown config key\(s\) \['show_candidates'\] for env 'sudoku'"),
 ])
 def test_bad_config_is_one_line(config, message):
-    for backend in BACKENDS:
-        with pytest.raises(ValueError, match=message):
-            make(backend, 1, **config)
+    assert_bad_config_is_one_line("sudoku", config, message)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
