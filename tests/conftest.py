@@ -62,3 +62,106 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# --cpu-durations=N: the N tests that used the most CPU seconds (this process's and its reaped children's user+sys,
+# from getrusage), over setup + call + teardown. The machine that runs the suite is often shared, so wall times
+# (--durations) say little about what a test costs; CPU seconds do. A module-scoped fixture counts in the test that
+# first sets it up (and the last one, which tears it down). Under pytest-xdist each worker measures its own tests and
+# the numbers travel on the reports to the controller, which prints the table.
+def pytest_addoption(parser):
+    group = parser.getgroup("fastpo")
+    group.addoption(
+        "--cpu-durations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="show the N tests with the most CPU seconds (self + children, user + sys); 0 for all",
+    )
+    group.addoption(
+        "--cpu-durations-json",
+        default=None,
+        metavar="PATH",
+        help="with --cpu-durations: also write every test's CPU seconds {nodeid: [self, children]} to PATH",
+    )
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _measured_phase(item):
+    if item.config.getoption("--cpu-durations") is None:
+        return (yield)
+    before = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        after = _cpu_seconds()
+        item._fastpo_cpu = (after[0] - before[0], after[1] - before[1])
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    return (yield from _measured_phase(item))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item):
+    return (yield from _measured_phase(item))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _measured_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    cpu = getattr(item, "_fastpo_cpu", None)
+    if cpu is not None:
+        # Plain floats: they survive xdist's report serialization (extra report attributes are kept).
+        report.fastpo_cpu_self, report.fastpo_cpu_children = cpu
+        item._fastpo_cpu = None
+    return report
+
+
+def pytest_runtest_logreport(report):
+    own = getattr(report, "fastpo_cpu_self", None)
+    if own is None:
+        return
+    totals = _CPU_BY_TEST.setdefault(report.nodeid, [0.0, 0.0])
+    totals[0] += own
+    totals[1] += report.fastpo_cpu_children
+
+
+_CPU_BY_TEST: dict[str, list[float]] = {}
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-durations")
+    if n is None or not _CPU_BY_TEST or hasattr(config, "workerinput"):
+        return
+    rows = sorted(_CPU_BY_TEST.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+    total_self = sum(v[0] for v in _CPU_BY_TEST.values())
+    total_kids = sum(v[1] for v in _CPU_BY_TEST.values())
+    with_kids = sum(1 for v in _CPU_BY_TEST.values() if v[1] > 0.05)
+    tr = terminalreporter
+    tr.write_sep("=", f"{'all' if n == 0 else n} tests by CPU seconds (self + children, user + sys)")
+    for nodeid, (own, kids) in rows[: n or None]:
+        tr.write_line(f"{own + kids:8.1f}s  self {own:7.1f}  children {kids:7.1f}  {nodeid}")
+    tr.write_line(
+        f"total {total_self + total_kids:.1f} CPU-s over {len(rows)} tests (self {total_self:.1f}, children "
+        f"{total_kids:.1f}); {with_kids} tests reaped child processes"
+    )
+    path = config.getoption("--cpu-durations-json")
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(_CPU_BY_TEST, f, indent=1, sort_keys=True)
