@@ -55,6 +55,35 @@ def _cpu_tests_launch_cpu_ranks(request, monkeypatch):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """``shared_run(name, make) -> Path``: the folder `name`, made by ``make(folder)`` once per test session, not
+    once per test or per pytest-xdist worker (the first to ask makes it under a file lock in the folder the workers
+    share; the others wait and read it). For end-to-end runs that several tests check in different ways. Treat the
+    folder as read-only: a test that changes it (a resume into it) works on a copy. A `make` that raises leaves
+    nothing behind, so the next test that asks makes it again (and fails the same way)."""
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # every worker's basetemp lies in one folder of this run
+    root = root / "shared-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str, make):
+        path, done = root / name, root / f"{name}.done"
+        with FileLock(str(root / f"{name}.lock")):
+            if not done.exists():
+                shutil.rmtree(path, ignore_errors=True)  # what a failed attempt left
+                make(path)  # creates `path` (its parent exists)
+                done.touch()
+        return path
+
+    return get
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return

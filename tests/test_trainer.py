@@ -8,6 +8,7 @@ trajectory earns the same reward.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -281,14 +282,30 @@ def test_torchrun_two_ranks_smoke(tmp_path):
     assert [(r["world_size"], r["start_step"]) for r in launches] == [(2, 0)]
 
 
+#: GAE runs in deterministic mode, one update each, on 1 rank and on 2 FSDP2 ranks: shared (conftest's shared_run)
+#: by the 1-rank == 2-rank comparisons and, copied, as the first launch of the exact-resume checks.
+GAE_DET = [*SMALL, *GAE, "--trainer.deterministic", "true"]
+
+
+def _gae_first_update(shared_run, nproc: int) -> Path:
+    return shared_run(f"trainer-gae-det-1-iteration-{nproc}-ranks",
+                      lambda run: _ok([*GAE_DET, "--trainer.iterations", "1"], run, nproc=nproc))
+
+
+def _resumed_copy(shared_run, nproc: int, tmp_path: Path) -> Path:
+    """A copy of the shared 1-update run (its step-1 checkpoint included), to resume into."""
+    split = tmp_path / "split"
+    shutil.copytree(_gae_first_update(shared_run, nproc), split)
+    return split
+
+
 @pytest.mark.slow
-def test_exact_resume_single_process(tmp_path):
+def test_exact_resume_single_process(tmp_path, shared_run):
     """3 iterations straight == 1 iteration + checkpoint + resume to 3 in a new process, bit for bit."""
-    args = [*SMALL, *GAE, "--trainer.deterministic", "true"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _ok([*args, "--trainer.iterations", "3"], straight)
-    _ok([*args, "--trainer.iterations", "1"], split)
-    out = _ok([*args, "--trainer.iterations", "3"], split)
+    straight = tmp_path / "straight"
+    _ok([*GAE_DET, "--trainer.iterations", "3"], straight)
+    split = _resumed_copy(shared_run, 1, tmp_path)
+    out = _ok([*GAE_DET, "--trainer.iterations", "3"], split)
     assert "resumed from step 1" in out
     launches = json.loads((split / "run_info.json").read_text())["launches"]  # one record per launch
     assert [(r["world_size"], r["start_step"]) for r in launches] == [(1, 0), (1, 1)]
@@ -366,14 +383,14 @@ def test_logprob_gap_after_weight_sync_aborts(tmp_path):
 
 
 @pytest.mark.slow
-def test_exact_resume_two_ranks(tmp_path):
+def test_exact_resume_two_ranks(tmp_path, shared_run):
     """torchrun, 2 ranks (FSDP2-sharded actor, critic and optimisers): 2 straight == 1 + resume to 2, bit for bit."""
-    args = [*SMALL, *GAE, "--trainer.deterministic", "true"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _ok([*args, "--trainer.iterations", "2"], straight, nproc=2)
-    _ok([*args, "--trainer.iterations", "1"], split, nproc=2)
-    _ok([*args, "--trainer.iterations", "2"], split, nproc=2)
+    straight = tmp_path / "straight"
+    _ok([*GAE_DET, "--trainer.iterations", "2"], straight, nproc=2)
+    split = _resumed_copy(shared_run, 2, tmp_path)
+    assert "resumed from step 1" in _ok([*GAE_DET, "--trainer.iterations", "2"], split, nproc=2)
     a, b = _metrics(straight), _metrics(split)
+    assert [r["step"] for r in b] == [1, 2]
     keys = [k for k in a[0] if k.startswith(("actor/", "critic/", "rollout/reward"))]
     for ra, rb in zip(a, b, strict=True):
         assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}
@@ -382,16 +399,14 @@ def test_exact_resume_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_rank_equals_two_ranks_first_update(tmp_path):
+def test_one_rank_equals_two_ranks_first_update(shared_run):
     """The first update (GAE + critic, several micro-batches) on 1 rank and on 2 FSDP2 ranks agree."""
-    args = [*SMALL, *GAE, "--trainer.iterations", "1"]
-    _ok(args, tmp_path / "one")
-    _ok(args, tmp_path / "two", nproc=2)
-    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    one, two = _gae_first_update(shared_run, 1), _gae_first_update(shared_run, 2)
+    a, b = _metrics(one)[0], _metrics(two)[0]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm",
                 "rollout/reward"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    wa, wb, w0 = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "two" / "hf"), _weights(tiny_agent_path())
+    wa, wb, w0 = _weights(one / "hf"), _weights(two / "hf"), _weights(tiny_agent_path())
     assert max((wa[k] - w0[k]).abs().max().item() for k in wa) > 1e-4  # the update moved the weights
     # Adam's first step is ~lr * sign(grad) (lr 3e-4): where a grad is ~0, float noise between the 1- and 2-rank
     # reductions can move its size; allow a third of lr per element, and require almost all elements far closer.
@@ -401,16 +416,15 @@ def test_one_rank_equals_two_ranks_first_update(tmp_path):
 
 
 @pytest.mark.slow
-def test_deferred_grad_sync_equals_one_rank(tmp_path):
+def test_deferred_grad_sync_equals_one_rank(tmp_path, shared_run):
     """optim.defer_grad_sync on 2 ranks (micro-batch gradients summed unsharded, reduced once per mini-batch, for
     actor and critic) gives the 1-rank update within the same float noise as the per-micro-batch reduction."""
-    args = [*SMALL, *GAE, "--trainer.iterations", "1"]
-    _ok(args, tmp_path / "one")
-    _ok([*args, "--optim.defer_grad_sync", "true"], tmp_path / "deferred", nproc=2)
-    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "deferred")[0]
+    one = _gae_first_update(shared_run, 1)
+    _ok([*GAE_DET, "--trainer.iterations", "1", "--optim.defer_grad_sync", "true"], tmp_path / "deferred", nproc=2)
+    a, b = _metrics(one)[0], _metrics(tmp_path / "deferred")[0]
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "rollout/reward"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    wa, wb = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "deferred" / "hf")
+    wa, wb = _weights(one / "hf"), _weights(tmp_path / "deferred" / "hf")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=0)
         assert ((wa[k] - wb[k]).abs() > 3e-5).float().mean() < 1e-3, k
