@@ -64,6 +64,28 @@ def _run(args: list[str], run_dir: Path, nproc: int = 1, timeout: float = 180, e
     return proc.returncode, out.decode(), err.decode()
 
 
+def _main(args: list[str], run_dir: Path, capsys) -> tuple[int, str, str]:
+    """fastpo.train's ``main`` in this process: the entry point's code path (config, run, close, export, the exit
+    status and its one line) without a new interpreter's ~5 CPU-s of imports. For the checks that are not about
+    the process boundary (the subprocess tests above and below cover that)."""
+    from fastpo import distributed as du
+    from fastpo.train import main
+
+    capsys.readouterr()
+    try:
+        status = main([*args, "--trainer.run_dir", str(run_dir)])
+    finally:
+        du.set_deterministic(False)  # trainer.deterministic would outlive the run in this process
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def _main_ok(args: list[str], run_dir: Path, capsys) -> str:
+    rc, out, err = _main(args, run_dir, capsys)
+    assert rc == 0, f"exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
+    return out
+
+
 def _ok(args, run_dir, **kw) -> str:
     rc, out, err = _run(args, run_dir, **kw)
     assert rc == 0, f"exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
@@ -322,13 +344,13 @@ def test_exact_resume_single_process(tmp_path, shared_run):
 
 
 @pytest.mark.slow
-def test_validation_schedule_leaves_training_unchanged(tmp_path):
+def test_validation_schedule_leaves_training_unchanged(tmp_path, capsys):
     """Validating before and after every iteration vs never gives the same weights bit for bit: validation draws
     its own sampling seeds and never touches the training RNG (the preset's val_every relies on it)."""
     args = [*SMALL, "--trainer.iterations", "2", "--trainer.deterministic", "true"]
     often, never = tmp_path / "often", tmp_path / "never"
-    _ok([*args, "--trainer.val_every", "1", "--trainer.val_before_train", "true"], often)
-    _ok([*args, "--trainer.val_every", "0", "--trainer.val_before_train", "false"], never)
+    _main_ok([*args, "--trainer.val_every", "1", "--trainer.val_before_train", "true"], often, capsys)
+    _main_ok([*args, "--trainer.val_every", "0", "--trainer.val_before_train", "false"], never, capsys)
     assert any("val-env/FrozenLake/success" in r for r in _metrics(often))
     assert not any("val-env/FrozenLake/success" in r for r in _metrics(never))
     wa, wb = _weights(often / "hf"), _weights(never / "hf")
@@ -336,9 +358,10 @@ def test_validation_schedule_leaves_training_unchanged(tmp_path):
 
 
 @pytest.mark.slow
-def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
+def test_nonfinite_loss_is_skipped_and_counted(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    _ok([*SMALL, *GAE, "--trainer.iterations", "2"], run, env={"FASTPO_INJECT_NAN_AT": "1"})
+    monkeypatch.setenv("FASTPO_INJECT_NAN_AT", "1")
+    _main_ok([*SMALL, *GAE, "--trainer.iterations", "2"], run, capsys)
     rows = _metrics(run)
     assert [r["actor/nonfinite_skips"] for r in rows] == [1, 1]
     assert rows[0]["actor/grad_norm"] is None  # nan, logged as null
@@ -346,14 +369,14 @@ def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
 
 
 @pytest.mark.slow
-def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
+def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path, capsys, monkeypatch):
     from fastpo import checkpoint
     from fastpo.model import load_policy
 
     run = tmp_path / "run"
-    rc, out, err = _run([*SMALL, *GAE, "--trainer.iterations", "5", "--trainer.save_every", "1",
-                         "--trainer.keep_checkpoints", "3", "--optim.max_nonfinite_in_a_row", "2"], run,
-                        env={"FASTPO_INJECT_NAN_AT": "2,3"})
+    monkeypatch.setenv("FASTPO_INJECT_NAN_AT", "2,3")
+    rc, out, err = _main([*SMALL, *GAE, "--trainer.iterations", "5", "--trainer.save_every", "1",
+                          "--trainer.keep_checkpoints", "3", "--optim.max_nonfinite_in_a_row", "2"], run, capsys)
     assert rc == 1, err[-3000:]
     assert "training stopped: 2 consecutive optimiser steps with a non-finite" in err
     assert "step-000002" in err  # the message names the last checkpoint
@@ -373,10 +396,10 @@ def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_logprob_gap_after_weight_sync_aborts(tmp_path):
+def test_logprob_gap_after_weight_sync_aborts(tmp_path, capsys):
     """A threshold below the fp32 engine/trainer gap (~1e-7) trips the weight-sync check at the first rollout."""
-    rc, _, err = _run([*SMALL, *GAE, "--trainer.iterations", "2", "--trainer.logprob_gap_max", "1e-12"],
-                      tmp_path / "run")
+    rc, _, err = _main([*SMALL, *GAE, "--trainer.iterations", "2", "--trainer.logprob_gap_max", "1e-12"],
+                       tmp_path / "run", capsys)
     assert rc == 1, err[-3000:]
     assert "training stopped: step 1: mean |engine logp - trainer logp|" in err
     assert "exceeds trainer.logprob_gap_max=1e-12" in err
