@@ -314,6 +314,13 @@ def _gae_first_update(shared_run, nproc: int) -> Path:
                       lambda run: _ok([*GAE_DET, "--trainer.iterations", "1"], run, nproc=nproc))
 
 
+def gae_two_updates_two_ranks(shared_run) -> Path:
+    """2 iterations on 2 ranks (meta init by default): the straight run of the 2-rank exact resume, and the meta-init
+    run of test_model_options' meta init == plain load."""
+    return shared_run("trainer-gae-det-2-iterations-2-ranks",
+                      lambda run: _ok([*GAE_DET, "--trainer.iterations", "2"], run, nproc=2))
+
+
 def _resumed_copy(shared_run, nproc: int, tmp_path: Path) -> Path:
     """A copy of the shared 1-update run (its step-1 checkpoint included), to resume into."""
     split = tmp_path / "split"
@@ -408,8 +415,7 @@ def test_logprob_gap_after_weight_sync_aborts(tmp_path, capsys):
 @pytest.mark.slow
 def test_exact_resume_two_ranks(tmp_path, shared_run):
     """torchrun, 2 ranks (FSDP2-sharded actor, critic and optimisers): 2 straight == 1 + resume to 2, bit for bit."""
-    straight = tmp_path / "straight"
-    _ok([*GAE_DET, "--trainer.iterations", "2"], straight, nproc=2)
+    straight = gae_two_updates_two_ranks(shared_run)
     split = _resumed_copy(shared_run, 2, tmp_path)
     assert "resumed from step 1" in _ok([*GAE_DET, "--trainer.iterations", "2"], split, nproc=2)
     a, b = _metrics(straight), _metrics(split)
