@@ -93,22 +93,25 @@ def shared_run(tmp_path_factory):
 #: Moved to the front, the long tests start at once and the run ends on short tests, which split evenly.
 HEAVY_MODULES_FIRST = (
     "test_gpu_suite.py",
-    "envs/test_asan.py",
-    "test_trainer.py",
-    "test_ragen_versions.py",
-    "test_multinode.py",
     "test_trainer_vllm.py",
+    "envs/test_asan.py",
+    "test_trainer.py",  # before test_model_options, which reads one of its shared runs
+    "test_setup_venv.py",
     "test_lora.py",
     "test_env_mix.py",
-    "envs/test_cpp_vs_python.py",
-    "test_setup_venv.py",
     "kernels/test_gpu_compile.py",
-    "test_checkpoint.py",
-    "test_partial_train.py",
-    "test_logging.py",
-    "test_run_history.py",
-    "test_offpolicy_train.py",
+    "test_model_options.py",
+    "test_multinode.py",
     "test_tiny_agent.py",
+    "test_partial_train.py",
+    "envs/test_cpp_vs_python.py",
+    "test_ragen_versions.py",
+    "test_docs_commands.py",
+    "test_checkpoint.py",
+    "test_logging.py",
+    "test_offpolicy_train.py",
+    "test_plugins.py",
+    "test_eval.py",
 )
 
 
