@@ -164,12 +164,13 @@ RUN_MIX = [{"name": "frozenlake", "groups": 2, "kwargs": {"is_slippery": False},
 
 
 @pytest.mark.slow
-def test_mix_one_rank_equals_two_ranks_and_resumes_exactly(tmp_path):
-    from test_trainer import GAE, SMALL, _metrics, _ok, _weights
+def test_mix_one_rank_equals_two_ranks_and_resumes_exactly(tmp_path, capsys):
+    # the 1-process runs in this process (fastpo.train's main), the 2-rank one under torchrun
+    from test_trainer import GAE, SMALL, _main_ok, _metrics, _ok, _weights
 
     args = [*SMALL, *GAE, "--env.train", json.dumps(RUN_MIX), "--optim.mini_batch_size", "4",
             "--trainer.deterministic", "true"]
-    _ok([*args, "--trainer.iterations", "1"], tmp_path / "one")
+    _main_ok([*args, "--trainer.iterations", "1"], tmp_path / "one", capsys)
     _ok([*args, "--trainer.iterations", "1"], tmp_path / "two", nproc=2)
     a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
     assert "env/SmallSokoban/success" in a and "env/FrozenLake/success" in a
@@ -177,8 +178,8 @@ def test_mix_one_rank_equals_two_ranks_and_resumes_exactly(tmp_path):
                 "env/SmallSokoban/num_actions"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     # exact resume: 2 iterations straight == 1 (the run above) + resume to 2
-    _ok([*args, "--trainer.iterations", "2"], tmp_path / "straight")
-    out = _ok([*args, "--trainer.iterations", "2"], tmp_path / "one")
+    _main_ok([*args, "--trainer.iterations", "2"], tmp_path / "straight", capsys)
+    out = _main_ok([*args, "--trainer.iterations", "2"], tmp_path / "one", capsys)
     assert "resumed from step 1" in out
     s, r = _metrics(tmp_path / "straight"), _metrics(tmp_path / "one")
     keys = [k for k in s[1] if k.startswith(("actor/", "critic/", "rollout/reward", "env/")) and not k.endswith("_s")]

@@ -151,17 +151,24 @@ def _cli(*args):
 
 
 @pytest.mark.slow
-def test_cli_errors_and_output(tiny, tmp_path):
+def test_cli_errors_and_output(tiny, tmp_path, capsys):
+    from fastpo.eval import main
+
+    def refused(*args: str) -> str:
+        """fastpo.eval's main in this process (the run below goes through the interpreter): exit 2, its stderr."""
+        capsys.readouterr()
+        assert main(list(args)) == 2
+        return capsys.readouterr().err
+
     path, _ = tiny
-    missing = _cli("--model.path", str(tmp_path / "nope"), "--env.names", "bandit")
-    assert missing.returncode == 2 and missing.stderr.startswith("error: model path")
-    assert "does not exist; pass a directory written by save_pretrained" in missing.stderr
-    assert len(missing.stderr.strip().splitlines()) == 1
-    unknown = _cli("--model.path", str(path), "--env.names", "chess")
-    assert unknown.returncode == 2 and "unknown env name 'chess'; accepted:" in unknown.stderr
-    bad = _cli("--model.path", str(path), "--env.names", "bandit", "--rollout.engine", "vlm")
-    assert bad.returncode == 2 and "invalid choice 'vlm' for argument '--rollout.engine'" in bad.stderr
-    assert "did you mean vllm" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    missing = refused("--model.path", str(tmp_path / "nope"), "--env.names", "bandit")
+    assert missing.startswith("error: model path")
+    assert "does not exist; pass a directory written by save_pretrained" in missing
+    assert len(missing.strip().splitlines()) == 1
+    assert "unknown env name 'chess'; accepted:" in refused("--model.path", str(path), "--env.names", "chess")
+    bad = refused("--model.path", str(path), "--env.names", "bandit", "--rollout.engine", "vlm")
+    assert "invalid choice 'vlm' for argument '--rollout.engine'" in bad
+    assert "did you mean vllm" in bad and len(bad.strip().splitlines()) == 1
     out = tmp_path / "res.json"
     ok = _cli("--model.path", str(path), "--env.names", "bandit", "--env.val_groups", "4", "--rollout.response_length",
               "4", "--eval.out", str(out))

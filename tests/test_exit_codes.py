@@ -164,19 +164,28 @@ def _train(args: list[str], cwd: Path, timeout: float = 240, env: dict | None = 
 
 
 @pytest.mark.slow
-def test_entry_point_exit_2_without_traceback(probe_dir):
+def test_entry_point_exit_2_without_traceback(probe_dir, capsys, monkeypatch):
     """Through the real entry point: one error line, exit 2, nothing written, for a refusal of the config (a
-    binary --config), of the world (a model path that is a file) and of the tokenizer (a prompt that cannot fit)."""
+    binary --config), of the world (a model path that is a file) and of the tokenizer (a prompt that cannot fit).
+    The first in a new interpreter; the others through fastpo.train's main in this process (the same code path up
+    to the exit: an exception that escaped main would fail the test as a traceback fails the subprocess)."""
+    from fastpo.train import main
+
+    res = _train(["--config", "binary.yaml"], probe_dir)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "not a text file" in res.stderr, res.stderr[-3000:]
+    assert res.stderr.startswith("config error:")
+    monkeypatch.chdir(probe_dir)  # the relative run dirs below, as for the subprocess
     for args, words in (
-        (["--config", "binary.yaml"], "not a text file"),
         ([*TINY, "--model.path", str(probe_dir / "afile"), "--trainer.run_dir", "r1"], "is a file, not a directory"),
         ([*TINY, "--rollout.max_model_len", "60", "--rollout.response_length", "20", "--trainer.run_dir", "r2"],
          "rollout.max_model_len (60) is too short"),
     ):
-        res = _train(args, probe_dir)
-        assert res.returncode == 2, res.stderr[-3000:]
-        assert "Traceback" not in res.stderr and words in res.stderr, res.stderr[-3000:]
-        assert res.stderr.startswith("config error:")
+        capsys.readouterr()
+        status = main(args)
+        err = capsys.readouterr().err
+        assert status == 2, err[-3000:]
+        assert words in err and err.startswith("config error:"), err[-3000:]
     assert not (probe_dir / "r1").exists()
     assert not list((probe_dir / "r2").glob("checkpoints/*")) and not (probe_dir / "r2" / "hf").exists()
 

@@ -201,12 +201,12 @@ def test_missing_sink_package_is_a_config_error():
 
 # ----------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_train_logs_generations_data_metrics_and_validates_at_the_last_iteration(tmp_path):
-    from test_trainer import SMALL, _metrics, _ok
+def test_train_logs_generations_data_metrics_and_validates_at_the_last_iteration(tmp_path, capsys):
+    from test_trainer import SMALL, _main_ok, _metrics
 
     run = tmp_path / "run"
-    _ok([*SMALL, "--trainer.iterations", "2", "--trainer.val_every", "5", "--trainer.log_generations", "3",
-         "--algorithm.adv_estimator", "gae", "--trainer.metric_names", "ragen"], run)
+    _main_ok([*SMALL, "--trainer.iterations", "2", "--trainer.val_every", "5", "--trainer.log_generations", "3",
+         "--algorithm.adv_estimator", "gae", "--trainer.metric_names", "ragen"], run, capsys)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     # val_every 5 > iterations 2: validation before training and at the last iteration only (RAGEN's rule)
@@ -223,11 +223,11 @@ def test_train_logs_generations_data_metrics_and_validates_at_the_last_iteration
 
 
 @pytest.mark.slow
-def test_data_metrics_and_generations_equal_on_one_and_two_ranks(tmp_path):
-    from test_trainer import GAE, SMALL, _metrics, _ok
+def test_data_metrics_and_generations_equal_on_one_and_two_ranks(tmp_path, capsys):
+    from test_trainer import GAE, SMALL, _main_ok, _metrics, _ok
 
     args = [*SMALL, *GAE, "--trainer.iterations", "1", "--trainer.val_before_train", "true"]
-    _ok(args, tmp_path / "one")
+    _main_ok(args, tmp_path / "one", capsys)  # in this process; the 2 ranks under torchrun
     _ok(args, tmp_path / "two", nproc=2)
     a, b = _metrics(tmp_path / "one")[1], _metrics(tmp_path / "two")[1]
     keys = [k for k in a if k.startswith(("critic/score", "critic/rewards", "critic/advantages", "critic/returns",

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_trainer import GAE, SMALL, _metrics, _ok, _weights
+from test_trainer import GAE, SMALL, _main_ok, _metrics, _ok, _weights
 
 from fastpo import distributed as du
 from fastpo import update
@@ -260,10 +260,10 @@ def test_lora_torchrun_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_one_rank_equals_two_ranks_first_update(tmp_path):
+def test_lora_one_rank_equals_two_ranks_first_update(tmp_path, capsys):
     """The adapter init is rank-independent, so 1 rank and 2 FSDP2 ranks make the same first update."""
     args = [*SMALL, *GAE, *LORA, "--trainer.iterations", "1", "--optim.actor_lr", "1e-6"]
-    _ok(args, tmp_path / "one")
+    _main_ok(args, tmp_path / "one", capsys)  # in this process; the 2 ranks under torchrun
     _ok(args, tmp_path / "two", nproc=2)
     a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):

@@ -7,13 +7,14 @@ deterministic training run gives the same metrics and weights with and without i
 """
 
 import inspect
+import json
 import os
 import sys
 import textwrap
 
 import pytest
 import torch
-from test_trainer import GAE, SMALL, _metrics, _ok, _weights
+from test_trainer import GAE_DET, _metrics, _ok, _weights, gae_two_updates_two_ranks
 
 import fastpo.model as fm
 from fastpo.config import ConfigError
@@ -214,17 +215,17 @@ def test_meta_init_two_ranks_equals_a_single_process_load(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_meta_init_training_equals_the_normal_load(tmp_path):
+def test_meta_init_training_equals_the_normal_load(tmp_path, shared_run):
     """torchrun, 2 ranks, deterministic, GAE (actor + critic), 2 iterations: meta init on and off give the same
-    metrics and final weights, bit for bit."""
-    args = [*SMALL, *GAE, "--trainer.deterministic", "true", "--trainer.iterations", "2"]
-    _ok([*args, "--model.meta_init", "true"], tmp_path / "meta", nproc=2)
-    _ok([*args, "--model.meta_init", "false"], tmp_path / "plain", nproc=2)
-    a, b = _metrics(tmp_path / "meta"), _metrics(tmp_path / "plain")
+    metrics and final weights, bit for bit. The meta-init run is test_trainer's (shared): meta init is the default."""
+    meta = gae_two_updates_two_ranks(shared_run)
+    assert json.loads((meta / "config.json").read_text())["model"]["meta_init"] is True
+    _ok([*GAE_DET, "--trainer.iterations", "2", "--model.meta_init", "false"], tmp_path / "plain", nproc=2)
+    a, b = _metrics(meta), _metrics(tmp_path / "plain")
     keys = [k for k in a[-1] if k.startswith(("actor/", "critic/", "rollout/reward", "rollout/logprob_gap"))]
     assert "critic/vf_loss" in keys and "actor/pg_loss" in keys
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b, strict=True):
         assert {k: ra.get(k) for k in keys} == {k: rb.get(k) for k in keys}
-    wa, wb = _weights(tmp_path / "meta" / "hf"), _weights(tmp_path / "plain" / "hf")
+    wa, wb = _weights(meta / "hf"), _weights(tmp_path / "plain" / "hf")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

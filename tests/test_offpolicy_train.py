@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_trainer import train_iterations
+from test_trainer import _main_ok, _metrics, train_iterations
 
 from fastpo import algorithms
 from fastpo.config import AlgorithmConfig, ConfigError, config_hash
@@ -187,11 +187,12 @@ def _train(run_dir, nproc: int, *extra: str) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ranks_reduce_the_statistics_like_one(tmp_path):
+def test_two_ranks_reduce_the_statistics_like_one(tmp_path, capsys):
     """On 2 FSDP2 ranks the ratio extremes are reduced across ranks (a collective in the actor update: no rank may
     skip it) and the means accumulate like the other actor metrics: the 1-rank figures within float noise."""
     args = ("--algorithm.offpolicy_correction", "tis")
-    one, two = _train(tmp_path / "one", 1, *args), _train(tmp_path / "two", 2, *args)
+    _main_ok([*SMALL, *args], tmp_path / "one", capsys)  # in this process; the 2 ranks under torchrun
+    one, two = _metrics(tmp_path / "one")[0], _train(tmp_path / "two", 2, *args)
     for key in (*IS_METRICS, "actor/pg_loss", "actor/grad_norm"):
         assert one[key] is not None and math.isfinite(two[key]), key
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_trainer import GAE, SMALL, _metrics, _ok, _weights
+from test_trainer import GAE, SMALL, _main_ok, _metrics, _ok, _weights
 
 from fastpo.config import ConfigError
 from fastpo.config_load import parse_args
@@ -42,15 +42,16 @@ def test_out_of_range_is_one_config_error(field, value, message):
 
 
 @pytest.mark.slow
-def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path):
+def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys):
     """4 iterations straight == 2 + checkpoint + resume to 4 in a new process, bit for bit, with partial rollouts
     (the checkpoint step drains the pool, so the checkpoint holds no episode in flight). The logged staleness never
     exceeds max_staleness, and episodes really were carried across iterations."""
     args = [*SMALL, *GAE, *PARTIAL, "--trainer.deterministic", "true", "--trainer.save_every", "2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    _ok([*args, "--trainer.iterations", "4"], straight)
-    _ok([*args, "--trainer.iterations", "2"], split)
-    out = _ok([*args, "--trainer.iterations", "4"], split)
+    # fastpo.train's main in this process, a new Trainer per launch (test_trainer covers resume across processes)
+    _main_ok([*args, "--trainer.iterations", "4"], straight, capsys)
+    _main_ok([*args, "--trainer.iterations", "2"], split, capsys)
+    out = _main_ok([*args, "--trainer.iterations", "4"], split, capsys)
     assert "resumed from step 2" in out
     a, b = _metrics(straight), _metrics(split)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
@@ -102,11 +103,11 @@ def test_refill_rounds_top_up_the_filtered_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_async_rollout_one_rank_equals_two_ranks(tmp_path):
+def test_async_rollout_one_rank_equals_two_ranks(tmp_path, capsys):
     """The asynchronous driver on 1 process and on 2 torchrun ranks (each rank its own groups and engine): the same
     trajectories (rewards, lengths) and the same first update within the float noise of the 2-rank reduction."""
     args = [*SMALL, *GAE, "--trainer.iterations", "1", "--rollout.mode", "async"]
-    _ok(args, tmp_path / "one")
+    _main_ok(args, tmp_path / "one", capsys)  # in this process; the 2 ranks under torchrun
     _ok(args, tmp_path / "two", nproc=2)
     a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
     # per-trajectory means and whole-batch sums (a per-turn mean such as response_length is combined over ranks

@@ -8,6 +8,7 @@ trajectory earns the same reward.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,28 @@ def _run(args: list[str], run_dir: Path, nproc: int = 1, timeout: float = 180, e
         out, err = proc.communicate()
         pytest.fail(f"training timed out after {timeout}s:\n{err.decode()[-3000:]}")
     return proc.returncode, out.decode(), err.decode()
+
+
+def _main(args: list[str], run_dir: Path, capsys) -> tuple[int, str, str]:
+    """fastpo.train's ``main`` in this process: the entry point's code path (config, run, close, export, the exit
+    status and its one line) without a new interpreter's ~5 CPU-s of imports. For the checks that are not about
+    the process boundary (the subprocess tests above and below cover that)."""
+    from fastpo import distributed as du
+    from fastpo.train import main
+
+    capsys.readouterr()
+    try:
+        status = main([*args, "--trainer.run_dir", str(run_dir)])
+    finally:
+        du.set_deterministic(False)  # trainer.deterministic would outlive the run in this process
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def _main_ok(args: list[str], run_dir: Path, capsys) -> str:
+    rc, out, err = _main(args, run_dir, capsys)
+    assert rc == 0, f"exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
+    return out
 
 
 def _ok(args, run_dir, **kw) -> str:
@@ -281,14 +304,37 @@ def test_torchrun_two_ranks_smoke(tmp_path):
     assert [(r["world_size"], r["start_step"]) for r in launches] == [(2, 0)]
 
 
+#: GAE runs in deterministic mode, one update each, on 1 rank and on 2 FSDP2 ranks: shared (conftest's shared_run)
+#: by the 1-rank == 2-rank comparisons and, copied, as the first launch of the exact-resume checks.
+GAE_DET = [*SMALL, *GAE, "--trainer.deterministic", "true"]
+
+
+def _gae_first_update(shared_run, nproc: int) -> Path:
+    return shared_run(f"trainer-gae-det-1-iteration-{nproc}-ranks",
+                      lambda run: _ok([*GAE_DET, "--trainer.iterations", "1"], run, nproc=nproc))
+
+
+def gae_two_updates_two_ranks(shared_run) -> Path:
+    """2 iterations on 2 ranks (meta init by default): the straight run of the 2-rank exact resume, and the meta-init
+    run of test_model_options' meta init == plain load."""
+    return shared_run("trainer-gae-det-2-iterations-2-ranks",
+                      lambda run: _ok([*GAE_DET, "--trainer.iterations", "2"], run, nproc=2))
+
+
+def _resumed_copy(shared_run, nproc: int, tmp_path: Path) -> Path:
+    """A copy of the shared 1-update run (its step-1 checkpoint included), to resume into."""
+    split = tmp_path / "split"
+    shutil.copytree(_gae_first_update(shared_run, nproc), split)
+    return split
+
+
 @pytest.mark.slow
-def test_exact_resume_single_process(tmp_path):
+def test_exact_resume_single_process(tmp_path, shared_run):
     """3 iterations straight == 1 iteration + checkpoint + resume to 3 in a new process, bit for bit."""
-    args = [*SMALL, *GAE, "--trainer.deterministic", "true"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _ok([*args, "--trainer.iterations", "3"], straight)
-    _ok([*args, "--trainer.iterations", "1"], split)
-    out = _ok([*args, "--trainer.iterations", "3"], split)
+    straight = tmp_path / "straight"
+    _ok([*GAE_DET, "--trainer.iterations", "3"], straight)
+    split = _resumed_copy(shared_run, 1, tmp_path)
+    out = _ok([*GAE_DET, "--trainer.iterations", "3"], split)
     assert "resumed from step 1" in out
     launches = json.loads((split / "run_info.json").read_text())["launches"]  # one record per launch
     assert [(r["world_size"], r["start_step"]) for r in launches] == [(1, 0), (1, 1)]
@@ -305,13 +351,13 @@ def test_exact_resume_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_validation_schedule_leaves_training_unchanged(tmp_path):
+def test_validation_schedule_leaves_training_unchanged(tmp_path, capsys):
     """Validating before and after every iteration vs never gives the same weights bit for bit: validation draws
     its own sampling seeds and never touches the training RNG (the preset's val_every relies on it)."""
     args = [*SMALL, "--trainer.iterations", "2", "--trainer.deterministic", "true"]
     often, never = tmp_path / "often", tmp_path / "never"
-    _ok([*args, "--trainer.val_every", "1", "--trainer.val_before_train", "true"], often)
-    _ok([*args, "--trainer.val_every", "0", "--trainer.val_before_train", "false"], never)
+    _main_ok([*args, "--trainer.val_every", "1", "--trainer.val_before_train", "true"], often, capsys)
+    _main_ok([*args, "--trainer.val_every", "0", "--trainer.val_before_train", "false"], never, capsys)
     assert any("val-env/FrozenLake/success" in r for r in _metrics(often))
     assert not any("val-env/FrozenLake/success" in r for r in _metrics(never))
     wa, wb = _weights(often / "hf"), _weights(never / "hf")
@@ -319,9 +365,10 @@ def test_validation_schedule_leaves_training_unchanged(tmp_path):
 
 
 @pytest.mark.slow
-def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
+def test_nonfinite_loss_is_skipped_and_counted(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    _ok([*SMALL, *GAE, "--trainer.iterations", "2"], run, env={"FASTPO_INJECT_NAN_AT": "1"})
+    monkeypatch.setenv("FASTPO_INJECT_NAN_AT", "1")
+    _main_ok([*SMALL, *GAE, "--trainer.iterations", "2"], run, capsys)
     rows = _metrics(run)
     assert [r["actor/nonfinite_skips"] for r in rows] == [1, 1]
     assert rows[0]["actor/grad_norm"] is None  # nan, logged as null
@@ -329,14 +376,14 @@ def test_nonfinite_loss_is_skipped_and_counted(tmp_path):
 
 
 @pytest.mark.slow
-def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
+def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path, capsys, monkeypatch):
     from fastpo import checkpoint
     from fastpo.model import load_policy
 
     run = tmp_path / "run"
-    rc, out, err = _run([*SMALL, *GAE, "--trainer.iterations", "5", "--trainer.save_every", "1",
-                         "--trainer.keep_checkpoints", "3", "--optim.max_nonfinite_in_a_row", "2"], run,
-                        env={"FASTPO_INJECT_NAN_AT": "2,3"})
+    monkeypatch.setenv("FASTPO_INJECT_NAN_AT", "2,3")
+    rc, out, err = _main([*SMALL, *GAE, "--trainer.iterations", "5", "--trainer.save_every", "1",
+                          "--trainer.keep_checkpoints", "3", "--optim.max_nonfinite_in_a_row", "2"], run, capsys)
     assert rc == 1, err[-3000:]
     assert "training stopped: 2 consecutive optimiser steps with a non-finite" in err
     assert "step-000002" in err  # the message names the last checkpoint
@@ -356,24 +403,23 @@ def test_nonfinite_in_a_row_aborts_with_intact_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_logprob_gap_after_weight_sync_aborts(tmp_path):
+def test_logprob_gap_after_weight_sync_aborts(tmp_path, capsys):
     """A threshold below the fp32 engine/trainer gap (~1e-7) trips the weight-sync check at the first rollout."""
-    rc, _, err = _run([*SMALL, *GAE, "--trainer.iterations", "2", "--trainer.logprob_gap_max", "1e-12"],
-                      tmp_path / "run")
+    rc, _, err = _main([*SMALL, *GAE, "--trainer.iterations", "2", "--trainer.logprob_gap_max", "1e-12"],
+                       tmp_path / "run", capsys)
     assert rc == 1, err[-3000:]
     assert "training stopped: step 1: mean |engine logp - trainer logp|" in err
     assert "exceeds trainer.logprob_gap_max=1e-12" in err
 
 
 @pytest.mark.slow
-def test_exact_resume_two_ranks(tmp_path):
+def test_exact_resume_two_ranks(tmp_path, shared_run):
     """torchrun, 2 ranks (FSDP2-sharded actor, critic and optimisers): 2 straight == 1 + resume to 2, bit for bit."""
-    args = [*SMALL, *GAE, "--trainer.deterministic", "true"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _ok([*args, "--trainer.iterations", "2"], straight, nproc=2)
-    _ok([*args, "--trainer.iterations", "1"], split, nproc=2)
-    _ok([*args, "--trainer.iterations", "2"], split, nproc=2)
+    straight = gae_two_updates_two_ranks(shared_run)
+    split = _resumed_copy(shared_run, 2, tmp_path)
+    assert "resumed from step 1" in _ok([*GAE_DET, "--trainer.iterations", "2"], split, nproc=2)
     a, b = _metrics(straight), _metrics(split)
+    assert [r["step"] for r in b] == [1, 2]
     keys = [k for k in a[0] if k.startswith(("actor/", "critic/", "rollout/reward"))]
     for ra, rb in zip(a, b, strict=True):
         assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}
@@ -382,16 +428,14 @@ def test_exact_resume_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_rank_equals_two_ranks_first_update(tmp_path):
+def test_one_rank_equals_two_ranks_first_update(shared_run):
     """The first update (GAE + critic, several micro-batches) on 1 rank and on 2 FSDP2 ranks agree."""
-    args = [*SMALL, *GAE, "--trainer.iterations", "1"]
-    _ok(args, tmp_path / "one")
-    _ok(args, tmp_path / "two", nproc=2)
-    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    one, two = _gae_first_update(shared_run, 1), _gae_first_update(shared_run, 2)
+    a, b = _metrics(one)[0], _metrics(two)[0]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm",
                 "rollout/reward"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    wa, wb, w0 = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "two" / "hf"), _weights(tiny_agent_path())
+    wa, wb, w0 = _weights(one / "hf"), _weights(two / "hf"), _weights(tiny_agent_path())
     assert max((wa[k] - w0[k]).abs().max().item() for k in wa) > 1e-4  # the update moved the weights
     # Adam's first step is ~lr * sign(grad) (lr 3e-4): where a grad is ~0, float noise between the 1- and 2-rank
     # reductions can move its size; allow a third of lr per element, and require almost all elements far closer.
@@ -401,16 +445,15 @@ def test_one_rank_equals_two_ranks_first_update(tmp_path):
 
 
 @pytest.mark.slow
-def test_deferred_grad_sync_equals_one_rank(tmp_path):
+def test_deferred_grad_sync_equals_one_rank(tmp_path, shared_run):
     """optim.defer_grad_sync on 2 ranks (micro-batch gradients summed unsharded, reduced once per mini-batch, for
     actor and critic) gives the 1-rank update within the same float noise as the per-micro-batch reduction."""
-    args = [*SMALL, *GAE, "--trainer.iterations", "1"]
-    _ok(args, tmp_path / "one")
-    _ok([*args, "--optim.defer_grad_sync", "true"], tmp_path / "deferred", nproc=2)
-    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "deferred")[0]
+    one = _gae_first_update(shared_run, 1)
+    _ok([*GAE_DET, "--trainer.iterations", "1", "--optim.defer_grad_sync", "true"], tmp_path / "deferred", nproc=2)
+    a, b = _metrics(one)[0], _metrics(tmp_path / "deferred")[0]
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "rollout/reward"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    wa, wb = _weights(tmp_path / "one" / "hf"), _weights(tmp_path / "deferred" / "hf")
+    wa, wb = _weights(one / "hf"), _weights(tmp_path / "deferred" / "hf")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=0)
         assert ((wa[k] - wb[k]).abs() > 3e-5).float().mean() < 1e-3, k
