@@ -207,27 +207,50 @@ def _small(ported: dict) -> dict:
     return ported
 
 
+#: The one case that crosses the process boundary (both CLIs as new interpreters); the other eight call each
+#: module's ``main`` in this process: the same code and exit status without ~5 CPU-s of imports per launch.
+SUBPROCESS_CASE = ("today", "_2_sokoban")
+
+
+def _cli(module: str, argv: list[str], cwd: Path, capsys, subprocess_: bool) -> tuple[int, str, str]:
+    """``python -m fastpo.<module> argv`` (a new interpreter) or its ``main(argv)`` here; (exit status, out, err)."""
+    if subprocess_:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        res = subprocess.run([sys.executable, "-m", f"fastpo.{module}", *argv], capture_output=True, text=True,
+                             env=env, cwd=cwd, timeout=600)
+        return res.returncode, res.stdout, res.stderr
+    import importlib
+
+    from fastpo import distributed as du
+
+    capsys.readouterr()
+    try:
+        status = importlib.import_module(f"fastpo.{module}").main(argv)
+    finally:
+        du.set_deterministic(False)  # trainer.deterministic would outlive the run in this process
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 @pytest.mark.parametrize("version", VERSIONS)
-def test_ported_experiment_trains_from_the_command_line(version, experiment, tmp_path):
+def test_ported_experiment_trains_from_the_command_line(version, experiment, tmp_path, capsys):
     """RAGEN YAML (written from the test data) -> python -m fastpo.ragen_config -> python -m fastpo.train with the
-    tiny agent, 2 iterations and a validation."""
+    tiny agent, 2 iterations and a validation (SUBPROCESS_CASE as new interpreters, the others in this process)."""
+    sub = (version, experiment) == SUBPROCESS_CASE
     folder = tmp_path / "config"
     folder.mkdir()
     (folder / f"{experiment}.yaml").write_text(yaml.safe_dump(ragen(version, experiment), sort_keys=False))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, "-m", "fastpo.ragen_config", str(folder / f"{experiment}.yaml")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert res.returncode == 0, res.stderr
-    ported = _small(yaml.safe_load(res.stdout))
+    status, out, err = _cli("ragen_config", [str(folder / f"{experiment}.yaml")], tmp_path, capsys, sub)
+    assert status == 0, err
+    ported = _small(yaml.safe_load(out))
     (tmp_path / "ported.yaml").write_text(yaml.safe_dump(ported, sort_keys=False))
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "fastpo.train", "--config", str(tmp_path / "ported.yaml"),
-                          "--model.path", "tiny", "--model.dtype", "float32", "--model.gradient_checkpointing",
-                          "false", "--trainer.run_dir", str(run_dir)],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    status, out, err = _cli("train", ["--config", str(tmp_path / "ported.yaml"), "--model.path", "tiny",
+                                      "--model.dtype", "float32", "--model.gradient_checkpointing", "false",
+                                      "--trainer.run_dir", str(run_dir)], tmp_path, capsys, sub)
+    assert status == 0, f"{out[-2000:]}\n{err[-4000:]}"
     rows = [yaml.safe_load(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("val/success_rate" in r or any(k.startswith("val") for k in r) for r in rows)
     assert max(r.get("step", 0) for r in rows) == 2
