@@ -335,6 +335,13 @@ py::array_t<T> copy_out(const std::vector<T>& v, const std::vector<py::ssize_t>&
   return out;
 }
 
+// A per-instance counter (any integer type) as int64[n]: the draw counters of the random streams, which Python
+// reads as int64 whatever their C++ width.
+template <typename T>
+py::array_t<int64_t> copy_counter(const std::vector<T>& v, py::ssize_t n) {
+  return copy_out(std::vector<int64_t>(v.begin(), v.end()), {n});
+}
+
 py::array_t<bool> copy_bool(const std::vector<uint8_t>& v) {
   py::array_t<bool> out(static_cast<py::ssize_t>(v.size()));
   bool* dst = out.mutable_data();
@@ -594,8 +601,7 @@ PYBIND11_MODULE(_C, m) {
                const py::ssize_t s = b.size();
                d["desc"] = copy_out(b.desc, {n, s, s});
                d["position"] = copy_out(b.position, {n});
-               std::vector<int64_t> draws(b.slip_counter.begin(), b.slip_counter.end());
-               d["slip_draws"] = copy_out(draws, {n});
+               d["slip_draws"] = copy_counter(b.slip_counter, n);
              });
   bind_discrete_step(frozenlake, "int32[N] ids (1 Left, 2 Down, 3 Right, 4 Up)" FASTPO_STEP_RETURNS);
 
@@ -622,8 +628,7 @@ PYBIND11_MODULE(_C, m) {
                for (size_t c = 0; c < tiles.size(); ++c) tiles[c] = b.exps[c] == 0 ? 0 : int64_t{1} << b.exps[c];
                d["grid"] = copy_out(tiles, {n, s, s});
                d["score"] = copy_out(b.score, {n});
-               std::vector<int64_t> draws(b.spawn_counter.begin(), b.spawn_counter.end());
-               d["spawn_draws"] = copy_out(draws, {n});
+               d["spawn_draws"] = copy_counter(b.spawn_counter, n);
              });
   bind_discrete_step(game2048, "int32[N] ids (1 Up, 2 Right, 3 Down, 4 Left)" FASTPO_STEP_RETURNS);
 
