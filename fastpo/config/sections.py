@@ -578,8 +578,8 @@ class TrainerConfig:
     collapse_every: int = 0
     """RAGEN-2's collapse diagnostics (mutual-information proxies of template collapse, docs/LOGGING.md): computed at
     iteration 1 and every N-th (>= 0; 0 = off, the default: they score every sampled thought under every sampled
-    prompt, a cost not yet measured). Needs rollout.enable_think and the full context
-    [collapse_detection.compute_freq]."""
+    prompt; their cost with real thoughts is not measured, docs/BENCHMARKS.md). Needs rollout.enable_think and the
+    full context [collapse_detection.compute_freq]."""
     collapse_first_turn: bool = True
     """Collapse diagnostics over the first turn (each group's first prompt) [collapse_detection.first_turn_enabled]."""
     collapse_multi_turn: bool = True
@@ -590,8 +590,8 @@ class TrainerConfig:
     gradient_analysis_every: int = 0
     """RAGEN-2's gradient analysis (docs/LOGGING.md): at iterations 1, N + 1, 2N + 1, ... the kept groups are split
     into buckets by reward std and each bucket's gradient norm is measured per loss term (task, entropy, KL), without
-    a step (>= 0; 0 = off, the default; its cost, one extra backward pass per term and bucket, is not yet measured)
-    [gradient_analysis_mode, gradient_analysis_every]."""
+    a step (>= 0; 0 = off, the default; its cost, one extra backward pass per term and bucket, was 72% of a
+    tiny-preset iteration) [gradient_analysis_mode, gradient_analysis_every]."""
     gradient_analysis_num_buckets: int = 6
     """Buckets of the quantile mode (>= 1) [gradient_analysis_num_buckets]."""
     gradient_analysis_bucket_mode: Literal["quantile", "fixed_rv"] = "quantile"
