@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import ragen_settings as S
 import yaml
+from test_trainer import _main
 
 from fastpo import ragen_config as rc
 from fastpo.config import Config, ConfigError
@@ -212,24 +213,12 @@ def _small(ported: dict) -> dict:
 SUBPROCESS_CASE = ("today", "_2_sokoban")
 
 
-def _cli(module: str, argv: list[str], cwd: Path, capsys, subprocess_: bool) -> tuple[int, str, str]:
-    """``python -m fastpo.<module> argv`` (a new interpreter) or its ``main(argv)`` here; (exit status, out, err)."""
-    if subprocess_:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        res = subprocess.run([sys.executable, "-m", f"fastpo.{module}", *argv], capture_output=True, text=True,
-                             env=env, cwd=cwd, timeout=600)
-        return res.returncode, res.stdout, res.stderr
-    import importlib
-
-    from fastpo import distributed as du
-
-    capsys.readouterr()
-    try:
-        status = importlib.import_module(f"fastpo.{module}").main(argv)
-    finally:
-        du.set_deterministic(False)  # trainer.deterministic would outlive the run in this process
-    out, err = capsys.readouterr()
-    return status, out, err
+def _run(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """``python -m fastpo.<argv[0]> argv[1:]`` as a new interpreter: (exit status, out, err)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([sys.executable, "-m", f"fastpo.{argv[0]}", *argv[1:]], capture_output=True, text=True,
+                         env=env, cwd=cwd, timeout=600)
+    return res.returncode, res.stdout, res.stderr
 
 
 @pytest.mark.slow
@@ -242,14 +231,22 @@ def test_ported_experiment_trains_from_the_command_line(version, experiment, tmp
     folder = tmp_path / "config"
     folder.mkdir()
     (folder / f"{experiment}.yaml").write_text(yaml.safe_dump(ragen(version, experiment), sort_keys=False))
-    status, out, err = _cli("ragen_config", [str(folder / f"{experiment}.yaml")], tmp_path, capsys, sub)
+    if sub:
+        status, out, err = _run(["ragen_config", str(folder / f"{experiment}.yaml")], tmp_path)
+    else:
+        capsys.readouterr()
+        status = rc.main([str(folder / f"{experiment}.yaml")])
+        out, err = capsys.readouterr()
     assert status == 0, err
     ported = _small(yaml.safe_load(out))
     (tmp_path / "ported.yaml").write_text(yaml.safe_dump(ported, sort_keys=False))
     run_dir = tmp_path / "run"
-    status, out, err = _cli("train", ["--config", str(tmp_path / "ported.yaml"), "--model.path", "tiny",
-                                      "--model.dtype", "float32", "--model.gradient_checkpointing", "false",
-                                      "--trainer.run_dir", str(run_dir)], tmp_path, capsys, sub)
+    args = ["--config", str(tmp_path / "ported.yaml"), "--model.path", "tiny", "--model.dtype", "float32",
+            "--model.gradient_checkpointing", "false"]
+    if sub:
+        status, out, err = _run(["train", *args, "--trainer.run_dir", str(run_dir)], tmp_path)
+    else:
+        status, out, err = _main(args, run_dir, capsys)  # test_trainer's: fastpo.train's main in this process
     assert status == 0, f"{out[-2000:]}\n{err[-4000:]}"
     rows = [yaml.safe_load(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("val/success_rate" in r or any(k.startswith("val") for k in r) for r in rows)
