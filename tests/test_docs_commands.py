@@ -198,6 +198,40 @@ def test_documented_command(cmd: DocCommand, workspace: Path):
     if cmd.action == "unmarked":
         pytest.fail(f"{cmd.id}: `{cmd.command}` has no test rule: put a `<!-- test ... -->` marker before its block "
                     "saying `run`, `+ ARGS` (tiny sizes) or `skip (REASON)` (see this test's docstring)")
+    for producer in producers(cmd, workspace):  # this worker may not have run them (xdist hands tests out freely)
+        _run_and_check(producer, workspace, why=f"it writes what {cmd.id} reads")
+    _run_and_check(cmd, workspace)
+
+
+#: where a documented command writes a run folder (train, SFT, the tiny agent's build)
+WRITES = re.compile(r"--(?:trainer\.run_dir|sft\.out|out)[ =](runs/[\w.-]+)")
+READS = re.compile(r"(?<![\w/.-])(runs/[\w.-]+)")
+
+
+def producers(cmd: DocCommand, workspace: Path, commands: list[DocCommand] | None = None) -> list[DocCommand]:
+    """The earlier commands of cmd's doc that write the run folders cmd reads and this workspace lacks, in doc order.
+
+    The commands of a doc run in order, but pytest-xdist hands tests to whichever worker is idle, and each worker
+    has its own workspace: ``fastpo.eval --model.path runs/demo`` can land on a worker that never trained runs/demo.
+    Its producer (the last earlier command that writes runs/demo) then runs first, here, under the same rules.
+    """
+    commands = all_commands() if commands is None else commands
+    earlier = [c for c in commands if c.doc == cmd.doc and c.line < cmd.line and c.action == "run"]
+    line = f"{cmd.command} {cmd.extra}"
+    wanted = set(READS.findall(line)) - set(WRITES.findall(line))
+    out: list[DocCommand] = []
+    for path in sorted(wanted):
+        if (workspace / path).exists():
+            continue
+        writer = next((c for c in reversed(earlier) if path in WRITES.findall(f"{c.command} {c.extra}")), None)
+        if writer is not None and writer not in out:
+            out.extend(p for p in producers(writer, workspace, commands) if p not in out)
+            out.append(writer)
+    return sorted(out, key=lambda c: c.line)
+
+
+def _run_and_check(cmd: DocCommand, workspace: Path, why: str = "") -> None:
+    """Run one documented command in the workspace; fail the test with its output if it does not exit 0."""
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""), "VIRTUAL_ENV":
            str(Path(venv_bin).parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -215,6 +249,7 @@ def test_documented_command(cmd: DocCommand, workspace: Path):
                           f"from doc_preludes import {cmd.extra} as _prelude\n"
                           f"globals().update(_prelude())\n\n{cmd.command}")
         line = f"python {script}"
+    label = f"{cmd.id} (run first: {why})" if why else cmd.id
     # its own session, so that a timeout stops the whole tree (torchrun's workers, make's children), not just bash
     proc = subprocess.Popen(["bash", "-c", line], cwd=workspace, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -223,9 +258,9 @@ def test_documented_command(cmd: DocCommand, workspace: Path):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        pytest.fail(f"{cmd.id}: `{line}` ran over {TIMEOUT_S} s: give it tiny sizes in a `<!-- test -->` marker "
+        pytest.fail(f"{label}: `{line}` ran over {TIMEOUT_S} s: give it tiny sizes in a `<!-- test -->` marker "
                     "(see this test's docstring)")
-    assert proc.returncode == 0, (f"{cmd.id}: `{line}` exited {proc.returncode}\n--- stdout\n{stdout[-3000:]}"
+    assert proc.returncode == 0, (f"{label}: `{line}` exited {proc.returncode}\n--- stdout\n{stdout[-3000:]}"
                                   f"\n--- stderr\n{stderr[-3000:]}")
 
 
@@ -323,3 +358,37 @@ def test_a_failing_or_hanging_command_fails_the_test(monkeypatch, tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the command's child process {child} outlived the timeout")
+
+
+CHAIN = """<!-- test
+python -m fastpo.train => + --trainer.iterations 1 --trainer.run_dir runs/a
+python -m fastpo.sft => run
+python -m fastpo.eval => run
+python -m fastpo.report => skip (not here)
+-->
+```bash
+python -m fastpo.train --preset tiny
+python -m fastpo.sft --model.path runs/a/hf --sft.out runs/b
+python -m fastpo.eval --model.path runs/b --config runs/a/config.json
+python -m fastpo.report runs/a
+```
+"""
+
+
+def test_a_command_whose_run_folder_is_missing_runs_its_writers_first(tmp_path):
+    train, sft, evaluate, _ = commands = collect("C.md", CHAIN)
+    # a fresh worker: eval needs runs/b (from sft, which needs runs/a from train's appended args) and runs/a
+    assert producers(evaluate, tmp_path, commands) == [train, sft]
+    assert producers(sft, tmp_path, commands) == [train]
+    assert producers(train, tmp_path, commands) == []
+    (tmp_path / "runs" / "a").mkdir(parents=True)  # this worker already trained
+    assert producers(evaluate, tmp_path, commands) == [sft]
+    (tmp_path / "runs" / "b").mkdir()
+    assert producers(evaluate, tmp_path, commands) == []
+
+
+def test_the_readmes_eval_and_report_name_the_run_they_read():
+    readme = [c for c in all_commands() if c.doc == "README.md"]
+    for command in ("python -m fastpo.eval", "python -m fastpo.report"):
+        reader = next(c for c in readme if c.command.startswith(command))
+        assert [c.command.split()[0] for c in producers(reader, Path("/nonexistent"), readme)] == ["torchrun"]
