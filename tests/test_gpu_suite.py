@@ -125,6 +125,7 @@ def test_dry_run_passes_every_stage_through_the_shim(tmp_path):
     assert all(r["status"] == "ok" for r in stages.values()), stages
     assert all(None not in r for r in stages.values())  # no stray column (a comma in a note)
     assert stages["bench"]["note"] == "fused logprob at 64 and 128 tokens"
+    assert stages["build"]["note"].endswith("(-O0: --dry)")  # the quick build: the dry run checks it builds
     assert all(int(r["seconds"]) <= int(r["budget_s"]) for r in stages.values())
 
     env = (outdir / "env.txt").read_text()

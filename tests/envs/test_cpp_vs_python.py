@@ -233,7 +233,9 @@ def test_sokoban_large_rooms_equal_including_the_explored_cap():
 
     py_sokoban.ReversePlay.run = counting_run
     try:
-        for dim, boxes, depth, seeds in [((10, 10), 3, 300, range(10)), ((12, 12), 4, 300, range(8))]:
+        # 12x12 seed 7 is the one of seeds 0-7 that reaches the cap; seeds 2, 3 and 5 search 40-275K states without
+        # reaching it and cost ~60% of the test's time, so they are left out
+        for dim, boxes, depth, seeds in [((10, 10), 3, 300, range(10)), ((12, 12), 4, 300, (0, 1, 4, 6, 7))]:
             for seed in seeds:
                 fixed, room, attempt = generate_level(seed, dim, boxes, depth)
                 c_fixed, c_room, c_attempt = _C.generate_sokoban(seed, *dim, boxes, depth)
