@@ -85,7 +85,7 @@ class ActorObjective:
         t, dev, a = self.trajs, self.device, self.cfg.algorithm
         logp, ent = update.token_logp(self.actor, mb, mask, self.cfg.rollout.temperature, True)
         if self.measure and step == 0 and mb.scale > 0:  # scale 0: a filler repeating another rank's data
-            g = update.micro_gap(t, mb, mask, logp.detach(), self.version)
+            g = update.micro_gap(t, mb, mask, logp.detach(), self.version, self.cfg.rollout.partial_kv == "keep")
             self.gap = [self.gap[0] + g[0], self.gap[1] + g[1], max(self.gap[2], g[2])]
         old = logp.detach() if self.source == "update" else cat_tokens(t, mb.indices, "old_logp", dev)
         ref = self.ref_logp(mb, mask) if self.ref_logp is not None else None
