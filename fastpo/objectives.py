@@ -57,7 +57,8 @@ class ActorObjective:
     Args:
         source: where the old logprobs come from (``update.old_logprob_source``). "update": the detached logp of
             this forward (one optimiser step on the sampling weights); otherwise ``Trajectory.old_logp``.
-        version: the engine's weight version now (the parity guard compares only tokens sampled at it).
+        version: the engine's weight version now (the parity guard compares only tokens sampled at it; under
+            rollout.partial_kv keep only in episodes sampled wholly at it, ``update._fresh``).
         ref_logp: ``fn(mb, mask) -> fp32 [N]`` the reference logprobs, or None (no KL term).
         check_gap: the parity guard, called with the measured gap before the first optimiser step when no scoring
             pass measured it ("update" and "sampler").
