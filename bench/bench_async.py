@@ -3,6 +3,7 @@ occupancy, on a long-tail multi-turn workload and on the tiny preset's short ans
 
     python bench/bench_async.py                        # both workloads, built-in engine, 2 threads
     python bench/bench_async.py --workload longtail --episodes 64 --max-new-tokens 256
+    python bench/bench_async.py --workload longtail --repeats 0 --partial-iterations 4 --partial-kv recompute keep
 
 Workloads (docs/ENGINES.md "The long-tail workload"):
 - ``longtail``: 5-turn Sokoban chats (RAGEN's prompts, ``<think>`` on) sampled by a random ~52M Qwen2 (hidden 768,
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="longtail: also time this many iterations of partial rollouts (rollout.partial) against "
                              "the async driver's iterations (a weight sync between iterations); 0 = skip")
     parser.add_argument("--max-staleness", type=int, default=1, help="partial: rollout.max_staleness")
+    parser.add_argument("--partial-kv", nargs="+", default=["recompute"], choices=["recompute", "keep"],
+                        help="partial: rollout.partial_kv, one timed pool per value (recompute: the push drops the "
+                             "carried episodes' KV caches, rows mode=partial; keep: it keeps them, mode=partial-keep)")
     parser.add_argument("--admit-wait", type=int, default=None,
                         help="built-in engine: HFEngine(admit_wait=N); default: the engine's default")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
@@ -132,9 +136,11 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
     """Iterations of the long-tail workload: each iteration rolls out ``episodes / 4`` new groups (new env seeds)
     and then pushes the weights into the engine (the same weights: the engine's version moves on, the sync cost is
     paid, the trajectories stay comparable). sync: the async driver, every episode finishes in its iteration.
-    partial: ``RolloutPool`` with as many groups per iteration, episodes in flight carried over. The update's time
-    is the same for both and left out. Reported: median iteration time over iterations 2.. (the pool's first
-    iteration has nothing carried in), trajectories/s over all iterations, and the lag of the returned tokens."""
+    partial: ``RolloutPool`` with as many groups per iteration, episodes in flight carried over, their KV caches
+    dropped by the push (``--partial-kv recompute``); partial-keep: the same with the caches kept
+    (``sync_weights(keep_cache=True)``, ``--partial-kv keep``). The update's time is the same for all and left out.
+    Reported: median iteration time over iterations 2.. (the pool's first iteration has nothing carried in),
+    trajectories/s over all iterations, the lag of the returned tokens and the tokens prefilled per iteration."""
     make_parts, make_engine, tok, sampling, cfg, desc = setup
     groups, iters = args.episodes // 4, args.partial_iterations
     model_engine = make_engine()
@@ -144,16 +150,18 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
         return NewGroup(0, 10_000 + n, n, tuple(4 * n + j for j in range(4)))
 
     results = {}
-    for mode in ("sync", "partial"):
-        engine = make_engine() if mode == "partial" else model_engine
-        times, count, lags, pool = [], 0, [], None
-        if mode == "partial":
+    kv_of = {"partial" if kv == "recompute" else f"partial-{kv}": kv for kv in dict.fromkeys(args.partial_kv)}
+    for mode in ("sync", *kv_of):
+        engine = make_engine() if mode != "sync" else model_engine
+        times, count, lags, prefill, pool = [], 0, [], [], None
+        if mode != "sync":
             env = E.make("sokoban", groups * 4 * (args.max_staleness + 2))
             pool = RolloutPool([RolloutPart(env, template.spec, [], [], max_turns=args.turns)], engine, tok,
                                sampling, RolloutConfig(mode="async", partial=True, max_staleness=args.max_staleness,
-                                                       **cfg), group, width=groups * 4)
+                                                       partial_kv=kv_of[mode], **cfg), group, width=groups * 4)
         for it in range(iters):
             version = engine.weight_version
+            prefilled = engine.stats.prefill_tokens
             t0 = time.perf_counter()
             if pool is None:
                 env = E.make("sokoban", groups * 4)
@@ -165,8 +173,9 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
             else:
                 batches, _ = pool.run(groups)
             trajs = [t for b in batches for t in b.trajectories]
-            engine.sync_weights(engine.model)
+            engine.sync_weights(engine.model, keep_cache=kv_of.get(mode) == "keep")
             times.append(time.perf_counter() - t0)
+            prefill.append(engine.stats.prefill_tokens - prefilled)
             count += len(trajs)
             lags += [version - v for t in trajs for v in t.versions[t.loss_mask].tolist()]
         if pool is not None:
@@ -176,19 +185,24 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
                          "trajectories_per_s": count / sum(times),
                          "stale_token_share": float((lags > 0).mean()) if lags.size else 0.0,
                          "staleness_mean": float(lags.mean()) if lags.size else 0.0,
-                         "staleness_max": float(lags.max()) if lags.size else 0.0}
+                         "staleness_max": float(lags.max()) if lags.size else 0.0,
+                         "prefill_tokens_per_iteration": float(np.median(prefill[1:] if iters > 1 else prefill))}
     rows = []
-    conf = json.dumps({**desc, "threads": args.threads, "note": args.note, "iterations": iters,
-                       "max_staleness": args.max_staleness}, sort_keys=True)
+
+    def conf(mode: str) -> str:  # a partial row records its rollout.partial_kv; a sync row has none
+        return json.dumps({**desc, "threads": args.threads, "note": args.note, "iterations": iters,
+                           "max_staleness": args.max_staleness, "partial_kv": kv_of.get(mode)}, sort_keys=True)
+
     for mode, metrics in results.items():
         for metric, value in metrics.items():
             rows.append(dict(name=f"iterations_{desc.get('model')}", provider="fastpo-hf", mode=mode, metric=metric,
                              unit="", x_name="iterations", x_value=iters, p50=value, p20=value, p80=value,
-                             config=conf))
-    ratio = results["sync"]["iteration_s"] / results["partial"]["iteration_s"]
-    rows.append(dict(name=f"iterations_{desc.get('model')}", provider="fastpo-hf", mode="sync/partial",
-                     metric="iteration_time_ratio", unit="x", x_name="iterations", x_value=iters, p50=ratio,
-                     p20=ratio, p80=ratio, config=conf))
+                             config=conf(mode)))
+    for mode in kv_of:
+        ratio = results["sync"]["iteration_s"] / results[mode]["iteration_s"]
+        rows.append(dict(name=f"iterations_{desc.get('model')}", provider="fastpo-hf", mode=f"sync/{mode}",
+                         metric="iteration_time_ratio", unit="x", x_name="iterations", x_value=iters, p50=ratio,
+                         p20=ratio, p80=ratio, config=conf(mode)))
     return rows
 
 

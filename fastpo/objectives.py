@@ -57,7 +57,8 @@ class ActorObjective:
     Args:
         source: where the old logprobs come from (``update.old_logprob_source``). "update": the detached logp of
             this forward (one optimiser step on the sampling weights); otherwise ``Trajectory.old_logp``.
-        version: the engine's weight version now (the parity guard compares only tokens sampled at it).
+        version: the engine's weight version now (the parity guard compares only tokens sampled at it; under
+            rollout.partial_kv keep only in episodes sampled wholly at it, ``update._fresh``).
         ref_logp: ``fn(mb, mask) -> fp32 [N]`` the reference logprobs, or None (no KL term).
         check_gap: the parity guard, called with the measured gap before the first optimiser step when no scoring
             pass measured it ("update" and "sampler").
@@ -85,7 +86,7 @@ class ActorObjective:
         t, dev, a = self.trajs, self.device, self.cfg.algorithm
         logp, ent = update.token_logp(self.actor, mb, mask, self.cfg.rollout.temperature, True)
         if self.measure and step == 0 and mb.scale > 0:  # scale 0: a filler repeating another rank's data
-            g = update.micro_gap(t, mb, mask, logp.detach(), self.version)
+            g = update.micro_gap(t, mb, mask, logp.detach(), self.version, self.cfg.rollout.partial_kv == "keep")
             self.gap = [self.gap[0] + g[0], self.gap[1] + g[1], max(self.gap[2], g[2])]
         old = logp.detach() if self.source == "update" else cat_tokens(t, mb.indices, "old_logp", dev)
         ref = self.ref_logp(mb, mask) if self.ref_logp is not None else None

@@ -3,6 +3,7 @@
     pool = RolloutPool(parts, engine, tokenizer, sampling, cfg, source=next_group, width=64)
     batches, stats = pool.run(target=8)      # one iteration's rollout: 8 finished groups
     ...                                      # train on batches, push the weights (the engine's version moves on)
+    engine.sync_weights(policy, keep_cache=True)   # rollout.partial_kv keep (built-in engine); else keep_cache=False
     pool.close()
 
 The pool keeps up to ``width`` episodes in flight. It starts groups in the order ``source(0), source(1), ...`` gives
@@ -19,6 +20,13 @@ group started at version v0 is returned at the latest by the call where the engi
 v0 + max_staleness, so no trained token lags the trained weights by more than that. ``drain`` (a checkpoint step):
 every started group finishes and is returned, at most ``target`` new ones start, and the pool is left as a fresh
 one (nothing in flight).
+
+Between calls the episodes in flight sit between two turns (nothing is generating), so a weight push never splits a
+turn. What the push does to their KV cache is the caller's choice (``rollout.partial_kv``): recompute drops it, and
+each carried episode re-prefills its whole context at its next turn; keep leaves it, and the next turn prefills only
+its new tokens under the new weights (``HFEngine.sync_weights(keep_cache=True)``). Either way a turn records the
+version that sampled it; under keep its context's cached keys / values may come from older versions (down to the
+version of the episode's first turn). ``PoolStats.prefill_tokens`` shows the difference.
 
 Batches: one ``RolloutBatch`` per part, groups in start order, members in instance order.
 """
@@ -62,6 +70,8 @@ class PoolStats:
         held: finished groups kept for the next call (more finished than the batch takes).
         forced: groups that had to finish in this call (the staleness bound, or ``drain``).
         decoded_tokens, row_steps, slot_steps: the engine's counters over the call (occupancy).
+        prefill_tokens: tokens the engine prefilled in the call (the carried contexts' re-prefill included under
+            ``rollout.partial_kv recompute``; 0 when the engine keeps no counters).
     """
 
     started: int = 0
@@ -73,10 +83,12 @@ class PoolStats:
     decoded_tokens: int = 0
     row_steps: int = 0
     slot_steps: int = 0
+    prefill_tokens: int = 0
 
     def metrics(self) -> dict[str, float]:
         """``rollout/partial_*`` metrics and the occupancy of this call."""
-        out = {f"rollout/partial_{k}": float(getattr(self, k)) for k in ("carried", "tail_turns", "forced", "held")}
+        out = {f"rollout/partial_{k}": float(getattr(self, k))
+               for k in ("carried", "tail_turns", "forced", "held", "prefill_tokens")}
         if self.row_steps:
             out["rollout/decode_occupancy"] = self.decoded_tokens / self.row_steps
         if self.slot_steps:
@@ -178,6 +190,7 @@ class RolloutPool:
             after = engine.stats
             stats.decoded_tokens = (after.tokens - before.tokens) - (after.first_tokens - before.first_tokens)
             stats.row_steps, stats.slot_steps = after.row_steps - before.row_steps, after.slot_steps - before.slot_steps
+            stats.prefill_tokens = after.prefill_tokens - before.prefill_tokens
         return batches, stats
 
     def _start_next(self, version: int) -> list[tuple[int, int]]:

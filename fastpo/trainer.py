@@ -245,10 +245,12 @@ class Trainer:
     def _sync_engine(self) -> None:
         """Push the actor's weights into the engine (collective under FSDP2: every rank calls it). vLLM gathers the
         sharded parameters one bucket at a time while it pushes them (the full model never exists twice on a rank;
-        under LoRA each adapted weight is merged as its bucket goes); the HF engine takes a full state dict."""
+        under LoRA each adapted weight is merged as its bucket goes); the HF engine takes a full state dict, and
+        under rollout.partial_kv keep leaves the carried episodes' KV caches in place (a drained pool has none)."""
         with self.timer("sync"):
             if isinstance(self.engine, HFEngine):
-                self.engine.sync_weights(full_state_dict(self.actor))
+                self.engine.sync_weights(full_state_dict(self.actor),
+                                         keep_cache=self.cfg.rollout.partial_kv == "keep")
             else:
                 state = self.actor.state_dict()
                 self.engine.sync_weights(merged_state_dict(self.actor, state) if is_lora(self.actor) else state)
@@ -377,7 +379,7 @@ class Trainer:
         gathered = du.all_gather_list([(metric_sums(batches), stats)])
         metrics = combine_metric_sums([g[0] for g in gathered])
         every = [g[1] for g in gathered]
-        for key in ("carried", "tail_turns", "forced", "started", "finished", "held"):
+        for key in ("carried", "tail_turns", "forced", "started", "finished", "held", "prefill_tokens"):
             metrics[f"rollout/partial_{key}"] = float(sum(getattr(x, key) for x in every))
         rows, slots = sum(x.row_steps for x in every), sum(x.slot_steps for x in every)
         decoded = sum(x.decoded_tokens for x in every)
@@ -668,7 +670,8 @@ class Trainer:
                     scored.setdefault(j, {}).update(f)
             batch = update.with_fields(batch, scored)
         if source == "trainer":  # else the actor update measures the gap on its first forward
-            gap = update.logprob_gap(batch, rows, cfg.rollout.train_on_observations, self.engine.weight_version)
+            gap = update.logprob_gap(batch, rows, cfg.rollout.train_on_observations, self.engine.weight_version,
+                                     whole_context=cfg.rollout.partial_kv == "keep")
             metrics.update(gap)
             self._check_gap(gap)
         with self.timer("update"):

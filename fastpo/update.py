@@ -182,24 +182,30 @@ def advantages(trajs: list[Trajectory], kept: list[int], cfg: AlgorithmConfig,
     return split_tokens(adv, cu), (split_tokens(ret, cu) if ret is not None else None), batch.metrics
 
 
-def _fresh(t: Trajectory, version: int | None) -> np.ndarray:
+def _fresh(t: Trajectory, version: int | None, whole_context: bool = False) -> np.ndarray:
     """bool [T]: the tokens the parity guard compares: exact sample logprobs, sampled at weight ``version`` (under
-    partial rollouts older tokens differ by the policy's own change, not by a broken sync; None: every token)."""
+    partial rollouts older tokens differ by the policy's own change, not by a broken sync; None: every token).
+    whole_context (rollout.partial_kv keep): only in episodes whose first sampled token is of ``version`` too; a
+    later turn of an older episode attended to keys / values older weights computed, so it differs by the update."""
     if not t.logprobs_exact:
         return np.zeros(len(t.input_ids), dtype=bool)
     if version is None or t.versions is None:
         return np.ones(len(t.input_ids), dtype=bool)
+    sampled = t.versions[t.versions >= 0]
+    if whole_context and sampled.size and int(sampled.min()) != version:
+        return np.zeros(len(t.input_ids), dtype=bool)
     return t.versions == version
 
 
 def logprob_gap(trajs: list[Trajectory], kept: list[int], train_on_observations: bool,
-                version: int | None = None) -> dict[str, float]:
+                version: int | None = None, whole_context: bool = False) -> dict[str, float]:
     """Mean and max |engine logp - trainer logp| over the trained tokens of the kept trajectories whose sample
     logprobs are exact and (``version`` given) were sampled at that weight version ({} when no token qualifies;
-    observation tokens have no sample logprob)."""
+    observation tokens have no sample logprob). whole_context: see ``_fresh`` (rollout.partial_kv keep)."""
     if train_on_observations:
         return {}
-    gaps = [np.abs(trajs[i].sample_logprobs - trajs[i].old_logp)[trajs[i].loss_mask & _fresh(trajs[i], version)]
+    gaps = [np.abs(trajs[i].sample_logprobs - trajs[i].old_logp)[trajs[i].loss_mask
+                                                                   & _fresh(trajs[i], version, whole_context)]
             for i in kept]
     gaps = np.concatenate(gaps) if gaps else np.zeros(0)
     if not gaps.size:
@@ -208,10 +214,11 @@ def logprob_gap(trajs: list[Trajectory], kept: list[int], train_on_observations:
 
 
 def micro_gap(trajs: list[Trajectory], mb: MicroBatch, mask: Tensor, logp: Tensor,
-              version: int | None = None) -> tuple[float, int, float]:
+              version: int | None = None, whole_context: bool = False) -> tuple[float, int, float]:
     """(sum, count, max) of |engine logp - trainer logp| over one micro-batch's trained tokens that
     :func:`logprob_gap` compares: its on-policy form, from the update's own forward."""
-    fresh = torch.from_numpy(np.concatenate([_fresh(trajs[i], version) for i in mb.indices])).to(mask.device)
+    fresh = torch.from_numpy(np.concatenate([_fresh(trajs[i], version, whole_context)
+                                             for i in mb.indices])).to(mask.device)
     diff = (cat_tokens(trajs, mb.indices, "sample_logprobs", mask.device) - logp)[mask.bool() & fresh].abs()
     return float(diff.sum()), int(diff.numel()), float(diff.max()) if diff.numel() else 0.0
 

