@@ -4,6 +4,9 @@ The commands are the lines of the fenced ``bash`` / ``sh`` / ``shell`` / ``conso
 lines; a ``#`` comment is dropped; a ``$ `` prompt is removed). They run in order, one doc after another, with bash,
 from a scratch folder that mirrors the checkout (symlinks to its top-level entries, its own ``runs/``), with the
 test's venv first on PATH: what a user gets after the README's setup line and ``. .venv/bin/activate``.
+Under pytest-xdist a doc's commands may land on different workers, each with its own scratch folder: a command
+that reads a ``runs/NAME`` folder this worker lacks first runs the earlier command of its doc that writes it
+(``--trainer.run_dir``, ``--sft.out`` or ``--out``; see ``producers``).
 
 A doc says how its commands are tested with an HTML comment right before the block (invisible on GitHub)::
 
