@@ -47,6 +47,19 @@ def _library_messages_on_the_console():
     console()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): tiny
+    shapes gain nothing from more threads, and OpenMP threads spinning against other processes on a shared 2-core
+    machine made such modules ~25x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _cpu_tests_launch_cpu_ranks(request, monkeypatch):
     """On a CUDA machine (make test there runs the CPU tests and the `gpu` ones), a test not marked `gpu` is a CPU

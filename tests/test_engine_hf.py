@@ -17,14 +17,7 @@ from fastpo.model import load_policy, load_tokenizer
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny shapes gain nothing from more threads, and OpenMP threads spinning against other processes on a shared
-    2-core machine made this module ~25x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,7 @@ ATOL = 1e-5
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
