@@ -131,6 +131,7 @@ def test_out_folder_with_other_files_is_not_deleted(tmp_path, monkeypatch, capsy
     assert len(built) == 4
 
 
+@pytest.mark.slow  # trains the tiny agent (~5 CPU-s)
 def test_diverged_training_is_an_error_and_saves_nothing(tmp_path):
     out = tmp_path / "agent"
     with pytest.raises(FloatingPointError, match="not finite"):
