@@ -75,10 +75,9 @@ def needs_master_weights(compute_dtype: torch.dtype | str) -> bool:
 
 
 def make_adamw(params: Any, device: torch.device | str, **kwargs: Any) -> torch.optim.AdamW:
-    """``torch.optim.AdamW(params, **kwargs)``, fused (one kernel for all parameters) on CUDA and on CPU. On CPU the
-    fused kernel is 3.2x faster than torch's default per-tensor loop (52M parameters, one thread: 121 vs 382 ms a
-    step) and agrees with it to ~3e-11; its state dict has the same keys, so checkpoints load either way."""
-    return torch.optim.AdamW(params, fused=torch.device(device).type in ("cuda", "cpu"), **kwargs)
+    """``torch.optim.AdamW(params, **kwargs)``, fused (one kernel for all parameters) on CUDA; elsewhere torch's
+    default implementation, which the CPU tests and checkpoints were made with."""
+    return torch.optim.AdamW(params, fused=torch.device(device).type == "cuda", **kwargs)
 
 
 def shard_model(
