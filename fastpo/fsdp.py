@@ -76,7 +76,10 @@ def needs_master_weights(compute_dtype: torch.dtype | str) -> bool:
 
 def make_adamw(params: Any, device: torch.device | str, **kwargs: Any) -> torch.optim.AdamW:
     """``torch.optim.AdamW(params, **kwargs)``, fused (one kernel for all parameters) on CUDA; elsewhere torch's
-    default implementation, which the CPU tests and checkpoints were made with."""
+    default implementation, which the CPU tests and checkpoints were made with. Fused on CPU was tried (2026-12-07):
+    3.2x faster per step on 52M parameters (2.52x TRL's steps/s instead of ~2.4x), but the demo's 3-seed mean gain
+    fell from +15.0 to +9.4 points with it (its rounding moves every run onto another path, and these three landed
+    lower), so the CPU default stays the per-tensor loop (docs/BENCHMARKS.md, "Performance vs TRL")."""
     return torch.optim.AdamW(params, fused=torch.device(device).type == "cuda", **kwargs)
 
 
