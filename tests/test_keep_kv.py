@@ -14,10 +14,10 @@ from transformers import DynamicCache
 import fastpo.envs as E
 from fastpo import testing, update
 from fastpo.config import ConfigError, RolloutConfig
+from fastpo.config_load import parse_args
 from fastpo.engine import HFEngine, SamplingParams
 from fastpo.model import load_policy, load_tokenizer, resolve_model_path
 from fastpo.preflight import validate
-from fastpo.presets import get_preset
 from fastpo.prompts import prompt_spec
 from fastpo.rollout import RolloutPart
 from fastpo.rollout_pool import NewGroup, RolloutPool
@@ -128,21 +128,21 @@ def test_keep_is_still_refused_while_requests_are_in_flight(tiny):
     assert engine.weight_version == 0
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(partial_kv="keep"), "rollout.partial_kv=keep needs rollout.partial=true"),
-    (dict(partial=True, mode="async", partial_kv="keep", engine="vllm"),
-     "rollout.partial_kv=keep needs rollout.engine=hf, got vllm"),
-    (dict(partial=True, mode="async", partial_kv="keep", max_context_window=2),
+PARTIAL = ["--rollout.mode", "async", "--rollout.partial", "true", "--rollout.partial_kv", "keep"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rollout.partial_kv", "keep"], "rollout.partial_kv=keep needs rollout.partial=true"),
+    ([*PARTIAL, "--rollout.engine", "vllm"], "rollout.partial_kv=keep needs rollout.engine=hf, got vllm"),
+    ([*PARTIAL, "--rollout.max_context_window", "2"],
      r"rollout.partial_kv=keep needs a context that grows turn by turn .*got full, 2, False"),
-    (dict(partial=True, mode="async", partial_kv="keep", canonical=True),
+    ([*PARTIAL, "--rollout.canonical", "true"],
      r"rollout.partial_kv=keep needs a context that grows turn by turn .*got full, -1, True"),
 ])
-def test_keep_is_refused_where_it_cannot_work(change, message):
-    cfg = get_preset("tiny")
-    for k, v in change.items():
-        setattr(cfg.rollout, k, v)
+def test_keep_is_refused_where_it_cannot_work(flags, message):
+    """The flags as a user types them (the command-line loader), refused by the config check before any model."""
     with pytest.raises(ConfigError, match=message):
-        validate(cfg, 1)
+        validate(parse_args(["--preset", "tiny", *flags]), 1)
 
 
 def test_partial_kv_bad_value_is_one_line():
