@@ -110,6 +110,9 @@ class Settings:
     norm_adv_by_std: bool = True
     """GRPO advantages divided by the group's reward std (TRL scale_rewards 'group'); false: mean-centred only
     (TRL 'none', Dr. GRPO), an unbiased policy gradient where a risky arm's rare payoff is not scaled away."""
+    dtype: str = "float32"
+    """Compute dtype of both sides: "float32", or "bfloat16" = mixed precision over fp32 master weights (fastpo:
+    ``--model.dtype bfloat16``, FSDP2 mixed precision; TRL: ``bf16=True``, autocast over an fp32 model)."""
 
     @property
     def env_names(self) -> tuple[str, ...]:
@@ -167,7 +170,7 @@ def fastpo_argv(s: Settings, run_dir: str, engine: str = "hf") -> list[str]:
     "vllm" generates with the in-process vLLM engine (a 256 MiB KV cache on CPU)."""
     extra = ["--rollout.engine", "vllm", "--rollout.kv_cache_mb", "256"] if engine == "vllm" else []
     return extra + [
-        "--preset", "countdown", "--model.path", s.model_path, "--model.dtype", "float32",
+        "--preset", "countdown", "--model.path", s.model_path, "--model.dtype", s.dtype,
         "--model.gradient_checkpointing", "false", "--env.names", ",".join(s.env_names),
         "--env.env_groups", str(s.groups), "--env.group_size", str(s.group_size),
         "--env.train_seed", str(s.train_seed), "--env.val_groups", str(len(s.env_names)),
@@ -346,7 +349,7 @@ def trl_config_kwargs(s: Settings, out_dir: str) -> dict[str, Any]:
         optim="adamw_torch", weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
         scale_rewards="group" if s.norm_adv_by_std else "none",
-        entropy_coef=0.0, mask_truncated_completions=False, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+        entropy_coef=0.0, mask_truncated_completions=False, use_vllm=False, use_cpu=True, bf16=s.dtype == "bfloat16", fp16=False,
         gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=s.seed,
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
         log_completions=False,
@@ -528,7 +531,7 @@ def mapping_rows(s: Settings) -> list[tuple[str, str, str]]:
         else ("advantages", "grpo, mean-centred (norm_adv_by_std=false)", "scale_rewards=none"),
         ("rollout filter", "rollout_filter_ratio=1.0", "n/a"),
         ("entropy bonus", "entropy_coef=0", "entropy_coef=0"),
-        ("dtype / grad ckpt", "float32 / off", "bf16=False / off"),
+        ("dtype / grad ckpt", f"model.dtype={s.dtype} / off", f"bf16={s.dtype == 'bfloat16'} / off"),
         ("task / env seeds", f"{'+'.join(s.env_names)}, train_seed={s.train_seed}", "same prompts, same order"),
     ]
 
@@ -602,6 +605,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-std", action="store_true",
                    help="GRPO advantages not divided by the group std (fastpo norm_adv_by_std=false, TRL scale_rewards "
                         "none)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="both sides' compute dtype; bfloat16 = mixed precision over fp32 weights (AMX on Xeon 4th gen+)")
     p.add_argument("--no-sokoban", action="store_true")
     p.add_argument("--sokoban-iterations", type=int, default=4)
     p.add_argument("--timeout", type=int, default=900, help="per worker, seconds")
@@ -640,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
                          response_length=a.response_length, lr=a.lr, steps=steps[model],
                          warmup=min(a.warmup, steps[model] - 1), threads=a.threads,
                          micro_batch_tokens=a.micro_batch_tokens, enable_think=not a.no_think,
-                         norm_adv_by_std=not a.no_std)
+                         norm_adv_by_std=not a.no_std, dtype=a.dtype)
             params = count_params(paths[model])
             print(f"\n== {model} ({params / 1e6:.2f}M parameters), task {a.task}, {s.groups} prompts x "
                   f"{s.group_size} completions, {s.steps} steps ({s.warmup} warm-up) ==")
@@ -661,7 +666,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"seeds={','.join(map(str, seeds)) or s.seed} "
                       f"threads={s.threads} "
                       f"fastpo_micro_batch_tokens={s.micro_batch_tokens} think={s.enable_think} "
-                      f"std_norm={s.norm_adv_by_std} "
+                      f"std_norm={s.norm_adv_by_std} dtype={s.dtype} "
                       f"trl={_version('trl')} {a.note}").strip()
             summ = {side: summarize(runs, s) for side, runs in results.items()}
             print(f"  {'side':7s} {'s/step p50':>10s} {'p20':>7s} {'p80':>7s} {'steps/s':>8s} {'gen tok/s':>9s} "
