@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "carried episodes' KV caches, rows mode=partial; keep: it keeps them, mode=partial-keep)")
     parser.add_argument("--admit-wait", type=int, default=None,
                         help="built-in engine: HFEngine(admit_wait=N); default: the engine's default")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the models' dtype (bfloat16: AMX / AVX512-BF16 matmuls on recent Xeons)")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
     parser.add_argument("--note", default="", help="free text stored with every row (e.g. machine load)")
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to async_rollout.csv)")
@@ -99,7 +101,7 @@ def longtail_setup(args: argparse.Namespace, root: Path):
 
     tok = build_tiny_tokenizer(root)
     build_tiny_model(root, tok, **LARGE_SHAPE)
-    model = load_policy(root).eval()
+    model = load_policy(root, dtype=args.dtype).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
     stops = tuple(range(vocab - args.stop_tokens, vocab))  # the tail ids: plain byte tokens of the tiny tokenizer
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
@@ -115,12 +117,13 @@ def longtail_setup(args: argparse.Namespace, root: Path):
     params = sum(p.numel() for p in model.parameters())
     desc = dict(model=f"qwen2-random-{params / 1e6:.0f}M", episodes=groups * 4, turns=args.turns,
                 max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab, engine=args.engine,
+                **dtype_field(args),
                 **(engine_kwargs(args) if args.engine == "hf" else {}))
     if args.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from fastpo.engine.vllm import VLLMEngine
 
-        engine = VLLMEngine(root, tok, kv_cache_bytes=1024 * 2**20, seed=0, dtype="float32", max_model_len=4096)
+        engine = VLLMEngine(root, tok, kv_cache_bytes=1024 * 2**20, seed=0, dtype=args.dtype, max_model_len=4096)
         torch.set_num_threads(args.threads)
 
         def fresh():  # one instance (minutes to build); a cold prefix cache and zeroed counters per rollout
@@ -211,12 +214,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {} if args.admit_wait is None else {"admit_wait": args.admit_wait}
 
 
+def dtype_field(args: argparse.Namespace) -> dict:
+    """The dtype for a row's config, only when not the default (rows from before the option stay comparable)."""
+    return {} if args.dtype == "float32" else {"dtype": args.dtype}
+
+
 def tiny_setup(args: argparse.Namespace, root: Path):
     """The tiny preset's training rollout (its env, groups, turns, sampling) on the shipped tiny agent."""
     preset = get_preset("tiny")
     e, r = preset.env, preset.rollout
     path = resolve_model_path(preset.model.path)
-    tok, model = load_tokenizer(path), load_policy(path).eval()
+    tok, model = load_tokenizer(path), load_policy(path, dtype=args.dtype).eval()
     sampling = SamplingParams(temperature=r.temperature, max_new_tokens=r.response_length, stop=tuple(r.stop))
     name = e.names[0]
     n = e.env_groups * e.group_size
@@ -230,7 +238,7 @@ def tiny_setup(args: argparse.Namespace, root: Path):
 
     cfg = dict(max_model_len=r.max_model_len, enable_think=r.enable_think)
     desc = dict(model="tiny-agent", env=name, episodes=n, turns=e.max_turns, max_new_tokens=r.response_length,
-                **engine_kwargs(args))
+                **engine_kwargs(args), **dtype_field(args))
     return parts, lambda: HFEngine(model, tok, **engine_kwargs(args)), tok, sampling, cfg, desc
 
 
