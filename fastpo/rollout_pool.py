@@ -13,7 +13,10 @@ iteration's groups have started. Each episode advances as in the asynchronous dr
 
 :meth:`RolloutPool.run` stops once ``target`` groups have finished and so has every group at the staleness bound;
 the turns being generated then finish (no token is thrown away) and no new turn starts. The episodes' next turns
-are sampled by the next call, under the weights pushed in between. A call returns ``target`` finished groups:
+are sampled by the next call, under the weights pushed in between. With ``rollout.partial_interrupt`` the turns
+being generated are cut at that point instead (``HFEngine.interrupt``: the call does not wait for the longest
+answers in flight); the next call continues each from the tokens it has (``submit(..., resume=...)``), so one turn
+may hold tokens of two versions, each recorded. A drain never cuts. A call returns ``target`` finished groups:
 every group at the bound, then the oldest others (more only when more are at the bound); finished groups beyond
 that wait for the next call. Every turn records the engine's ``weight_version`` (``Trajectory.versions``). A
 group started at version v0 is returned at the latest by the call where the engine's version reaches
@@ -21,8 +24,8 @@ v0 + max_staleness, so no trained token lags the trained weights by more than th
 every started group finishes and is returned, at most ``target`` new ones start, and the pool is left as a fresh
 one (nothing in flight).
 
-Between calls the episodes in flight sit between two turns (nothing is generating), so a weight push never splits a
-turn. What the push does to their KV cache is the caller's choice (``rollout.partial_kv``): recompute drops it, and
+Between calls the episodes in flight sit between two turns, or in a cut turn (nothing is generating either way), so
+a weight push never lands in the middle of a forward. What the push does to their KV cache is the caller's choice (``rollout.partial_kv``): recompute drops it, and
 each carried episode re-prefills its whole context at its next turn; keep leaves it, and the next turn prefills only
 its new tokens under the new weights (``HFEngine.sync_weights(keep_cache=True)``). Either way a turn records the
 version that sampled it; under keep its context's cached keys / values may come from older versions (down to the

@@ -379,7 +379,7 @@ class Trainer:
         gathered = du.all_gather_list([(metric_sums(batches), stats)])
         metrics = combine_metric_sums([g[0] for g in gathered])
         every = [g[1] for g in gathered]
-        for key in ("carried", "tail_turns", "forced", "started", "finished", "held", "prefill_tokens"):
+        for key in ("carried", "tail_turns", "interrupted", "forced", "started", "finished", "held", "prefill_tokens"):
             metrics[f"rollout/partial_{key}"] = float(sum(getattr(x, key) for x in every))
         rows, slots = sum(x.row_steps for x in every), sum(x.slot_steps for x in every)
         decoded = sum(x.decoded_tokens for x in every)

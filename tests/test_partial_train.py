@@ -42,14 +42,15 @@ def test_out_of_range_is_one_config_error(field, value, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("partial_kv", ["recompute", "keep"])
-def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys, partial_kv):
+@pytest.mark.parametrize("partial_kv,cut", [("recompute", False), ("keep", False), ("keep", True)])
+def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys, partial_kv, cut):
     """4 iterations straight == 2 + checkpoint + resume to 4 in a new process, bit for bit, with partial rollouts
     (the checkpoint step drains the pool, so the checkpoint holds no episode in flight), whether the weight push
-    drops the carried episodes' KV caches or keeps them (rollout.partial_kv). The logged staleness never exceeds
+    drops the carried episodes' KV caches or keeps them (rollout.partial_kv), and whether the turns in flight at an
+    iteration's end finish or are cut (rollout.partial_interrupt). The logged staleness never exceeds
     max_staleness, and episodes really were carried across iterations."""
     args = [*SMALL, *GAE, *PARTIAL, "--trainer.deterministic", "true", "--trainer.save_every", "2",
-            "--rollout.partial_kv", partial_kv]
+            "--rollout.partial_kv", partial_kv, "--rollout.partial_interrupt", str(cut).lower()]
     straight, split = tmp_path / "straight", tmp_path / "split"
     # fastpo.train's main in this process, a new Trainer per launch (test_trainer covers resume across processes)
     _main_ok([*args, "--trainer.iterations", "4"], straight, capsys)
@@ -64,6 +65,7 @@ def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys,
     wa, wb = _weights(straight / "hf"), _weights(split / "hf")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a[0]["rollout/partial_carried"] > 0 and a[1]["rollout/partial_carried"] == 0  # step 2 drained
+    assert (a[0]["rollout/partial_interrupted"] > 0) == cut and a[1]["rollout/partial_interrupted"] == 0
     assert max(r["rollout/staleness_max"] for r in a) == 1 and all(r["rollout/staleness_max"] <= 1 for r in a)
     stale = [r for r in a if r["rollout/staleness_max"] == 1]
     assert all(r["rollout/stale_token_share"] > 0 and r["actor/is_ratio_min"] < 1 for r in stale)  # TIS saw them
