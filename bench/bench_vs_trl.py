@@ -349,7 +349,8 @@ def trl_config_kwargs(s: Settings, out_dir: str) -> dict[str, Any]:
         optim="adamw_torch", weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
         scale_rewards="group" if s.norm_adv_by_std else "none",
-        entropy_coef=0.0, mask_truncated_completions=False, use_vllm=False, use_cpu=True, bf16=s.dtype == "bfloat16", fp16=False,
+        entropy_coef=0.0, mask_truncated_completions=False, use_vllm=False, use_cpu=True,
+        bf16=s.dtype == "bfloat16", fp16=False,
         gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"}, shuffle_dataset=False, seed=s.seed,
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
         log_completions=False,
@@ -606,7 +607,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="GRPO advantages not divided by the group std (fastpo norm_adv_by_std=false, TRL scale_rewards "
                         "none)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="both sides' compute dtype; bfloat16 = mixed precision over fp32 weights (AMX on Xeon 4th gen+)")
+                   help="both sides' compute dtype; bfloat16: mixed precision over fp32 weights (AMX on recent Xeons)")
     p.add_argument("--no-sokoban", action="store_true")
     p.add_argument("--sokoban-iterations", type=int, default=4)
     p.add_argument("--timeout", type=int, default=900, help="per worker, seconds")
