@@ -29,7 +29,8 @@ a weight push never lands in the middle of a forward. What the push does to thei
 (``rollout.partial_kv``): recompute drops it, and each carried episode re-prefills its whole context at its next
 turn; keep leaves it, and the next turn prefills only its new tokens under the new weights
 (``HFEngine.sync_weights(keep_cache=True)``). Either way a token records the version that sampled it; under keep
-its context's cached keys / values may come from older versions (down to the version of the episode's first turn). ``PoolStats.prefill_tokens`` shows the difference.
+its context's cached keys / values may come from older versions (down to the version of the episode's first turn).
+``PoolStats.prefill_tokens`` shows the difference.
 
 Batches: one ``RolloutBatch`` per part, groups in start order, members in instance order.
 """
