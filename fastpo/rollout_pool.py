@@ -92,14 +92,19 @@ class PoolStats:
     slot_steps: int = 0
     prefill_tokens: int = 0
 
-    def metrics(self) -> dict[str, float]:
-        """``rollout/partial_*`` metrics and the occupancy of this call."""
-        out = {f"rollout/partial_{k}": float(getattr(self, k))
-               for k in ("carried", "tail_turns", "interrupted", "forced", "held", "prefill_tokens")}
-        if self.row_steps:
-            out["rollout/decode_occupancy"] = self.decoded_tokens / self.row_steps
-        if self.slot_steps:
-            out["rollout/slot_occupancy"] = self.decoded_tokens / self.slot_steps
+    @staticmethod
+    def combined(every: Sequence[PoolStats]) -> dict[str, float]:
+        """``rollout/partial_*`` metrics (counts summed over `every`, e.g. the ranks' stats of one iteration) and the
+        occupancy of their decode steps together (docs/LOGGING.md)."""
+        out = {f"rollout/partial_{k}": float(sum(getattr(x, k) for x in every))
+               for k in ("carried", "tail_turns", "interrupted", "forced", "started", "finished", "held",
+                         "prefill_tokens")}
+        rows, slots = sum(x.row_steps for x in every), sum(x.slot_steps for x in every)
+        decoded = sum(x.decoded_tokens for x in every)
+        if rows:
+            out["rollout/decode_occupancy"] = decoded / rows
+        if slots:
+            out["rollout/slot_occupancy"] = decoded / slots
         return out
 
 

@@ -58,7 +58,7 @@ from .model_path import resolve_model_path
 from .objectives import ActorObjective, CriticObjective, actor_loss_components
 from .rollout import RolloutPart, Trajectory, run_rollouts
 from .rollout_metrics import combine_metric_sums, metric_sums
-from .rollout_pool import NewGroup, RolloutPool
+from .rollout_pool import NewGroup, PoolStats, RolloutPool
 from .startup import prepare_run
 
 logger = logging.getLogger(__name__)
@@ -378,15 +378,7 @@ class Trainer:
         self.partial_next = [int(x) for x in du.all_gather_list([self.pool.next_group])]
         gathered = du.all_gather_list([(metric_sums(batches), stats)])
         metrics = combine_metric_sums([g[0] for g in gathered])
-        every = [g[1] for g in gathered]
-        for key in ("carried", "tail_turns", "interrupted", "forced", "started", "finished", "held", "prefill_tokens"):
-            metrics[f"rollout/partial_{key}"] = float(sum(getattr(x, key) for x in every))
-        rows, slots = sum(x.row_steps for x in every), sum(x.slot_steps for x in every)
-        decoded = sum(x.decoded_tokens for x in every)
-        if rows:
-            metrics["rollout/decode_occupancy"] = decoded / rows
-        if slots:
-            metrics["rollout/slot_occupancy"] = decoded / slots
+        metrics.update(PoolStats.combined([g[1] for g in gathered]))
         return du.all_gather_list(local), metrics, None
 
     def validate(self) -> dict[str, float]:

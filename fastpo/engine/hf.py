@@ -36,6 +36,7 @@ weights computed. Its logprobs are those of that mixed computation (docs/SEMANTI
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -353,7 +354,8 @@ class HFEngine(SessionEngine):
                            tokens=earlier, queued_at=self._clock, resumed=len(earlier))
         if resume is not None:
             request.logprobs = list(resume.logprobs)
-            request.raw = list(resume.raw_logprobs) if resume.raw_logprobs is not None else [0.0] * len(earlier)
+            # NaN, not a made-up value, where the interrupted result reported none (HFEngine always reports them)
+            request.raw = list(resume.raw_logprobs) if resume.raw_logprobs is not None else [math.nan] * len(earlier)
             request.versions = resume.versions()
         self._waiting.append(request)
         self._inflight[session_id] = request
