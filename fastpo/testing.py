@@ -303,3 +303,11 @@ def run_killable(cmd: list[str], cwd: Any, env: dict[str, str], timeout: float) 
         out, err = proc.communicate()
         raise TimeoutError(f"{cmd[:6]} timed out after {timeout}s:\n{(out + err).decode()[-3000:]}") from None
     return proc.returncode, out.decode(), err.decode()
+
+
+def clone_model(model: Any) -> Any:
+    """A separate copy of a transformers model in eval mode (an engine that owns its weights, so a weight push into
+    it leaves the original as it was)."""
+    clone = type(model)(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    return clone

@@ -60,6 +60,21 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def two_tiny_models(tmp_path_factory):
+    """(tokenizer, model, other model): two random tiny Qwen2 models of one shape, loaded through the real
+    ``from_pretrained`` path, for tests that push other weights into an engine. A wide init (0.2) gives peaked
+    next-token distributions, so token equality is not decided by near-ties."""
+    from fastpo import testing
+    from fastpo.model import load_policy, load_tokenizer
+
+    path = tmp_path_factory.mktemp("two_models")
+    tok = testing.build_tiny_tokenizer(path)
+    testing.build_tiny_model(path, tok, seed=0, initializer_range=0.2)
+    other = testing.build_tiny_model(path / "other", tok, seed=5, initializer_range=0.2).eval()
+    return load_tokenizer(path), load_policy(path).eval(), other
+
+
 @pytest.fixture(autouse=True)
 def _cpu_tests_launch_cpu_ranks(request, monkeypatch):
     """On a CUDA machine (make test there runs the CPU tests and the `gpu` ones), a test not marked `gpu` is a CPU

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import fastpo.envs as E
-from fastpo import testing, update
+from fastpo import update
 from fastpo.config import ConfigError, RolloutConfig
 from fastpo.config_load import parse_args
 from fastpo.engine import HFEngine, SamplingParams
@@ -21,6 +21,7 @@ from fastpo.preflight import validate
 from fastpo.prompts import prompt_spec
 from fastpo.rollout import RolloutPart
 from fastpo.rollout_pool import NewGroup, RolloutPool
+from fastpo.testing import clone_model
 from fastpo.trajectory import Trajectory
 
 ATOL = 1e-5
@@ -31,14 +32,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(tokenizer, old model, new model): two random tiny Qwen2 models of one shape (a wide init: peaked
-    distributions, so token equality is not decided by near-ties)."""
-    path = tmp_path_factory.mktemp("keep_kv")
-    tok = testing.build_tiny_tokenizer(path)
-    testing.build_tiny_model(path, tok, seed=0, initializer_range=0.2)
-    new = testing.build_tiny_model(path / "new", tok, seed=5, initializer_range=0.2).eval()
-    return load_tokenizer(path), load_policy(path).eval(), new
+def tiny(two_tiny_models):
+    """(tokenizer, model, other model) (conftest's ``two_tiny_models``)."""
+    return two_tiny_models
 
 
 def _prompts(n: int, vocab: int, lengths=(17, 9, 23)) -> list[list[int]]:
@@ -52,7 +48,7 @@ OBS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 def _two_turns(model, tok, push=None, keep=False):
     """Turn 1 (seeds 0..), an optional push, the observations, turn 2 (seeds 10..) on 3 sessions of an engine that
     owns a copy of `model`. Returns (engine, sids, turn-2 results, prefill tokens of turn 2)."""
-    engine = HFEngine(_copy(model), tok)
+    engine = HFEngine(clone_model(model), tok)
     sids = engine.open_sessions(3)
     engine.extend(sids, _prompts(3, len(tok)))
     engine.generate_sessions(sids, PARAMS, [0, 1, 2])
@@ -62,12 +58,6 @@ def _two_turns(model, tok, push=None, keep=False):
     before = engine.stats.prefill_tokens
     results = engine.generate_sessions(sids, PARAMS, [10, 11, 12])
     return engine, sids, results, engine.stats.prefill_tokens - before
-
-
-def _copy(model):
-    clone = type(model)(model.config).eval()
-    clone.load_state_dict(model.state_dict())
-    return clone
 
 
 def test_same_weights_keep_and_recompute_continue_as_without_a_push(tiny):
@@ -118,7 +108,7 @@ def test_new_weights_keep_is_the_old_cache_under_the_new_weights(tiny):
 
 def test_keep_is_still_refused_while_requests_are_in_flight(tiny):
     tok, old, _ = tiny
-    engine = HFEngine(_copy(old), tok)
+    engine = HFEngine(clone_model(old), tok)
     sid = engine.open_sessions(1)
     engine.extend(sid, _prompts(1, len(tok)))
     engine.submit(sid[0], PARAMS, 0)

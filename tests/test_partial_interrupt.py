@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import fastpo.envs as E
-from fastpo import testing
 from fastpo.config import ConfigError, RolloutConfig
 from fastpo.config_load import parse_args
 from fastpo.engine import HFEngine, SamplingParams
@@ -21,6 +20,7 @@ from fastpo.preflight import validate
 from fastpo.prompts import prompt_spec
 from fastpo.rollout import RolloutPart
 from fastpo.rollout_pool import NewGroup, RolloutPool
+from fastpo.testing import clone_model
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
 SEEDS = [100, 101, 102]
@@ -29,13 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(tokenizer, model, other model): random tiny Qwen2 models of one shape (a wide init: peaked distributions)."""
-    path = tmp_path_factory.mktemp("cut")
-    tok = testing.build_tiny_tokenizer(path)
-    testing.build_tiny_model(path, tok, seed=0, initializer_range=0.2)
-    other = testing.build_tiny_model(path / "other", tok, seed=5, initializer_range=0.2).eval()
-    return load_tokenizer(path), load_policy(path).eval(), other
+def tiny(two_tiny_models):
+    """(tokenizer, model, other model) (conftest's ``two_tiny_models``)."""
+    return two_tiny_models
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -43,16 +39,10 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (17, 9, 23)]
 
 
-def _copy(model):
-    clone = type(model)(model.config).eval()
-    clone.load_state_dict(model.state_dict())
-    return clone
-
-
 def _run(model, tok, cut_at: int | None, push=None, keep: bool = True, params: SamplingParams = PARAMS):
     """Three sessions, one turn each; after `cut_at` engine steps interrupt everything, optionally push `push`,
     then resume. Returns (engine, session ids, results by request, the interrupted results)."""
-    engine = HFEngine(_copy(model), tok)
+    engine = HFEngine(clone_model(model), tok)
     sids = engine.open_sessions(3)
     engine.extend(sids, _prompts(len(tok)))
     for j, sid in enumerate(sids):
@@ -130,7 +120,7 @@ def test_stop_strings_and_the_token_budget_span_the_cut(tiny):
 
 def test_resume_refuses_what_is_not_the_sessions_cut_turn(tiny):
     tok, model, _ = tiny
-    engine = HFEngine(_copy(model), tok)
+    engine = HFEngine(clone_model(model), tok)
     sid = engine.open_sessions(1)[0]
     engine.extend([sid], _prompts(len(tok))[:1])
     done = GenerationResult(token_ids=[5, 6], logprobs=[-1.0, -1.0], finish_reason="length")
