@@ -15,7 +15,8 @@ Workloads (docs/ENGINES.md "The long-tail workload"):
   at ``</answer>``, its env groups, group size and turns), the case where async must not cost anything.
 
 Both drivers run the same parts with the same request seeds, in alternation within each repeat; the trajectories
-are checked equal (tokens) before any row is written. Occupancy: useful decoded tokens / (decode steps x rows
+are checked equal (tokens) before any row is written (in fp32; in bf16 rounding flips tokens between batch shapes,
+so there the share of equal trajectories is reported and the comparison is statistical). Occupancy: useful decoded tokens / (decode steps x rows
 computed) (``rollout/decode_occupancy``; 1 = no decode compute wasted), and per batch slot
 (``rollout/slot_occupancy``). Rows go to bench/results/async_rollout.csv.
 """
@@ -278,7 +279,11 @@ def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
             tokens_of[mode] = [list(t.input_ids) for t in trajs]
         same = sum(a == b for a, b in zip(tokens_of["async"], tokens_of["lockstep"], strict=True))
         samples["async"].setdefault("trajectories_equal_to_lockstep", []).append(same / len(tokens_of["async"]))
-        if desc.get("engine", "hf") == "hf" and same != len(tokens_of["async"]):
+        # fp32: the two drivers must sample the very same tokens (float differences never flip one on this
+        # workload). bf16's rounding does flip tokens between batch shapes, so there the comparison is statistical
+        # (same seeds, same workload, ~the same lengths): the share of equal trajectories and the useful tokens/s
+        # ratio are reported with it.
+        if desc.get("engine", "hf") == "hf" and args.dtype == "float32" and same != len(tokens_of["async"]):
             raise SystemExit("async and lock-step trajectories differ: not a like-for-like comparison")
     rows = []
     for mode, metrics in samples.items():
@@ -289,12 +294,12 @@ def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
                              unit="", x_name="repeats", x_value=repeats, p50=p50, p20=p20, p80=p80,
                              config=json.dumps({**desc, "threads": args.threads, "note": args.note},
                                                sort_keys=True)))
-    ratio = np.median(samples["async"]["trajectories_per_s"]) / np.median(samples["lockstep"]["trajectories_per_s"])
-    rows.append(dict(name=f"rollout_{desc.get('model')}", provider=f"fastpo-{desc.get('engine', 'hf')}",
-                     mode="async/lockstep",
-                     metric="trajectories_per_s_ratio", unit="x", x_name="repeats", x_value=repeats,
-                     p50=float(ratio), p20=float(ratio), p80=float(ratio),
-                     config=json.dumps({**desc, "threads": args.threads, "note": args.note}, sort_keys=True)))
+    for metric in ("trajectories_per_s", "useful_tokens_per_s"):
+        ratio = np.median(samples["async"][metric]) / np.median(samples["lockstep"][metric])
+        rows.append(dict(name=f"rollout_{desc.get('model')}", provider=f"fastpo-{desc.get('engine', 'hf')}",
+                         mode="async/lockstep", metric=f"{metric}_ratio", unit="x", x_name="repeats",
+                         x_value=repeats, p50=float(ratio), p20=float(ratio), p80=float(ratio),
+                         config=json.dumps({**desc, "threads": args.threads, "note": args.note}, sort_keys=True)))
     return rows
 
 
