@@ -16,9 +16,9 @@ Workloads (docs/ENGINES.md "The long-tail workload"):
 
 Both drivers run the same parts with the same request seeds, in alternation within each repeat; the trajectories
 are checked equal (tokens) before any row is written (in fp32; in bf16 rounding flips tokens between batch shapes,
-so there the share of equal trajectories is reported and the comparison is statistical). Occupancy: useful decoded tokens / (decode steps x rows
-computed) (``rollout/decode_occupancy``; 1 = no decode compute wasted), and per batch slot
-(``rollout/slot_occupancy``). Rows go to bench/results/async_rollout.csv.
+so there the share of equal trajectories is reported and the comparison is statistical). Occupancy: useful decoded
+tokens / (decode steps x rows computed) (``rollout/decode_occupancy``; 1 = no decode compute wasted), and per batch
+slot (``rollout/slot_occupancy``). Rows go to bench/results/async_rollout.csv.
 """
 
 from __future__ import annotations
