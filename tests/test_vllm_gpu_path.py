@@ -138,6 +138,14 @@ def test_engine_pushes_through_ipc_when_chosen(monkeypatch):
     assert pushed == [[["model.layers.0.a"], ["model.layers.1.a"]], "reset"]
 
 
+def test_engine_refuses_to_keep_caches_across_a_push():
+    """rollout.partial_kv keep is the built-in engine's: vLLM's sync_weights refuses keep_cache before it pushes."""
+    engine = object.__new__(ev.VLLMEngine)
+    engine.llm = SimpleNamespace(reset_prefix_cache=lambda: pytest.fail("nothing may be pushed or reset"))
+    with pytest.raises(ValueError, match=r"VLLMEngine.sync_weights\(keep_cache=True\): vLLM holds no session's KV"):
+        engine.sync_weights({"model.layers.0.a": torch.ones(2)}, keep_cache=True)
+
+
 # ------------------------------------------------------------------------------------ what vLLM is asked for
 
 

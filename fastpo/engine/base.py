@@ -350,9 +350,11 @@ class Engine(ABC):
         """A session's full context so far (prompt, observations and sampled tokens)."""
 
     @abstractmethod
-    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | Any) -> int:
+    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | Any, keep_cache: bool = False) -> int:
         """Load new policy weights (a state dict or a module); returns the new ``weight_version``. Caches computed
-        with the old weights are dropped; open sessions keep their tokens and are re-prefilled when next used."""
+        with the old weights are dropped; open sessions keep their tokens and are re-prefilled when next used.
+        ``keep_cache`` True keeps the open sessions' caches instead (in-flight weight updates,
+        ``rollout.partial_kv keep``); an engine that holds no session's cache across a push raises ValueError."""
 
     # ---- asynchronous interface (the lock-step fallback; engines with a scheduler override all four) -----------
 

@@ -685,7 +685,8 @@ class HFEngine(SessionEngine):
         """Copy new weights into the engine's model (a no-op copy when given the engine's own module). Accepts a
         module (peft-wrapped modules: merge the adapter first) or a state dict whose tensors may be DTensors
         (gathered with ``full_tensor``). Returns the new weight_version. Refused while requests are in flight: their
-        tokens so far came from the old weights, and a turn is never split across two versions.
+        tokens so far came from the old weights (``interrupt`` ends them first when a turn is to continue under the
+        new ones).
 
         keep_cache: False (default) drops every session's cache: the next turn of a session re-prefills its whole
             context under the new weights, so every logprob is the new policy's exactly. True keeps each open

@@ -700,11 +700,17 @@ class VLLMEngine(SessionEngine):
                 reload_log.removeFilter(quiet)
         self.llm.reset_prefix_cache()
 
-    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module) -> int:
+    def sync_weights(self, state_dict_or_model: Mapping[str, Any] | nn.Module, keep_cache: bool = False) -> int:
         """Load new policy weights (module or HF-named state dict, DTensors allowed); returns the new version.
         On a sleeping GPU engine: release cached memory, wake the weights, push, release the push's cached
         buffers, then wake the KV cache. Raises RuntimeError while
-        asynchronous requests are in flight (their tokens would mix two weight versions)."""
+        asynchronous requests are in flight (their tokens would mix two weight versions). ``keep_cache`` True is
+        refused (ValueError): the engine holds no session's KV between turns, and the prefix cache the push resets
+        is shared with every request."""
+        if keep_cache:
+            raise ValueError("VLLMEngine.sync_weights(keep_cache=True): vLLM holds no session's KV cache across a "
+                             "weight push (its prefix cache is reset and shared by every request); use the built-in "
+                             "engine for rollout.partial_kv keep")
         self._check_idle("sync_weights")
         state = self._state_of(state_dict_or_model)
         asleep = self._asleep
