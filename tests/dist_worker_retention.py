@@ -5,6 +5,7 @@ torchrun --standalone --nproc_per_node=2 tests/dist_worker_retention.py BASE OUT
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def main() -> None:
     if info.rank == 0:
         Path(out).write_text(json.dumps(rows))
     du.barrier()
+    du.shutdown()
+    # gloo aborts now and then at interpreter exit ("terminate called without an active exception", torch 2.13 CPU;
+    # seen here once in CI, 2026-12-07; dist_worker_checkpoint.py has the same exit): all work is done and flushed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
