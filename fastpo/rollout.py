@@ -512,9 +512,7 @@ class _PartRun:
             ep.text = text
             ep.prompt_ids = new if self.mode != "full" else []  # a per-turn training sequence starts with it
             ep.context_len = length
-        self.rseeds = None
-        if self.request_seeds is not None:
-            self.rseeds = [mix_seed(int(self.request_seeds[i]), len(self.eps[i].samples)) for i in todo]
+        self.rseeds = None if self.request_seeds is None else [self._turn_seed(i) for i in todo]
         self.timings["prompt_s"] += time.perf_counter() - t0
         return todo
 
@@ -623,8 +621,13 @@ class _PartRun:
         with the turn's own request seed, tagged ``(k, i)`` as :meth:`submit` does."""
         if not self.kv:
             raise ValueError("an interrupted turn continues only in a context that grows turn by turn (KV mode)")
-        seed = None if self.request_seeds is None else mix_seed(int(self.request_seeds[i]), len(self.eps[i].samples))
+        seed = None if self.request_seeds is None else self._turn_seed(i)
         engine.submit(self.sessions[i], self.sampling, seed, tag=(k, i), resume=cut)
+
+    def _turn_seed(self, i: int) -> int:
+        """The request seed of instance `i`'s current turn t: ``mix(request_seeds[i], t)`` (the same in lock-step,
+        async and a cut turn's continuation)."""
+        return mix_seed(int(self.request_seeds[i]), len(self.eps[i].samples))
 
     def close(self) -> None:
         if self.sessions:
@@ -748,8 +751,7 @@ def _finish_turns(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: Rollou
         ids += s_ids
         mask += s_mask
         logps += s_lp
-        turn_v = iter(np.broadcast_to(np.asarray(ep.versions[k]), (int(sum(s_mask)),)).tolist())
-        versions += [next(turn_v) if m else -1 for m in s_mask]
+        versions += [ep.versions[k] if m else -1 for m in s_mask]  # per-turn contexts never cut a turn: one int
         rewards += rew
         turn_end += ends
         bounds.append(len(ids))

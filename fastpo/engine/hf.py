@@ -618,8 +618,8 @@ class HFEngine(SessionEngine):
         del self._inflight[request.session_id]
         session = request.session
         session.tokens.extend(request.tokens[request.resumed:])  # a resumed turn's earlier tokens are there already
-        if len(request.tokens) > request.resumed:
-            session.cached = len(session.tokens) - 1  # the last sampled token was never fed
+        # the last sampled token is never in the cache (a running request has sampled in every step since admission)
+        session.cached = len(session.tokens) - 1
         self._pool.lengths[slot] = session.cached
         if interrupted:
             reason = "interrupted"
@@ -631,11 +631,13 @@ class HFEngine(SessionEngine):
 
     def _result(self, request: _Request, reason: str) -> GenerationResult:
         """The request's whole turn so far as a result (a resumed turn's earlier tokens first)."""
-        versions = request.versions + [self._version] * (len(request.tokens) - request.resumed)
+        versions = None  # every token of an uncut turn has the current version
+        if request.resumed:
+            versions = request.versions + [self._version] * (len(request.tokens) - request.resumed)
         return GenerationResult(
             token_ids=list(request.tokens), logprobs=list(request.logprobs), finish_reason=reason,
             raw_logprobs=list(request.raw), weight_version=self._version, stop_string=request.stop_string,
-            token_versions=versions if request.resumed else None)
+            token_versions=versions)
 
     def _decode(self) -> None:
         """One decode forward over the slots [0, hi) that hold every running row; the other rows in the range feed a
