@@ -5,13 +5,13 @@
     sids = engine.open_sessions(n); engine.extend(sids, prompts); engine.generate_sessions(sids, params, seeds)
     engine.submit(sid, params, seed, tag); completions = engine.step()      # asynchronous: one decode step
 
-Scheduling. Requests wait in a FIFO queue. Each ``step`` (1) admits waiting requests into free KV slots and
-prefills their uncached tokens (one forward for all of them), (2) samples one token for every running request,
-(3) returns the requests that stopped (their slot is free for the next admission at once) and (4) runs one decode
-forward for the rest. ``generate_sessions`` submits its requests and steps until they are done, so the lock-step
-interface runs on the same scheduler. Sampling (``fastpo.engine.sampling``) is inverse-CDF sampling on one uniform
-per request and step from a counter-based stream of the request's seed, so a request's tokens depend only on its
-seed and its context, never on the other rows of the batch (up to float differences of batched matmuls).
+Scheduling. Requests wait in a FIFO queue. Each ``step`` (1) admits waiting requests into free KV slots and prefills
+their uncached tokens (one forward, or a few when their sizes differ widely), (2) samples one token for every
+running request, (3) returns the requests that stopped (their slot is free for the next admission at once) and (4)
+runs one decode forward for the rest. ``generate_sessions`` submits its requests and steps until they are done, so
+the lock-step interface runs on the same scheduler. Sampling (``fastpo.engine.sampling``) is inverse-CDF sampling on
+one uniform per request and step from a counter-based stream of the request's seed, so a request's tokens depend
+only on its seed and its context, never on the other rows of the batch (up to float differences of batched matmuls).
 
 KV cache: a pool of slots. Per layer one [S, kv_heads, C, head_dim] buffer for keys and one for values; slot s
 holds one session's tokens in columns [0, length[s]), so a token's column is its position id and there are no
@@ -59,6 +59,7 @@ from .base import (
     eos_ids_from,
     stop_matcher,
 )
+from .packing import split_rows
 from .sampling import apply_top_k_top_p, request_uniforms, sample_tokens
 
 __all__ = ["HFEngine", "apply_top_k_top_p", "request_uniforms", "sample_tokens"]
@@ -515,7 +516,8 @@ class HFEngine(SessionEngine):
         """Feed each (slot, new tokens); their next-token logits go to ``self._logits[slot]``.
 
         Fresh rows that repeat a prompt (a GRPO group's rollouts start from one state) are computed once and their
-        KV columns copied to the others (the same numbers, up to the float differences of another batch size)."""
+        KV columns copied to the others (the same numbers, up to the float differences of another batch size). The
+        rest go in one forward, or several when their sizes differ enough (``packing.split_rows``)."""
         pool = self._pool
         first: dict[tuple[int, ...], int] = {}
         compute: list[tuple[int, list[int]]] = []
@@ -528,7 +530,10 @@ class HFEngine(SessionEngine):
             if pool.lengths[slot] == 0:
                 first[key] = slot
             compute.append((slot, ids))
-        self._prefill_rows(compute)
+        # unequal rows go in separate forwards when padding them together would cost more (fastpo.engine.packing)
+        ends = [int(pool.lengths[slot]) + len(ids) for slot, ids in compute]
+        for group in split_rows([len(ids) for _, ids in compute], ends):
+            self._prefill_rows([compute[i] for i in group])
         for src, dst, columns in copies:
             pool.copy_slot(src, dst, columns)
             self._logits[dst] = self._logits[src]
