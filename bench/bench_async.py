@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="partial: also run each --partial-kv mode with rollout.partial_interrupt (turns cut)")
     parser.add_argument("--admit-wait", type=int, default=None,
                         help="built-in engine: HFEngine(admit_wait=N); default: the engine's default")
+    parser.add_argument("--no-split-prefill", action="store_true",
+                        help="built-in engine: HFEngine(split_prefill=False), one prefill forward per admission (the "
+                             "baseline of fastpo.engine.packing)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the models' dtype (bfloat16: AMX / AVX512-BF16 matmuls on recent Xeons)")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
@@ -202,7 +205,10 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
                          "stale_token_share": float((lags > 0).mean()) if lags.size else 0.0,
                          "staleness_mean": float(lags.mean()) if lags.size else 0.0,
                          "staleness_max": float(lags.max()) if lags.size else 0.0,
-                         "prefill_tokens_per_iteration": float(np.median(prefill[1:] if iters > 1 else prefill))}
+                         "prefill_tokens_per_iteration": float(np.median(prefill[1:] if iters > 1 else prefill)),
+                         # left padding among the prefilled positions (fastpo.engine.packing removes most of it)
+                         "prefill_padding_share": 1 - (end.prefill_tokens - start.prefill_tokens)
+                         / max(end.prefill_positions - start.prefill_positions, 1)}
     rows = []
 
     def conf(mode: str) -> str:  # a partial row records its rollout.partial_kv; a sync row has none
@@ -225,8 +231,9 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The built-in engine's options from the command line (only those given)."""
-    return {} if args.admit_wait is None else {"admit_wait": args.admit_wait}
+    """The built-in engine's options from the command line (only those given: rows without them stay comparable)."""
+    out = {} if args.admit_wait is None else {"admit_wait": args.admit_wait}
+    return out | ({"split_prefill": False} if args.no_split_prefill else {})
 
 
 def dtype_field(args: argparse.Namespace) -> dict:

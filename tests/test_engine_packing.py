@@ -65,20 +65,24 @@ def tiny(tmp_path_factory):
     return load_tokenizer(path), load_policy(path).eval()
 
 
-def test_engine_prefills_unequal_rows_in_separate_forwards_with_the_same_samples(tiny):
-    """A 400-token prompt admitted with two short ones: two forwards, and each row samples what it samples alone."""
+@pytest.mark.parametrize("split", [True, False])
+def test_engine_prefills_unequal_rows_in_separate_forwards_with_the_same_samples(tiny, split):
+    """A 400-token prompt admitted with two short ones: two forwards (one with ``split_prefill=False``), the padded
+    positions counted, and each row samples what it samples alone."""
     tok, model = tiny
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (400, 3, 2)]
     params = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True)
-    engine = HFEngine(model, tok)
+    engine = HFEngine(model, tok, split_prefill=split)
     calls = []
     original = engine._prefill_rows
     engine._prefill_rows = lambda rows: calls.append(sorted(len(ids) for _, ids in rows)) or original(rows)
     sids = engine.open_sessions(3)
     engine.extend(sids, prompts)
     got = engine.generate_sessions(sids, params, [1, 2, 3])
-    assert sorted(calls) == [[2, 3], [400]]
+    assert sorted(calls) == ([[2, 3], [400]] if split else [[2, 3, 400]])
+    assert engine.stats.prefill_tokens == 405
+    assert engine.stats.prefill_positions == (400 + 2 * 3 if split else 3 * 400)
     for prompt, seed, result in zip(prompts, [1, 2, 3], got, strict=True):
         alone = HFEngine(model, tok)
         sid = alone.open_sessions(1)

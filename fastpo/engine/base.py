@@ -217,6 +217,8 @@ class EngineStats:
         tokens: sampled tokens, each request's first one (sampled from its prefill's logits) included.
         first_tokens: requests whose first token came from a prefill (not a decode step).
         prefill_tokens: context tokens fed by prefill forwards.
+        prefill_positions: query positions those forwards computed, left padding included (>= prefill_tokens; an
+            engine that computes no padding leaves it 0).
     """
 
     decode_steps: int = 0
@@ -225,6 +227,7 @@ class EngineStats:
     tokens: int = 0
     first_tokens: int = 0
     prefill_tokens: int = 0
+    prefill_positions: int = 0
 
     def occupancy(self) -> float:
         """Useful decoded tokens / rows computed by decode steps (1.0 = no decode compute wasted)."""

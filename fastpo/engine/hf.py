@@ -221,6 +221,9 @@ class HFEngine(SessionEngine):
         gqa_sdpa: on a CPU, run grouped-KV models' forwards through SDPA with ``enable_gqa`` and the engine's mask
             instead of transformers' per-head KV copy (``fastpo.engine.attention``; same tokens). False keeps the
             model's own attention (the benchmarks' baseline).
+        split_prefill: prefill one admission's rows in several forwards when their sizes differ widely
+            (``fastpo.engine.packing``: a long first prompt does not pad the short turns admitted with it). False:
+            one forward for all of them (the benchmarks' baseline).
     """
 
     def __init__(
@@ -236,6 +239,7 @@ class HFEngine(SessionEngine):
         growth: float = 1.5,
         admit_wait: int = 2,
         gqa_sdpa: bool = True,
+        split_prefill: bool = True,
     ):
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             from ..model import load_policy
@@ -270,6 +274,7 @@ class HFEngine(SessionEngine):
             raise ValueError(f"admit_wait must be an int >= 0, got {admit_wait!r}")
         self.admit_wait = admit_wait
         self.gqa_sdpa = bool(gqa_sdpa)
+        self.split_prefill = bool(split_prefill)
         self._pool = _SlotPool((config.num_hidden_layers, kv_heads, head_dim), self.dtype, self.device)
         self._waiting: list[_Request] = []
         self._running: dict[int, _Request] = {}  # slot -> request
@@ -532,7 +537,8 @@ class HFEngine(SessionEngine):
             compute.append((slot, ids))
         # unequal rows go in separate forwards when padding them together would cost more (fastpo.engine.packing)
         ends = [int(pool.lengths[slot]) + len(ids) for slot, ids in compute]
-        for group in split_rows([len(ids) for _, ids in compute], ends):
+        groups = split_rows([len(ids) for _, ids in compute], ends) if self.split_prefill else [range(len(compute))]
+        for group in groups:
             self._prefill_rows([compute[i] for i in group])
         for src, dst, columns in copies:
             pool.copy_slot(src, dst, columns)
@@ -560,6 +566,7 @@ class HFEngine(SessionEngine):
         read = slice(0, count) if bool((slots == torch.arange(count, device=device)).all()) else slots
         total = int((starts + width).max())
         self._grow(capacity=total + 1)  # a short row next to a long one writes pad queries up to start + width
+        self.stats.prefill_positions += count * width
         chunk = max(1, self.max_prefill_tokens // count)
         for c0 in range(0, width, chunk):
             c1 = min(width, c0 + chunk)
