@@ -400,6 +400,26 @@ def test_continuous_batching_tokens_depend_on_seed_and_context_only(tiny, max_ba
     engine.close_sessions(sids)
 
 
+def test_max_batch_size_caps_the_slots_when_the_pool_grows_step_by_step(tiny):
+    """Requests arriving one per step make the slot pool grow several times (by ``growth``); it never holds more
+    than max_batch_size slots, and no more requests than that run together (the pool grew 4 -> 6 past a cap of 5
+    once: the growth factor was applied twice)."""
+    _, tok, model = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    engine = HFEngine(model, tok, max_batch_size=5, admit_wait=0)
+    sids = engine.open_sessions(9)
+    engine.extend(sids, _prompts(9, len(tok), seed=5))
+    most_slots = most_running = 0
+    pending = list(enumerate(sids))
+    while pending or engine.num_unfinished():
+        if pending:
+            i, sid = pending.pop(0)
+            engine.submit(sid, params, 40 + i, tag=i)
+        engine.step()
+        most_slots, most_running = max(most_slots, engine._pool.slots), max(most_running, len(engine._running))
+    assert most_slots == 5 and most_running == 5
+
+
 def test_admit_wait_holds_a_lone_arrival_and_admits_a_large_queue_at_once(tiny):
     """admit_wait=2: one request submitted while four decode waits two steps before its prefill; three submitted
     together while five decode (at least half as many) join at once. admit_wait=0: every arrival is prefilled the

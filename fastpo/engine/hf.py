@@ -136,10 +136,11 @@ class _SlotPool:
         return self.layers[0].keys.shape[2]
 
     def reserve(self, slots: int, capacity: int, growth: float) -> None:
-        """At least `slots` slots and `capacity` columns; reallocates (one copy of the pool) when either grows."""
+        """At least `slots` slots (exactly that many when it grows: the engine decides, within max_batch_size) and
+        `capacity` columns (times `growth` when it grows); reallocates (one copy of the pool) when either grows."""
         if slots <= self.slots and capacity <= self.capacity:
             return
-        new_slots = self.slots if slots <= self.slots else max(slots, int(self.slots * growth))
+        new_slots = max(slots, self.slots)
         new_cap = self.capacity if capacity <= self.capacity else max(capacity, int(self.capacity * growth))
         old_slots, old_cap = self.slots, self.capacity
         for layer in self.layers:
