@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partial-kv", nargs="+", default=["recompute"], choices=["recompute", "keep"],
                         help="partial: rollout.partial_kv, one timed pool per value (recompute: the push drops the "
                              "carried episodes' KV caches, rows mode=partial; keep: it keeps them, mode=partial-keep)")
+    parser.add_argument("--partial-spare", type=int, default=0,
+                        help="partial: rollout.partial_spare, episodes in flight beyond the engine's slots (the "
+                             "engine gets max_batch_size = --episodes, the pool that many more)")
     parser.add_argument("--partial-interrupt", action="store_true",
                         help="partial: also run each --partial-kv mode with rollout.partial_interrupt (turns cut)")
     parser.add_argument("--admit-wait", type=int, default=None,
@@ -139,7 +142,7 @@ def longtail_setup(args: argparse.Namespace, root: Path):
             return engine
 
         return parts, fresh, tok, sampling, cfg, desc
-    return parts, lambda: HFEngine(model, tok, **engine_kwargs(args)), tok, sampling, cfg, desc
+    return parts, lambda **kw: HFEngine(model, tok, **engine_kwargs(args), **kw), tok, sampling, cfg, desc
 
 
 def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
@@ -166,14 +169,16 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
         for mode, kv in list(kv_of.items()):
             kv_of[f"{mode}-cut"], cut_of[f"{mode}-cut"] = kv, True
     for mode in ("sync", *kv_of):
-        engine = make_engine() if mode != "sync" else model_engine
+        # rollout.partial_spare: the engine keeps the batch's slots, the pool runs that many more episodes
+        slots = {"max_batch_size": groups * 4} if args.partial_spare else {}
+        engine = make_engine(**slots) if mode != "sync" else model_engine
         times, count, lags, prefill, pool = [], 0, [], [], None
         if mode != "sync":
             env = E.make("sokoban", groups * 4 * (args.max_staleness + 2))
             pool = RolloutPool([RolloutPart(env, template.spec, [], [], max_turns=args.turns)], engine, tok,
                                sampling, RolloutConfig(mode="async", partial=True, max_staleness=args.max_staleness,
                                                        partial_kv=kv_of[mode], partial_interrupt=cut_of[mode],
-                                                       **cfg), group, width=groups * 4)
+                                                       **cfg), group, width=groups * 4 + args.partial_spare)
         start = dataclasses.replace(engine.stats)
         for it in range(iters):
             version = engine.weight_version
@@ -213,6 +218,8 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
 
     def conf(mode: str) -> str:  # a partial row records its rollout.partial_kv; a sync row has none
         extra = {"partial_interrupt": True} if cut_of.get(mode) else {}  # only when set: older rows compare
+        if args.partial_spare and mode != "sync":
+            extra["partial_spare"] = args.partial_spare
         return json.dumps({**desc, "threads": args.threads, "note": args.note, "iterations": iters,
                            "max_staleness": args.max_staleness, "partial_kv": kv_of.get(mode), **extra},
                           sort_keys=True)
@@ -261,7 +268,7 @@ def tiny_setup(args: argparse.Namespace, root: Path):
     cfg = dict(max_model_len=r.max_model_len, enable_think=r.enable_think)
     desc = dict(model="tiny-agent", env=name, episodes=n, turns=e.max_turns, max_new_tokens=r.response_length,
                 **engine_kwargs(args), **dtype_field(args))
-    return parts, lambda: HFEngine(model, tok, **engine_kwargs(args)), tok, sampling, cfg, desc
+    return parts, lambda **kw: HFEngine(model, tok, **engine_kwargs(args), **kw), tok, sampling, cfg, desc
 
 
 def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:

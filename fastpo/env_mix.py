@@ -305,7 +305,7 @@ class EnvPart:
     Attributes:
         entry: the mix entry (name, label, budgets, kwargs).
         groups: the GLOBAL group ids this rank runs for the entry.
-        env: the batch env, ``len(groups) * entry.group_size`` instances (times ``capacity``).
+        env: the batch env, ``len(groups) * entry.group_size`` instances (times ``capacity``, plus ``extra``).
         spec: the prompt (``prompts.env_prompt_spec``: RAGEN's for built-in envs, the env's own for a plug-in).
         first_index: the global index of each group's first trajectory (its sampling seeds' index).
     """
@@ -318,10 +318,11 @@ class EnvPart:
 
 
 def build_parts(entries: list[EnvEntry], groups: range, backend: str, enable_think: bool,
-                action_sep: str, capacity: int = 1) -> list[EnvPart]:
+                action_sep: str, capacity: int = 1, extra: int = 0) -> list[EnvPart]:
     """The parts of ``entries`` that this rank's ``groups`` belong to (one batch env each, with the entry's own
     kwargs and action budget in its prompt). ``capacity``: instances per trajectory of one iteration (partial
-    rollouts hold episodes of several iterations at once)."""
+    rollouts hold episodes of several iterations at once); ``extra``: instances added to each part on top
+    (``rollout.partial_spare``'s episodes)."""
     from .prompts import env_prompt_spec
 
     offsets = trajectory_offsets(entries)
@@ -330,7 +331,8 @@ def build_parts(entries: list[EnvEntry], groups: range, backend: str, enable_thi
         mine = [g for g in groups if g in set(entry.groups)]
         if not mine:
             continue
-        env = envs.make(entry.name, len(mine) * entry.group_size * capacity, backend=backend, **entry.kwargs)
+        env = envs.make(entry.name, len(mine) * entry.group_size * capacity + extra, backend=backend,
+                        **entry.kwargs)
         budget = {} if entry.max_actions_per_traj is None else {"max_actions_per_traj": entry.max_actions_per_traj}
         spec = env_prompt_spec(entry.name, env, enable_think=enable_think, action_sep=action_sep, **budget,
                                **entry.prompt)

@@ -145,10 +145,13 @@ class Trainer:
         self._layout, self._token_cost = self.models.layout, token_cost(self.actor)
         e, r = cfg.env, cfg.rollout
         envs.load_plugins(e.plugins)  # every rank, before any env is built (validate did it on this rank)
-        # partial rollouts: room for the episodes in flight, their finished group mates and the finished groups
-        self.train_parts = env_mix.build_parts(env_mix.resolve_mix(e, "train"), du.shard_groups(
-            e.env_groups, self.world, self.rank), e.backend, r.enable_think, e.action_sep,
-            capacity=r.max_staleness + 2 if r.partial else 1)
+        # partial rollouts: room for the episodes in flight, their finished group mates and the finished groups, and
+        # for the spare episodes (a group starts whole, so up to a group less one more)
+        mix = env_mix.resolve_mix(e, "train")
+        spare = r.partial_spare + max(m.group_size for m in mix) - 1 if r.partial_spare else 0
+        self.train_parts = env_mix.build_parts(mix, du.shard_groups(e.env_groups, self.world, self.rank), e.backend,
+                                               r.enable_think, e.action_sep,
+                                               capacity=r.max_staleness + 2 if r.partial else 1, extra=spare)
         self.val_parts = env_mix.build_parts(env_mix.resolve_mix(e, "val"), du.shard_groups(
             e.val_groups, self.world, self.rank), e.backend, r.enable_think, e.action_sep)
         self.engine = self._build_engine()  # after the parts: vLLM sizes its KV cache from their batch
@@ -183,7 +186,9 @@ class Trainer:
         forwards of grouped-KV models go through SDPA's GQA path (``fastpo.engine.attention``).
         vLLM sleeps at level 2 (every wake is a full weight push: nothing to keep on the host), and on GPU sizes
         its KV cache and step token budget from the rank's largest batch (train or validation sessions, at most
-        rollout.max_num_seqs) unless rollout.kv_cache_mb is set."""
+        rollout.max_num_seqs) unless rollout.kv_cache_mb is set. The built-in engine runs every request submitted
+        to it at once; with rollout.partial_spare at most the training batch's slots (or validation's, if more), so
+        the spare episodes wait in its queue."""
         cfg, r = self.cfg, self.cfg.rollout
         if r.engine == "vllm":
             from .engine.vllm import VLLMEngine
@@ -199,7 +204,14 @@ class Trainer:
                 tensor_parallel_size=1, sleep_level=2)
         engine_model = load_policy(self.model_path, dtype=cfg.model.dtype).to(self.device).eval()
         engine_model.requires_grad_(False)
-        return HFEngine(engine_model, self.tokenizer, seed=cfg.trainer.seed + self.rank)
+        slots = None  # as many as are submitted
+        if r.partial and r.partial_spare:  # the spare episodes queue for the training batch's slots
+            slots = max(self._train_slots(), sum(len(p.groups) * p.entry.group_size for p in self.val_parts))
+        return HFEngine(engine_model, self.tokenizer, seed=cfg.trainer.seed + self.rank, max_batch_size=slots)
+
+    def _train_slots(self) -> int:
+        """The engine's batch slots for this rank's training rollout: rollout.max_num_seqs, or every episode."""
+        return self.cfg.rollout.max_num_seqs or sum(len(p.groups) * p.entry.group_size for p in self.train_parts)
 
     # ---- checkpoint state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -364,7 +376,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         per_rank = sum(len(p.groups) for p in self.train_parts)
         if self.pool is None:
-            width = cfg.rollout.max_num_seqs or sum(len(p.groups) * p.entry.group_size for p in self.train_parts)
+            width = self._train_slots() + cfg.rollout.partial_spare
             self.pool = RolloutPool(
                 [RolloutPart(p.env, p.spec, [], [], max_turns=p.entry.max_turns,
                              max_actions_per_turn=p.entry.max_actions_per_turn, label=p.entry.label)

@@ -187,7 +187,7 @@ def test_config_hash_covers_math_only():
                                                       "filter_loss_scaling", "zero_task_advantage",
                                                       "soft_advantage_reweight", "grpo_length_weight",
                                                       "batch_adjust_mode")], ("rollout", "context_window_mode"),
-                         ("rollout", "partial_kv"), ("rollout", "partial_interrupt")]:
+                         ("rollout", "partial_kv"), ("rollout", "partial_interrupt"), ("rollout", "partial_spare")]:
         del data[section][key]  # added after the first checkpoints, like the two above
     data["trainer"] = {k: v for k, v in data["trainer"].items() if k not in C.TrainerConfig._unhashed}
     del data["env"]["preflight_timeout_s"]  # a limit on the checks, not math: never hashed

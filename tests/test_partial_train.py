@@ -42,15 +42,18 @@ def test_out_of_range_is_one_config_error(field, value, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("partial_kv,cut", [("recompute", False), ("keep", False), ("keep", True)])
-def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys, partial_kv, cut):
+@pytest.mark.parametrize("partial_kv,cut,spare", [("recompute", False, 0), ("keep", False, 0), ("keep", True, 0),
+                                                  ("keep", True, 3)])
+def test_partial_rollouts_resume_exactly_and_respect_the_bound(tmp_path, capsys, partial_kv, cut, spare):
     """4 iterations straight == 2 + checkpoint + resume to 4 in a new process, bit for bit, with partial rollouts
     (the checkpoint step drains the pool, so the checkpoint holds no episode in flight), whether the weight push
     drops the carried episodes' KV caches or keeps them (rollout.partial_kv), and whether the turns in flight at an
-    iteration's end finish or are cut (rollout.partial_interrupt). The logged staleness never exceeds
-    max_staleness, and episodes really were carried across iterations."""
+    iteration's end finish or are cut (rollout.partial_interrupt), and with spare episodes queued for the
+    engine's slots (rollout.partial_spare). The logged staleness never exceeds max_staleness, and episodes really
+    were carried across iterations."""
     args = [*SMALL, *GAE, *PARTIAL, "--trainer.deterministic", "true", "--trainer.save_every", "2",
-            "--rollout.partial_kv", partial_kv, "--rollout.partial_interrupt", str(cut).lower()]
+            "--rollout.partial_kv", partial_kv, "--rollout.partial_interrupt", str(cut).lower(),
+            "--rollout.partial_spare", str(spare)]
     straight, split = tmp_path / "straight", tmp_path / "split"
     # fastpo.train's main in this process, a new Trainer per launch (test_trainer covers resume across processes)
     _main_ok([*args, "--trainer.iterations", "4"], straight, capsys)

@@ -222,7 +222,7 @@ HASHED_WHEN_SET: dict[tuple[str, str], Any] = {
     ("algorithm", "filter_loss_scaling"): "none", ("algorithm", "zero_task_advantage"): False,
     ("algorithm", "soft_advantage_reweight"): False, ("algorithm", "grpo_length_weight"): False,
     ("algorithm", "batch_adjust_mode"): "none", ("rollout", "context_window_mode"): "full",
-    ("rollout", "partial_kv"): "recompute", ("rollout", "partial_interrupt"): False,
+    ("rollout", "partial_kv"): "recompute", ("rollout", "partial_interrupt"): False, ("rollout", "partial_spare"): 0,
 }
 
 

@@ -5,8 +5,9 @@ and every query attends over as many columns as the longest context in the forwa
 often very unequal: a new episode's first prompt (the system prompt and instructions, hundreds of tokens) next to
 the next turn of a running one (an observation, about a hundred), or a continued turn that needs a single token.
 Padded together, the short rows compute the long row's positions: on the long-tail bench with partial rollouts
-29% of the prefilled positions were padding. Splitting costs a forward's fixed part instead (reading every weight
-once, the per-layer launches). ``split_rows`` picks the split with the least estimated cost.
+18-24% of the prefilled positions were padding (``bench_async.py --no-split-prefill``, ``prefill_padding_share``).
+Splitting costs a forward's fixed part instead (reading every weight once, the per-layer launches). ``split_rows``
+picks the split with the least estimated cost.
 
 Cost model, in token-columns (one query position attending over one context column): a forward over rows R with new
 tokens P (the most of any row) and context W (the longest row's columns after it) costs
