@@ -162,24 +162,36 @@ def test_the_pool_refuses_an_engine_that_cannot_interrupt(tiny):
 
 
 @pytest.mark.slow
-def test_the_pool_cuts_at_its_stop_rule_and_keeps_every_token():
-    """The tiny agent on FrozenLake and Sokoban, a push of the same weights (cache kept) between calls: with cuts,
-    the calls end without waiting for the turns in flight (some turns span two versions), and every group's
-    trajectories have the tokens of the pool without cuts (a cut turn continues its seed's stream), their logprobs
-    within float differences."""
+def tiny_agent_pool(seed: int, request_seed: int, instances: int):
+    """The shipped tiny agent over two env parts (non-slippery FrozenLake, Sokoban) for RolloutPool tests:
+    (tokenizer, model, sampling params, group source, a factory of fresh parts with `instances` each). Groups of 3
+    alternate between the parts; group n has env seed ``seed + n`` and request seeds from ``request_seed``."""
     path = resolve_model_path("tiny")
     tok, model = load_tokenizer(path), load_policy(path).eval()
     params = SamplingParams(temperature=1.0, max_new_tokens=24, stop=("</answer>",))
 
     def group(n: int) -> NewGroup:
-        return NewGroup(part=n % 2, seed=50 + n, group=n, request_seeds=tuple(7000 + 3 * n + j for j in range(3)))
+        return NewGroup(part=n % 2, seed=seed + n, group=n,
+                        request_seeds=tuple(request_seed + 3 * n + j for j in range(3)))
 
+    def make_parts() -> list[RolloutPart]:
+        return [RolloutPart(E.make(name, instances, **kw), prompt_spec(name, enable_think=False), [0] * instances,
+                            [0] * instances, max_turns=4, max_actions_per_turn=2)
+                for name, kw in (("frozenlake", {"is_slippery": False}), ("sokoban", {}))]
+
+    return tok, model, params, group, make_parts
+
+
+def test_the_pool_cuts_at_its_stop_rule_and_keeps_every_token():
+    """The tiny agent on FrozenLake and Sokoban, a push of the same weights (cache kept) between calls: with cuts,
+    the calls end without waiting for the turns in flight (some turns span two versions), and every group's
+    trajectories have the tokens of the pool without cuts (a cut turn continues its seed's stream), their logprobs
+    within float differences."""
+    tok, model, params, group, make_parts = tiny_agent_pool(seed=50, request_seed=7000, instances=24)
     runs = {}
     for cut in (False, True):
         engine = HFEngine(model, tok)
-        parts = [RolloutPart(E.make(name, 24, **kw), prompt_spec(name, enable_think=False), [0] * 24, [0] * 24,
-                             max_turns=4, max_actions_per_turn=2)
-                 for name, kw in (("frozenlake", {"is_slippery": False}), ("sokoban", {}))]
+        parts = make_parts()
         cfg = RolloutConfig(mode="async", partial=True, max_staleness=2, partial_kv="keep", partial_interrupt=cut)
         pool = RolloutPool(parts, engine, tok, params, cfg, group, width=12)
         trajs, stats = {}, []

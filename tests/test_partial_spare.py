@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_partial_interrupt import tiny_agent_pool
 
-import fastpo.envs as E
 from fastpo.config import ConfigError, RolloutConfig, config_hash
 from fastpo.config_load import parse_args
-from fastpo.engine import HFEngine, SamplingParams
-from fastpo.model import load_policy, load_tokenizer, resolve_model_path
+from fastpo.engine import HFEngine
 from fastpo.preflight import validate
-from fastpo.prompts import prompt_spec
-from fastpo.rollout import RolloutPart
-from fastpo.rollout_pool import NewGroup, RolloutPool
+from fastpo.rollout_pool import RolloutPool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,13 +40,7 @@ def test_spare_episodes_queue_for_the_slots_and_sample_the_same_tokens():
     8 + 5 on the same 8 slots: the engine never holds more than 8 slots, turns of spare episodes wait in its queue,
     and every group both runs returned has the same tokens (a request's tokens depend on its seed and context only;
     the same weights are pushed between calls)."""
-    path = resolve_model_path("tiny")
-    tok, model = load_tokenizer(path), load_policy(path).eval()
-    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop=("</answer>",))
-
-    def group(n: int) -> NewGroup:
-        return NewGroup(part=n % 2, seed=80 + n, group=n, request_seeds=tuple(9000 + 3 * n + j for j in range(3)))
-
+    tok, model, params, group, make_parts = tiny_agent_pool(seed=80, request_seed=9000, instances=30)
     runs = {}
     for spare in (0, 5):
         engine = HFEngine(model, tok, max_batch_size=8)
@@ -63,9 +54,7 @@ def test_spare_episodes_queue_for_the_slots_and_sample_the_same_tokens():
             return out
 
         engine.step = spy
-        parts = [RolloutPart(E.make(name, 30, **kw), prompt_spec(name, enable_think=False), [0] * 30, [0] * 30,
-                             max_turns=4, max_actions_per_turn=2)
-                 for name, kw in (("frozenlake", {"is_slippery": False}), ("sokoban", {}))]
+        parts = make_parts()
         cfg = RolloutConfig(mode="async", partial=True, max_staleness=2, partial_kv="keep")
         pool = RolloutPool(parts, engine, tok, params, cfg, group, width=8 + spare)
         trajs = {}
