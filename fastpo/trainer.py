@@ -91,6 +91,11 @@ def request_seed(seed: int, kind: RequestKind, step: int, index: int, round: int
     return int(np.random.SeedSequence(key).generate_state(1, np.uint32)[0])
 
 
+def _episodes(parts: list[env_mix.EnvPart]) -> int:
+    """Episodes (engine sessions) this rank runs at once for `parts`: groups x group size, over the parts."""
+    return sum(len(p.groups) * p.entry.group_size for p in parts)
+
+
 def injected_nan_steps() -> set[int]:
     """Iterations (1-based) whose actor loss the ``FASTPO_INJECT_NAN_AT`` test hook makes NaN."""
     raw = os.environ.get(INJECT_NAN_ENV, "").strip()
@@ -193,8 +198,7 @@ class Trainer:
         if r.engine == "vllm":
             from .engine.vllm import VLLMEngine
 
-            sessions = max(sum(len(p.groups) * p.entry.group_size for p in parts)
-                           for parts in (self.train_parts, self.val_parts))
+            sessions = max(_episodes(self.train_parts), _episodes(self.val_parts))
             return VLLMEngine(
                 self.model_path, self.tokenizer, seed=cfg.trainer.seed + self.rank, dtype=cfg.model.dtype,
                 kv_cache_bytes=r.kv_cache_mb * 2**20 if r.kv_cache_mb else None,
@@ -206,12 +210,12 @@ class Trainer:
         engine_model.requires_grad_(False)
         slots = None  # as many as are submitted
         if r.partial and r.partial_spare:  # the spare episodes queue for the training batch's slots
-            slots = max(self._train_slots(), sum(len(p.groups) * p.entry.group_size for p in self.val_parts))
+            slots = max(self._train_slots(), _episodes(self.val_parts))
         return HFEngine(engine_model, self.tokenizer, seed=cfg.trainer.seed + self.rank, max_batch_size=slots)
 
     def _train_slots(self) -> int:
         """The engine's batch slots for this rank's training rollout: rollout.max_num_seqs, or every episode."""
-        return self.cfg.rollout.max_num_seqs or sum(len(p.groups) * p.entry.group_size for p in self.train_parts)
+        return self.cfg.rollout.max_num_seqs or _episodes(self.train_parts)
 
     # ---- checkpoint state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
