@@ -490,6 +490,35 @@ def test_continuous_batching_beats_lock_step_occupancy(tiny):
     assert cont.stats.decode_steps < lock.stats.decode_steps
 
 
+def test_a_next_turn_submitted_after_a_completion_takes_the_slot_before_the_next_decode(tiny):
+    """Two episodes take turns of 3 and of 5 tokens, each next turn submitted as soon as the step that returned the
+    last one ends (the async driver's loop). The freed slot is prefilled before the next decode forward, so no slot
+    ever idles: useful decoded tokens == decode steps x slots, exactly. (When the decode ran before the next
+    admission, a turn's end could leave its slot idle for a decode step: 8 of 32 slot-steps here.) A turn of L tokens
+    takes L - 1 steps; the two chains end on the same step."""
+    _, tok, model = tiny
+    engine = HFEngine(model, tok, admit_wait=0)
+    sids = engine.open_sessions(2)
+    engine.extend(sids, _prompts(2, len(tok), seed=8))
+    chains = {sids[0]: [3] * 6, sids[1]: [5] * 3}  # 6 x 2 steps == 3 x 4 steps
+    for sid in sids:
+        engine.submit(sid, SamplingParams(temperature=1.0, max_new_tokens=chains[sid].pop(), ignore_eos=True), sid)
+    steps = 0
+    while engine.num_unfinished():
+        steps += 1
+        for done in engine.step():
+            assert len(done.result.token_ids) in (3, 5)
+            if chains[done.session_id]:
+                engine.extend([done.session_id], [[7, 8]])  # the observation
+                n = chains[done.session_id].pop()
+                engine.submit(done.session_id, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True),
+                              100 + steps)
+    stats = engine.stats
+    assert steps == stats.decode_steps == 12 and stats.tokens == 6 * 3 + 3 * 5 and stats.first_tokens == 9
+    assert stats.slot_steps == stats.row_steps == 2 * 12 == stats.tokens - stats.first_tokens
+    assert stats.slot_occupancy() == 1.0
+
+
 def test_async_interface_errors_and_abort(tiny):
     _, tok, model = tiny
     engine = HFEngine(model, tok)

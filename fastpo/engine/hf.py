@@ -6,9 +6,12 @@
     engine.submit(sid, params, seed, tag); completions = engine.step()      # asynchronous: one decode step
 
 Scheduling. Requests wait in a FIFO queue. Each ``step`` (1) admits waiting requests into free KV slots and prefills
-their uncached tokens (one forward, or a few when their sizes differ widely), (2) samples one token for every
-running request, (3) returns the requests that stopped (their slot is free for the next admission at once) and (4)
-runs one decode forward for the rest. ``generate_sessions`` submits its requests and steps until they are done, so
+their uncached tokens (one forward, or a few when their sizes differ widely) and samples their first token from
+the prefill's logits, (2) runs one decode forward over every running request (feeding the token each sampled last)
+and samples its next token, and (3) returns the requests that stopped. A slot freed at the end of a step is taken
+by the next step's admission before its decode forward, so a turn that ends never leaves its slot idle for one
+decode step while its episode's next turn is on its way (the async driver submits it between two steps).
+``generate_sessions`` submits its requests and steps until they are done, so
 the lock-step interface runs on the same scheduler. Sampling (``fastpo.engine.sampling``) is inverse-CDF sampling on
 one uniform per request and step from a counter-based stream of the request's seed, so a request's tokens depend
 only on its seed and its context, never on the other rows of the batch (up to float differences of batched matmuls).
@@ -399,8 +402,10 @@ class HFEngine(SessionEngine):
         self._clock += 1
         try:
             with _eval_mode(self.model):
-                self._admit()
-                done += self._sample_and_decode()
+                done += self._sample(self._admit())  # first tokens, from the prefill's logits
+                if self._running:
+                    self._decode()
+                    done += self._sample(sorted(self._running))
         except BaseException:
             self.abort()
             raise
@@ -485,11 +490,12 @@ class HFEngine(SessionEngine):
             logits[: self._logits.shape[0]] = self._logits
             self._logits = logits
 
-    def _admit(self) -> None:
-        """Give waiting requests slots (FIFO, as long as slots are free) and prefill their uncached tokens."""
+    def _admit(self) -> list[int]:
+        """Give waiting requests slots (FIFO, as long as slots are free) and prefill their uncached tokens. Returns
+        the admitted slots (their next-token logits are in ``self._logits``)."""
         if (self._waiting and self._running and self.admit_wait and 2 * len(self._waiting) < len(self._running)
                 and self._clock - min(r.queued_at for r in self._waiting) <= self.admit_wait):
-            return  # a few arrivals while many decode: let their prefill share a forward with the next ones
+            return []  # a few arrivals while many decode: let their prefill share a forward with the next ones
         admitted: list[tuple[int, _Request]] = []
         # requests whose session holds a slot need no new one: they go first (a queued request must never wait
         # for a slot that its own session holds), then the others in arrival order
@@ -508,7 +514,7 @@ class HFEngine(SessionEngine):
             self._pool.lengths[slot] = session.cached
             admitted.append((slot, request))
         if not admitted:
-            return
+            return []
         # room for the whole turn: the context, the new tokens, max_new_tokens, and the column a masked row writes
         need = max(len(r.session.tokens) + r.params.max_new_tokens + 1 for _, r in admitted)
         self._grow(capacity=need)
@@ -517,6 +523,7 @@ class HFEngine(SessionEngine):
             request.session.cached = len(request.session.tokens)
             request.session.last_used = self._clock
             self._running[slot] = request
+        return sorted(slot for slot, _ in admitted)
 
     def _prefill(self, rows: list[tuple[int, list[int]]]) -> None:
         """Feed each (slot, new tokens); their next-token logits go to ``self._logits[slot]``.
@@ -594,9 +601,9 @@ class HFEngine(SessionEngine):
             pool.plan = None
         return out.logits[:, -1].float()
 
-    def _sample_and_decode(self) -> list[Completion]:
-        """Sample one token for every running request, finish those that stopped, decode one step for the rest."""
-        slots = sorted(self._running)
+    def _sample(self, slots: list[int]) -> list[Completion]:
+        """Sample one token for the running requests in `slots` (ascending) from their logits in ``self._logits``
+        and finish those that stopped; the others keep the token to feed at the next decode."""
         if not slots:
             return []
         requests = [self._running[s] for s in slots]
@@ -622,8 +629,6 @@ class HFEngine(SessionEngine):
                 request.stop_string = request.matcher.match(request.tokens)
             if token in request.stops or request.stop_string or len(request.tokens) >= request.params.max_new_tokens:
                 done.append(self._finish(slot, request))
-        if self._running:
-            self._decode()
         return done
 
     def _finish(self, slot: int, request: _Request, interrupted: bool = False) -> Completion:
@@ -631,7 +636,7 @@ class HFEngine(SessionEngine):
         del self._inflight[request.session_id]
         session = request.session
         session.tokens.extend(request.tokens[request.resumed:])  # a resumed turn's earlier tokens are there already
-        # the last sampled token is never in the cache (a running request has sampled in every step since admission)
+        # the last sampled token is never in the cache (a decode feeds it, and a request leaves right after sampling)
         session.cached = len(session.tokens) - 1
         self._pool.lengths[slot] = session.cached
         if interrupted:
@@ -653,8 +658,9 @@ class HFEngine(SessionEngine):
             token_versions=versions)
 
     def _decode(self) -> None:
-        """One decode forward over the slots [0, hi) that hold every running row; the other rows in the range feed a
-        masked pad token at their first free column (nothing valid is overwritten)."""
+        """One decode forward over the slots [0, hi) that hold every running row, each feeding the token it sampled
+        last; the other rows in the range feed a masked pad token at their first free column (nothing valid is
+        overwritten). Leaves every running row's next-token logits in ``self._logits``."""
         pool, device = self._pool, self.device
         self._compact()
         hi = max(self._running) + 1
