@@ -213,7 +213,10 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
                          "prefill_tokens_per_iteration": float(np.median(prefill[1:] if iters > 1 else prefill)),
                          # left padding among the prefilled positions (fastpo.engine.packing removes most of it)
                          "prefill_padding_share": 1 - (end.prefill_tokens - start.prefill_tokens)
-                         / max(end.prefill_positions - start.prefill_positions, 1)}
+                         / max(end.prefill_positions - start.prefill_positions, 1),
+                         # the engine's forward seconds per iteration (0 on vLLM): what an iteration spends where
+                         "prefill_s_per_iteration": (end.prefill_s - start.prefill_s) / iters,
+                         "decode_s_per_iteration": (end.decode_s - start.decode_s) / iters}
     rows = []
 
     def conf(mode: str) -> str:  # a partial row records its rollout.partial_kv; a sync row has none
@@ -287,6 +290,9 @@ def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
             got = {"trajectories_per_s": len(trajs) / wall, "useful_tokens_per_s": useful / wall, "wall_s": wall,
                    "decode_occupancy": m["rollout/decode_occupancy"], "slot_occupancy": m["rollout/slot_occupancy"],
                    "decode_steps": engine.stats.decode_steps, "useful_tokens": useful,
+                   # seconds in the engine's prefill and decode forwards (0 on vLLM): the prefill is the same work
+                   # for both drivers and bounds their ratio (docs/ENGINES.md)
+                   "prefill_s": engine.stats.prefill_s, "decode_s": engine.stats.decode_s,
                    "mean_response_length": m["rollout/response_length"]}
             for k, v in got.items():
                 samples[mode].setdefault(k, []).append(float(v))

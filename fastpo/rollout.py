@@ -325,6 +325,8 @@ def run_rollouts(
         for batch in batches:
             batch.metrics["rollout/decode_occupancy"] = decoded / rows if rows else 1.0
             batch.metrics["rollout/slot_occupancy"] = decoded / slots if slots else 1.0
+            batch.metrics["rollout/prefill_s"] = after.prefill_s - before.prefill_s
+            batch.metrics["rollout/decode_s"] = after.decode_s - before.decode_s
     return batches
 
 

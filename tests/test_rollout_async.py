@@ -5,6 +5,7 @@ lock-step fallback of the engine interface; episode caps; env failures."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from fastpo.rollout import RolloutPart, run_rollouts
 #: Largest |async - lock-step| sample logprob measured on the tiny agent (fp32 CPU: ~2e-6, batched matmuls of
 #: other widths); the bound leaves a margin without letting a wrong context through (those differ by > 0.1).
 LOGPROB_ATOL = 1e-4
-TIMINGS = ("generate_s", "env_s", "prompt_s", "_occupancy")
+TIMINGS = ("generate_s", "env_s", "prompt_s", "prefill_s", "decode_s", "_occupancy")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,9 @@ def test_async_equals_lockstep_on_the_tiny_agent(agent, options):
     params = SamplingParams(temperature=1.0, max_new_tokens=24, stop=("</answer>",))
     lock = run_rollouts(_parts(), HFEngine(model, tok), tok, params, RolloutConfig(**options))
     engine = HFEngine(model, tok)
+    t0 = time.perf_counter()
     fast = run_rollouts(_parts(), engine, tok, params, RolloutConfig(mode="async", **options))
+    wall = time.perf_counter() - t0
     _compare(fast, lock)
     turns = [t.num_turns for b in lock for t in b.trajectories]
     assert len(set(turns)) > 1  # episodes of different lengths: the async driver really interleaved them
@@ -84,6 +87,10 @@ def test_async_equals_lockstep_on_the_tiny_agent(agent, options):
         assert engine._pool.slots <= options["max_num_seqs"]
     for batch in fast:
         assert 0 < batch.metrics["rollout/decode_occupancy"] <= 1
+        # the engine's forward times: both phases ran, and together they fit in the rollout's wall time
+        prefill, decode = batch.metrics["rollout/prefill_s"], batch.metrics["rollout/decode_s"]
+        assert prefill == engine.stats.prefill_s and decode == engine.stats.decode_s
+        assert prefill > 0 and decode > 0 and prefill + decode < wall
 
 
 def test_async_equals_lockstep_through_the_engine_fallback(agent):

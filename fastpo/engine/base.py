@@ -219,6 +219,9 @@ class EngineStats:
         prefill_tokens: context tokens fed by prefill forwards.
         prefill_positions: query positions those forwards computed, left padding included (>= prefill_tokens; an
             engine that computes no padding leaves it 0).
+        prefill_s, decode_s: wall seconds in the prefill forwards (with their KV copies) and in the decode forwards
+            (the built-in engine; on a GPU each ends with a device synchronize, so the time is the kernels'). An
+            engine that does not time its forwards leaves them 0.
     """
 
     decode_steps: int = 0
@@ -228,6 +231,8 @@ class EngineStats:
     first_tokens: int = 0
     prefill_tokens: int = 0
     prefill_positions: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     def occupancy(self) -> float:
         """Useful decoded tokens / rows computed by decode steps (1.0 = no decode compute wasted)."""

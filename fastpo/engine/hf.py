@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -531,7 +532,7 @@ class HFEngine(SessionEngine):
         Fresh rows that repeat a prompt (a GRPO group's rollouts start from one state) are computed once and their
         KV columns copied to the others (the same numbers, up to the float differences of another batch size). The
         rest go in one forward, or several when their sizes differ enough (``packing.split_rows``)."""
-        pool = self._pool
+        pool, t0 = self._pool, time.perf_counter()
         first: dict[tuple[int, ...], int] = {}
         compute: list[tuple[int, list[int]]] = []
         copies: list[tuple[int, int, int]] = []  # (source slot, destination slot, columns)
@@ -552,6 +553,7 @@ class HFEngine(SessionEngine):
             pool.copy_slot(src, dst, columns)
             self._logits[dst] = self._logits[src]
         self.stats.prefill_tokens += sum(len(ids) for _, ids in compute)
+        self.stats.prefill_s += self._since(t0)
 
     def _prefill_rows(self, rows: list[tuple[int, list[int]]]) -> None:
         """One left-padded [R, P] forward (in column chunks) over the rows' new tokens. Row r's real tokens go to
@@ -661,7 +663,7 @@ class HFEngine(SessionEngine):
         """One decode forward over the slots [0, hi) that hold every running row, each feeding the token it sampled
         last; the other rows in the range feed a masked pad token at their first free column (nothing valid is
         overwritten). Leaves every running row's next-token logits in ``self._logits``."""
-        pool, device = self._pool, self.device
+        pool, device, t0 = self._pool, self.device, time.perf_counter()
         self._compact()
         hi = max(self._running) + 1
         fed = torch.full((hi,), self.pad_token_id, dtype=torch.long)
@@ -677,6 +679,13 @@ class HFEngine(SessionEngine):
         self.stats.decode_steps += 1
         self.stats.row_steps += hi
         self.stats.slot_steps += pool.slots
+        self.stats.decode_s += self._since(t0)
+
+    def _since(self, t0: float) -> float:
+        """Seconds since `t0` (``time.perf_counter``), after the device's queued kernels have run."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def _compact(self) -> None:
         """When fewer than half of the decode range [0, hi) runs (the tail of a rollout: the last episodes sit in high
