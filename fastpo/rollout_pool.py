@@ -78,6 +78,8 @@ class PoolStats:
         decoded_tokens, row_steps, slot_steps: the engine's counters over the call (occupancy).
         prefill_tokens: tokens the engine prefilled in the call (the carried contexts' re-prefill included under
             ``rollout.partial_kv recompute``; 0 when the engine keeps no counters).
+        prefill_s, decode_s: seconds in the engine's prefill and decode forwards over the call (0 when the engine
+            does not time them).
     """
 
     started: int = 0
@@ -91,6 +93,8 @@ class PoolStats:
     row_steps: int = 0
     slot_steps: int = 0
     prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @staticmethod
     def combined(every: Sequence[PoolStats]) -> dict[str, float]:
@@ -105,6 +109,9 @@ class PoolStats:
             out["rollout/decode_occupancy"] = decoded / rows
         if slots:
             out["rollout/slot_occupancy"] = decoded / slots
+        if every:  # per rank, as the drivers without partial rollouts log them
+            out["rollout/prefill_s"] = sum(x.prefill_s for x in every) / len(every)
+            out["rollout/decode_s"] = sum(x.decode_s for x in every) / len(every)
         return out
 
 
@@ -207,6 +214,7 @@ class RolloutPool:
             stats.decoded_tokens = (after.tokens - before.tokens) - (after.first_tokens - before.first_tokens)
             stats.row_steps, stats.slot_steps = after.row_steps - before.row_steps, after.slot_steps - before.slot_steps
             stats.prefill_tokens = after.prefill_tokens - before.prefill_tokens
+            stats.prefill_s, stats.decode_s = after.prefill_s - before.prefill_s, after.decode_s - before.decode_s
         return batches, stats
 
     def _start_next(self, version: int) -> list[tuple[int, int]]:

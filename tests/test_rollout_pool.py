@@ -17,7 +17,7 @@ from fastpo.engine import HFEngine, SamplingParams
 from fastpo.model import load_policy, load_tokenizer, resolve_model_path
 from fastpo.prompts import prompt_spec
 from fastpo.rollout import RolloutPart, run_rollouts
-from fastpo.rollout_pool import NewGroup, RolloutPool
+from fastpo.rollout_pool import NewGroup, PoolStats, RolloutPool
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=24, stop=("</answer>",))
 ENVS = (("frozenlake", {"is_slippery": False}), ("sokoban", {}))
@@ -75,6 +75,12 @@ def test_unchanged_weights_give_the_async_trajectories(agent):
     assert pool.in_flight() == 0 and engine.num_unfinished() == 0
     assert sum(s.tail_turns for s in stats) > 0 and max(s.carried for s in stats[:-1]) > 0  # really partial
     assert all(s.finished >= 4 for s in stats)
+    # each call's forward seconds add up to the engine's; logged per rank as the mean over ranks
+    assert sum(s.prefill_s for s in stats) == pytest.approx(engine.stats.prefill_s)
+    assert sum(s.decode_s for s in stats) == pytest.approx(engine.stats.decode_s)
+    assert all(s.prefill_s > 0 and s.decode_s > 0 for s in stats)
+    logged = PoolStats.combined(stats[:2])
+    assert logged["rollout/prefill_s"] == pytest.approx((stats[0].prefill_s + stats[1].prefill_s) / 2)
     assert sorted(got) == list(range(pool.next_group))  # every started group came back once
     want = reference([group(n) for n in range(pool.next_group)], tok, model)
     spans = 0
