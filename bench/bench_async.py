@@ -202,21 +202,19 @@ def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
         if pool is not None:
             pool.close()
         lags = np.asarray(lags)
-        end = engine.stats
-        useful = (end.tokens - start.tokens) - (end.first_tokens - start.first_tokens)
+        spent = engine.stats.since(start)
         results[mode] = {"iteration_s": float(np.median(times[1:] if iters > 1 else times)),
-                         "slot_occupancy": useful / max(end.slot_steps - start.slot_steps, 1),
+                         "slot_occupancy": spent.slot_occupancy(),
                          "trajectories_per_s": count / sum(times),
                          "stale_token_share": float((lags > 0).mean()) if lags.size else 0.0,
                          "staleness_mean": float(lags.mean()) if lags.size else 0.0,
                          "staleness_max": float(lags.max()) if lags.size else 0.0,
                          "prefill_tokens_per_iteration": float(np.median(prefill[1:] if iters > 1 else prefill)),
                          # left padding among the prefilled positions (fastpo.engine.packing removes most of it)
-                         "prefill_padding_share": 1 - (end.prefill_tokens - start.prefill_tokens)
-                         / max(end.prefill_positions - start.prefill_positions, 1),
+                         "prefill_padding_share": 1 - spent.prefill_tokens / max(spent.prefill_positions, 1),
                          # the engine's forward seconds per iteration (0 on vLLM): what an iteration spends where
-                         "prefill_s_per_iteration": (end.prefill_s - start.prefill_s) / iters,
-                         "decode_s_per_iteration": (end.decode_s - start.decode_s) / iters}
+                         "prefill_s_per_iteration": spent.prefill_s / iters,
+                         "decode_s_per_iteration": spent.decode_s / iters}
     rows = []
 
     def conf(mode: str) -> str:  # a partial row records its rollout.partial_kv; a sync row has none

@@ -319,14 +319,12 @@ def run_rollouts(
         for r in runs:
             r.close()
     if before is not None:
-        after = engine.stats
-        decoded = (after.tokens - before.tokens) - (after.first_tokens - before.first_tokens)
-        rows, slots = after.row_steps - before.row_steps, after.slot_steps - before.slot_steps
+        spent = engine.stats.since(before)
         for batch in batches:
-            batch.metrics["rollout/decode_occupancy"] = decoded / rows if rows else 1.0
-            batch.metrics["rollout/slot_occupancy"] = decoded / slots if slots else 1.0
-            batch.metrics["rollout/prefill_s"] = after.prefill_s - before.prefill_s
-            batch.metrics["rollout/decode_s"] = after.decode_s - before.decode_s
+            batch.metrics["rollout/decode_occupancy"] = spent.occupancy()
+            batch.metrics["rollout/slot_occupancy"] = spent.slot_occupancy()
+            batch.metrics["rollout/prefill_s"] = spent.prefill_s
+            batch.metrics["rollout/decode_s"] = spent.decode_s
     return batches
 
 

@@ -210,11 +210,11 @@ class RolloutPool:
         stats.started, stats.finished, stats.carried = self.next_group - first, len(taken), self.in_flight()
         stats.held = len(self.held)
         if before is not None:
-            after = engine.stats
-            stats.decoded_tokens = (after.tokens - before.tokens) - (after.first_tokens - before.first_tokens)
-            stats.row_steps, stats.slot_steps = after.row_steps - before.row_steps, after.slot_steps - before.slot_steps
-            stats.prefill_tokens = after.prefill_tokens - before.prefill_tokens
-            stats.prefill_s, stats.decode_s = after.prefill_s - before.prefill_s, after.decode_s - before.decode_s
+            spent = engine.stats.since(before)
+            stats.decoded_tokens, stats.row_steps, stats.slot_steps = spent.useful_tokens(), spent.row_steps, \
+                spent.slot_steps
+            stats.prefill_tokens, stats.prefill_s, stats.decode_s = spent.prefill_tokens, spent.prefill_s, \
+                spent.decode_s
         return batches, stats
 
     def _start_next(self, version: int) -> list[tuple[int, int]]:

