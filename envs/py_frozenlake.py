@@ -67,6 +67,11 @@ def is_valid(board: list[list[str]], size: int) -> bool:
     return False
 
 
+#: render: a tile's symbol, and the player's on a hole / the goal (else "P")
+_TILE = {"S": "_", "F": "_", "H": "O", "G": "G"}
+_PLAYER_ON = {"H": "X", "G": "√"}
+
+
 class FrozenLakeGame:
     """One FrozenLake instance: ``desc`` ``uint8[S, S]`` ASCII ``S F H G``, player cell ``row * S + col``."""
 
@@ -113,17 +118,11 @@ class FrozenLakeGame:
         return reward, True, self.position != old
 
     def render(self) -> str:
-        rows = []
-        for r in range(self.size):
-            row = []
-            for c in range(self.size):
-                letter = chr(self.desc[r, c])
-                if r * self.size + c == self.position:
-                    row.append({"H": "X", "G": "√"}.get(letter, "P"))
-                else:
-                    row.append({"S": "_", "F": "_", "H": "O", "G": "G"}[letter])
-            rows.append("".join(row))
-        return "\n".join(rows)
+        # one tolist() instead of a numpy scalar per cell: the twin renders after every step of thousands of episodes
+        cells = [_TILE[chr(v)] for v in self.desc.ravel().tolist()]
+        cells[self.position] = _PLAYER_ON.get(chr(int(self.desc.flat[self.position])), "P")
+        n = self.size
+        return "\n".join("".join(cells[r * n:(r + 1) * n]) for r in range(n))
 
 
 class PyFrozenLakeEnv(PyGridEnv):

@@ -3,6 +3,7 @@ docstring states the rules). A board is a list of rows of tile values (0 = empty
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -18,32 +19,34 @@ from .rng import STREAM_GAME2048, CounterRng
 ACTION_TEXT = ("0(Up)", "1(Right)", "2(Down)", "3(Left)")  # RAGEN's ids and names in the observation
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _slide_left(line: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """One line slid to the left: tiles packed, equal neighbours merged once, left first; and the merged sum.
+    Cached: boards repeat the same few lines, and the twin slides millions of them in the tests."""
+    vals = [v for v in line if v]
+    merged, merged_sum, k = [], 0, 0
+    while k < len(vals):
+        if k + 1 < len(vals) and vals[k] == vals[k + 1]:
+            merged.append(vals[k] * 2)
+            merged_sum += vals[k] * 2
+            k += 2
+        else:
+            merged.append(vals[k])
+            k += 1
+    return tuple(merged) + (0,) * (len(line) - len(merged)), merged_sum
+
+
 def slide(board: list[list[int]], direction: int) -> tuple[list[list[int]], int]:
     """``board`` after a move in RAGEN's direction (0 Up, 1 Right, 2 Down, 3 Left) and the merged sum."""
-    size = len(board)
-    out = [[0] * size for _ in range(size)]
-    merged_sum = 0
-    for line in range(size):
-        if direction in (0, 2):  # a column, top-down for Up, bottom-up for Down
-            cells = [(k, line) for k in range(size)]
-        else:  # a row, right-to-left for Right, left-to-right for Left
-            cells = [(line, k) for k in range(size)]
-        if direction in (1, 2):
-            cells.reverse()
-        vals = [board[r][c] for r, c in cells if board[r][c]]
-        merged, k = [], 0
-        while k < len(vals):
-            if k + 1 < len(vals) and vals[k] == vals[k + 1]:
-                merged.append(vals[k] * 2)
-                merged_sum += vals[k] * 2
-                k += 2
-            else:
-                merged.append(vals[k])
-                k += 1
-        merged += [0] * (size - len(merged))
-        for (r, c), v in zip(cells, merged, strict=True):
-            out[r][c] = v
-    return out, merged_sum
+    # every move as a Left slide of lines: columns for Up / Down (transposed), reversed for Right / Down
+    lines = zip(*board, strict=True) if direction in (0, 2) else board
+    backwards = direction in (1, 2)
+    out, merged_sum = [], 0
+    for line in lines:
+        merged, gained = _slide_left(tuple(line)[::-1] if backwards else tuple(line))
+        merged_sum += gained
+        out.append(list(merged[::-1] if backwards else merged))
+    return ([list(row) for row in zip(*out, strict=True)] if direction in (0, 2) else out), merged_sum
 
 
 class Game2048:

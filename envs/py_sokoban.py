@@ -177,13 +177,16 @@ class ReversePlay:
         old_limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(old_limit, self.search_depth + 500))
         try:
-            self.depth_first_search(room_state, self.start_mapping, 0, (-1, -1), self.search_depth)
+            player = tuple(int(x) for x in np.argwhere(room_state == 5)[0])
+            self.depth_first_search(room_state, self.start_mapping, 0, (-1, -1), self.search_depth, player)
         finally:
             sys.setrecursionlimit(old_limit)
         assert self.best_room is not None  # search_depth >= 2 explores the root
         return self.best_room, self.best_mapping
 
-    def depth_first_search(self, room_state, box_mapping, box_swaps, last_pull, ttl):
+    def depth_first_search(self, room_state, box_mapping, box_swaps, last_pull, ttl, player):
+        """``player``: the player's (row, col) in ``room_state``, carried along (gym-sokoban looks it up in every
+        state; the search visits hundreds of thousands, so the lookup was most of the twin's level generation)."""
         ttl -= 1
         if ttl <= 0 or len(self.explored) >= MAX_EXPLORED_STATES:
             return
@@ -201,27 +204,29 @@ class ReversePlay:
         for action in range(4):  # the pull actions only, as in RAGEN
             state_next = room_state.copy()
             mapping_next = dict(box_mapping)
-            last_pull_next = self.reverse_move(state_next, mapping_next, last_pull, action)
+            last_pull_next, player_next = self.reverse_move(state_next, mapping_next, last_pull, action, player)
             swaps_next = box_swaps + (last_pull_next != last_pull)
-            self.depth_first_search(state_next, mapping_next, swaps_next, last_pull_next, ttl)
+            self.depth_first_search(state_next, mapping_next, swaps_next, last_pull_next, ttl, player_next)
 
-    def reverse_move(self, room_state, box_mapping, last_pull, action):
-        """Move the player one cell (``action`` in 0..3) and pull the box behind it, in place."""
-        pr, pc = map(int, np.argwhere(room_state == 5)[0])
+    def reverse_move(self, room_state, box_mapping, last_pull, action, player):
+        """Move the player at ``player`` one cell (``action`` in 0..3) and pull the box behind it, in place.
+        Returns (the last pulled box's target, the player's new cell)."""
+        pr, pc = player
         dr, dc = CHANGE_COORDINATES[action]
         nr, nc = pr + dr, pc + dc
-        if room_state[nr, nc] in (1, 2):
+        if int(room_state[nr, nc]) in (1, 2):
             room_state[pr, pc] = self.room_structure[pr, pc]
             room_state[nr, nc] = 5
             br, bc = pr - dr, pc - dc
-            if room_state[br, bc] in (3, 4):
+            if int(room_state[br, bc]) in (3, 4):
                 room_state[pr, pc] = 3  # pulled boxes are marked 3 wherever they stand
                 room_state[br, bc] = self.room_structure[br, bc]
                 for target, location in box_mapping.items():
                     if location == (br, bc):
                         box_mapping[target] = (pr, pc)
                         last_pull = target
-        return last_pull
+            return last_pull, (nr, nc)
+        return last_pull, player
 
 
 def box_displacement_score(box_mapping: dict) -> int:

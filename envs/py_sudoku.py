@@ -47,11 +47,13 @@ def generate_puzzle(seed: int, size: int, cells_to_remove: int) -> tuple[list[li
         row, col = divmod(cell, size)
         numbers = list(range(1, size + 1))
         shuffle(numbers, rng)
+        # the same for every candidate: a failed deeper fill leaves the later cells empty again
+        used = used_numbers(grid, row, col)
         for num in numbers:
             steps += 1
             if steps > MAX_FILL_STEPS:
                 raise RuntimeError(f"Sudoku fill for seed {seed} took more than {MAX_FILL_STEPS} placements")
-            if num not in used_numbers(grid, row, col):
+            if num not in used:
                 grid[row][col] = num
                 if fill(cell + 1):
                     return True
