@@ -580,3 +580,30 @@ def test_tail_rows_move_down_to_free_slots_and_keep_their_tokens(tiny):
     assert results[5].token_ids == alone.token_ids
     np.testing.assert_allclose(results[5].logprobs, alone.logprobs, atol=ATOL)
     assert engine.stats.row_steps < 6 * engine.stats.decode_steps
+
+
+def test_a_model_in_training_mode_samples_in_eval_mode_and_gets_its_mode_back(tiny):
+    """The engine runs a training-mode model in eval mode (dropout off: the same tokens as the eval-mode model) and
+    hands it back in training mode; an eval-mode model is left as it is."""
+    _, tok, model = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    prompts = _prompts(3, model.config.vocab_size)
+    model.eval()
+    expected = [r.token_ids for r in HFEngine(model, tok).generate(prompts, params, seeds=[1, 2, 3])]
+    assert not model.training
+    attention = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert attention
+    for m in attention:
+        m.attention_dropout = 0.5  # would change the tokens if the engine sampled in training mode
+    model.train()
+    try:
+        seen = []
+        hook = model.model.register_forward_pre_hook(lambda m, _: seen.append(m.training))
+        got = [r.token_ids for r in HFEngine(model, tok).generate(prompts, params, seeds=[1, 2, 3])]
+        hook.remove()
+        assert got == expected and seen and not any(seen)
+        assert model.training and all(m.training for m in model.modules())
+    finally:
+        for m in attention:
+            m.attention_dropout = 0.0
+        model.eval()
