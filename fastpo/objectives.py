@@ -25,7 +25,7 @@ from .microbatch import MicroBatch, cat_tokens
 from .rollout import Trajectory
 
 #: Where PPO's old logprobs come from in one iteration (``update.old_logprob_source``).
-OLD_LOGPROB_SOURCES = ("update", "sampler", "trainer")
+OLD_LOGPROB_SOURCES = ("update", "sampler", "first-update", "trainer")
 
 
 class CriticObjective:
@@ -56,25 +56,29 @@ class ActorObjective:
 
     Args:
         source: where the old logprobs come from (``update.old_logprob_source``). "update": the detached logp of
-            this forward (one optimiser step on the sampling weights); otherwise ``Trajectory.old_logp``.
+            this forward (one optimiser step on the sampling weights); "first-update": that in the first optimiser
+            step (its mini-batch was not scored), ``Trajectory.old_logp`` after it; otherwise ``Trajectory.old_logp``.
         version: the engine's weight version now (the parity guard compares only tokens sampled at it; under
             rollout.partial_kv keep only in episodes sampled wholly at it, ``update._fresh``).
         ref_logp: ``fn(mb, mask) -> fp32 [N]`` the reference logprobs, or None (no KL term).
         check_gap: the parity guard, called with the measured gap before the first optimiser step when no scoring
             pass measured it ("update" and "sampler").
         inject_nan: the ``FASTPO_INJECT_NAN_AT`` test hook for this iteration.
+        prior_gap: ``update.gap_sums`` of the rows the scoring pass measured ("first-update": the guard then judges
+            them together with the first step's rows).
     """
 
     name = "actor"
 
     def __init__(self, actor: nn.Module, trajs: list[Trajectory], cfg: Any, device: torch.device, norm_len: float,
                  source: str, version: int, ref_logp: Callable[[MicroBatch, Tensor], Tensor] | None,
-                 check_gap: Callable[[dict[str, float]], None], inject_nan: bool = False):
+                 check_gap: Callable[[dict[str, float]], None], inject_nan: bool = False,
+                 prior_gap: tuple[float, int, float] = (0.0, 0, 0.0)):
         if source not in OLD_LOGPROB_SOURCES:
             raise ValueError(f"source must be one of {OLD_LOGPROB_SOURCES}, got {source!r}")
         self.actor, self.trajs, self.cfg, self.device, self.norm_len = actor, trajs, cfg, device, norm_len
         self.source, self.version, self.ref_logp, self.check_gap = source, version, ref_logp, check_gap
-        self.inject = inject_nan
+        self.inject, self.prior_gap = inject_nan, prior_gap
         # the first optimiser step's forward runs at the sampling weights: measure the engine-trainer gap there when
         # no scoring pass did
         self.measure = source != "trainer" and not cfg.rollout.train_on_observations
@@ -88,7 +92,8 @@ class ActorObjective:
         if self.measure and step == 0 and mb.scale > 0:  # scale 0: a filler repeating another rank's data
             g = update.micro_gap(t, mb, mask, logp.detach(), self.version, self.cfg.rollout.partial_kv == "keep")
             self.gap = [self.gap[0] + g[0], self.gap[1] + g[1], max(self.gap[2], g[2])]
-        old = logp.detach() if self.source == "update" else cat_tokens(t, mb.indices, "old_logp", dev)
+        on_policy = self.source == "update" or (self.source == "first-update" and step == 0)
+        old = logp.detach() if on_policy else cat_tokens(t, mb.indices, "old_logp", dev)
         ref = self.ref_logp(mb, mask) if self.ref_logp is not None else None
         is_weight, m_is = None, {}
         if self.correct:
@@ -108,7 +113,7 @@ class ActorObjective:
     def before_step(self, step: int) -> None:
         """The parity guard before the first optimiser step moves the weights (collective)."""
         if self.measure and step == 0:
-            self.measured = update.reduce_gap(*self.gap)  # identical on every rank
+            self.measured = update.reduce_gap(*self.gap, prior=self.prior_gap)  # identical on every rank
             self.check_gap(self.measured)
 
     def finish(self) -> dict[str, float]:

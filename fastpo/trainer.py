@@ -517,19 +517,22 @@ class Trainer:
             out["actor/lr"] = sched.get_last_lr()[0]
         return out
 
-    def _update(self, trajs: list[Trajectory], kept: list[int], source: str) -> dict[str, float]:
+    def _update(self, trajs: list[Trajectory], kept: list[int], source: str,
+                prior_gap: tuple[float, int, float] = (0.0, 0, 0.0)) -> dict[str, float]:
         """The critic's update (when there is a critic), then the actor's, through ``_fit``. ``source``: where the
         actor's old logprobs come from (``update.old_logprob_source``). Where no scoring pass measured the logprob
         gap ("update", "sampler"), the actor's first optimiser step measures it and runs the parity guard before
         the weights move; with ``algorithm.offpolicy_correction`` each token's clipped term is weighed by the
-        trainer-vs-sampler ratio (``algorithms.offpolicy_weights``)."""
+        trainer-vs-sampler ratio (``algorithms.offpolicy_weights``). ``prior_gap``: the gap sums of the rows a
+        scoring pass measured ("first-update"; ``update.gap_sums``), judged with the first step's."""
         m, norm_len, metrics = self.models, update.norm_len(trajs, kept), {}
         if self.critic is not None:
             metrics.update(self._fit(trajs, kept, CriticObjective(self.critic, trajs, self.cfg, self.device, norm_len),
                                      self.critic, m.critic_optim, m.critic_sched))
         actor = ActorObjective(
             self.actor, trajs, self.cfg, self.device, norm_len, source, self.engine.weight_version,
-            self._ref_logp if self.use_ref else None, self._check_gap, inject_nan=self.step in self.nan_steps)
+            self._ref_logp if self.use_ref else None, self._check_gap, inject_nan=self.step in self.nan_steps,
+            prior_gap=prior_gap)
         metrics.update(self._fit(trajs, kept, actor, self.actor, m.actor_optim, m.actor_sched))
         return metrics
 
@@ -667,21 +670,30 @@ class Trainer:
         # returning new trajectories with its fields added; the rollout's own are never written
         batch, rows = [trajs[i] for i in kept], list(range(len(kept)))
         self.engine.sleep()  # GPU vLLM: free its memory for the update; _sync_engine wakes it (else a no-op)
-        source = update.old_logprob_source(rows, cfg.optim, cfg.algorithm)
+        analysis = diagnostics.gradient_analysis_due(cfg.trainer, self.step)  # it needs every row's old logprobs
+        source = update.old_logprob_source(rows, cfg.optim, cfg.algorithm, every_row=analysis)
+        gap_args = (cfg.rollout.train_on_observations, self.engine.weight_version)
+        whole = cfg.rollout.partial_kv == "keep"
+        prior_gap = (0.0, 0, 0.0)
         with self.timer("score"):
             scored = self._score(batch, rows, actor=source == "trainer")
+            rest = []  # the rows whose old logprobs a scoring pass of the actor computes besides
             if source == "sampler":  # the sampler's logprobs are the old logprobs; score only where they are not exact
                 old, rest = update.take_engine_logprobs(batch, rows)
                 for j, v in old.items():
                     scored.setdefault(j, {})["old_logp"] = v
-                for j, f in (self._score(batch, rest, actor=True, extras=False) if rest else {}).items():
-                    scored.setdefault(j, {}).update(f)
+            elif source == "first-update":  # the first mini-batch's come from the update's first forward
+                first = set(update.first_mini_batch(rows, cfg.optim, cfg.trainer.seed, self.step))
+                rest = [j for j in rows if j not in first]
+            for j, f in (self._score(batch, rest, actor=True, extras=False) if rest else {}).items():
+                scored.setdefault(j, {}).update(f)
             batch = update.with_fields(batch, scored)
         if source == "trainer":  # else the actor update measures the gap on its first forward
-            gap = update.logprob_gap(batch, rows, cfg.rollout.train_on_observations, self.engine.weight_version,
-                                     whole_context=cfg.rollout.partial_kv == "keep")
+            gap = update.logprob_gap(batch, rows, *gap_args, whole_context=whole)
             metrics.update(gap)
             self._check_gap(gap)
+        elif source == "first-update":  # the guard judges these with the first step's rows, before any step
+            prior_gap = update.gap_sums(batch, rest, *gap_args, whole_context=whole)
         with self.timer("update"):
             adv, ret, adv_metrics = update.advantages(batch, rows, cfg.algorithm, self.critic is not None)
             scale = rollout_filter.filter_loss_scale(metrics["rollout/kept_group_fraction"],
@@ -690,10 +702,10 @@ class Trainer:
             batch = update.with_fields(batch, {j: {"advantages": adv[j], "returns": None if ret is None else ret[j]}
                                                for j in rows})
             metrics.update(adv_metrics)
-            if diagnostics.gradient_analysis_due(cfg.trainer, self.step):  # RAGEN-2's: before the actor's update
+            if analysis:  # RAGEN-2's: before the actor's update
                 with self.timer("gradient_analysis"):
                     metrics.update(self._gradient_analysis(batch, rows, source))
-            metrics.update(self._update(batch, rows, source))
+            metrics.update(self._update(batch, rows, source, prior_gap))
         critic = self.critic is not None
         metrics.update(data_metrics(  # verl's batch statistics of the kept trajectories (identical on every rank)
             [t.reward for t in batch], [t.loss_mask for t in batch], [t.advantages for t in batch],

@@ -51,17 +51,29 @@ def is_on_policy(kept: list[int], mini_batch_size: int, ppo_epochs: int) -> bool
     return ppo_epochs == 1 and len(kept) <= mini_batch_size
 
 
-def old_logprob_source(kept: list[int], optim: Any, algorithm: AlgorithmConfig) -> str:
+def old_logprob_source(kept: list[int], optim: Any, algorithm: AlgorithmConfig, every_row: bool = False) -> str:
     """Where PPO's old logprobs come from this iteration, decided here only:
 
     - "update": one epoch over one mini-batch (:func:`is_on_policy`): the update's own first forward runs at the
       sampling weights, so its detached logp is the old logp and no scoring pass runs;
     - "sampler": ``algorithm.old_logprobs=engine``: the engine's sample logprobs (:func:`take_engine_logprobs`;
       the trainer scores only the trajectories whose sample logprobs are not exact);
-    - "trainer": a no-grad scoring pass of the actor at the sampling weights before the update."""
+    - "first-update": one epoch over several mini-batches with ``old_logprobs=trainer``: the first mini-batch
+      (:func:`first_mini_batch`) takes the detached logp of the update's first forward, which runs at the
+      sampling weights, and a scoring pass covers only the others (one mini-batch's forward less per iteration);
+    - "trainer": a no-grad scoring pass of the actor at the sampling weights before the update (several epochs
+      revisit the first mini-batch after the weights moved; ``every_row``: something before the update needs every
+      row's old logprobs, as the gradient analysis does)."""
     if is_on_policy(kept, optim.mini_batch_size, optim.ppo_epochs):
         return "update"
-    return "sampler" if algorithm.old_logprobs == "engine" else "trainer"
+    if algorithm.old_logprobs == "engine":
+        return "sampler"
+    return "first-update" if optim.ppo_epochs == 1 and not every_row else "trainer"
+
+
+def first_mini_batch(kept: list[int], optim: Any, seed: int, step: int) -> list[int]:
+    """The rows of the update's first mini-batch (epoch 0), as the training loop will draw them."""
+    return mini_batches(kept, optim.mini_batch_size, optim.shuffle_mini_batches, seed, step)[0]
 
 
 def take_engine_logprobs(trajs: list[Trajectory], kept: list[int]) -> tuple[dict[int, np.ndarray], list[int]]:
@@ -197,20 +209,27 @@ def _fresh(t: Trajectory, version: int | None, whole_context: bool = False) -> n
     return t.versions == version
 
 
+def gap_sums(trajs: list[Trajectory], kept: list[int], train_on_observations: bool, version: int | None = None,
+             whole_context: bool = False) -> tuple[float, int, float]:
+    """(sum, count, max) of |engine logp - trainer logp| over the tokens :func:`logprob_gap` compares."""
+    if train_on_observations:
+        return 0.0, 0, 0.0
+    gaps = [np.abs(trajs[i].sample_logprobs - trajs[i].old_logp)[trajs[i].loss_mask
+                                                                   & _fresh(trajs[i], version, whole_context)]
+            for i in kept]
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    return float(gaps.sum(dtype=np.float64)), int(gaps.size), float(gaps.max()) if gaps.size else 0.0
+
+
 def logprob_gap(trajs: list[Trajectory], kept: list[int], train_on_observations: bool,
                 version: int | None = None, whole_context: bool = False) -> dict[str, float]:
     """Mean and max |engine logp - trainer logp| over the trained tokens of the kept trajectories whose sample
     logprobs are exact and (``version`` given) were sampled at that weight version ({} when no token qualifies;
     observation tokens have no sample logprob). whole_context: see ``_fresh`` (rollout.partial_kv keep)."""
-    if train_on_observations:
+    total, count, peak = gap_sums(trajs, kept, train_on_observations, version, whole_context)
+    if not count:
         return {}
-    gaps = [np.abs(trajs[i].sample_logprobs - trajs[i].old_logp)[trajs[i].loss_mask
-                                                                   & _fresh(trajs[i], version, whole_context)]
-            for i in kept]
-    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
-    if not gaps.size:
-        return {}
-    return {"rollout/logprob_gap_mean": float(gaps.mean()), "rollout/logprob_gap_max": float(gaps.max())}
+    return {"rollout/logprob_gap_mean": total / count, "rollout/logprob_gap_max": peak}
 
 
 def micro_gap(trajs: list[Trajectory], mb: MicroBatch, mask: Tensor, logp: Tensor,
@@ -236,11 +255,14 @@ def staleness(trajs: list[Trajectory], kept: list[int], version: int) -> dict[st
             "rollout/stale_token_share": float((lags > 0).mean())}
 
 
-def reduce_gap(total: float, count: int, peak: float) -> dict[str, float]:
+def reduce_gap(total: float, count: int, peak: float,
+               prior: tuple[float, int, float] = (0.0, 0, 0.0)) -> dict[str, float]:
     """The ranks' :func:`micro_gap` sums combined into :func:`logprob_gap`'s metrics ({} when no token
-    qualified); collective."""
+    qualified); collective. ``prior``: :func:`gap_sums` of the rows a scoring pass measured (the same on every
+    rank, so added after the reduction)."""
     total, count = du.all_reduce_sum([total, float(count)])
     peak = du.all_reduce_max(peak)
+    total, count, peak = total + prior[0], count + prior[1], max(peak, prior[2])
     if count == 0:
         return {}
     return {"rollout/logprob_gap_mean": float(total / count), "rollout/logprob_gap_max": float(peak)}

@@ -133,13 +133,37 @@ def test_set_grad_sync_defers_the_reduction_to_the_last_backward():
 
 def test_old_logprob_source_is_decided_in_one_place():
     """One epoch over one mini-batch -> the update's own forward; else the sampler's logprobs with
-    old_logprobs=engine, else the trainer's scoring pass."""
+    old_logprobs=engine; else, in one epoch, the update's forward for the first mini-batch and a scoring pass for
+    the rest; else (several epochs, or every row needed before the update) the trainer's scoring pass."""
     from types import SimpleNamespace
 
     one_step = SimpleNamespace(mini_batch_size=8, ppo_epochs=1)
     assert update.old_logprob_source(list(range(8)), one_step, AlgorithmConfig()) == "update"
     assert update.old_logprob_source(list(range(8)), one_step, AlgorithmConfig(old_logprobs="engine")) == "update"
     assert update.old_logprob_source(list(range(9)), one_step, AlgorithmConfig(old_logprobs="engine")) == "sampler"
-    assert update.old_logprob_source(list(range(9)), one_step, AlgorithmConfig()) == "trainer"
+    assert update.old_logprob_source(list(range(9)), one_step, AlgorithmConfig()) == "first-update"
+    assert update.old_logprob_source(list(range(9)), one_step, AlgorithmConfig(), every_row=True) == "trainer"
+    assert update.old_logprob_source(list(range(8)), one_step, AlgorithmConfig(), every_row=True) == "update"
     two_epochs = SimpleNamespace(mini_batch_size=8, ppo_epochs=2)
     assert update.old_logprob_source(list(range(4)), two_epochs, AlgorithmConfig()) == "trainer"
+    assert update.old_logprob_source(list(range(20)), two_epochs, AlgorithmConfig()) == "trainer"
+
+
+def test_first_mini_batch_is_the_training_loops_first():
+    from types import SimpleNamespace
+
+    for shuffle in (False, True):
+        optim = SimpleNamespace(mini_batch_size=4, shuffle_mini_batches=shuffle)
+        kept = list(range(3, 14))
+        first = update.first_mini_batch(kept, optim, seed=7, step=5)
+        assert first == update.mini_batches(kept, 4, shuffle, 7, 5, 0)[0] and len(first) == 4
+    assert update.first_mini_batch(list(range(10)), SimpleNamespace(mini_batch_size=4, shuffle_mini_batches=False),
+                                   seed=0, step=1) == [0, 1, 2, 3]
+
+
+def test_reduce_gap_adds_the_scored_rows_after_the_ranks():
+    assert update.reduce_gap(3.0, 2, 2.5, prior=(1.0, 2, 0.5)) == {"rollout/logprob_gap_mean": 1.0,
+                                                                    "rollout/logprob_gap_max": 2.5}
+    assert update.reduce_gap(0.0, 0, 0.0, prior=(0.9, 3, 0.6)) == pytest.approx(
+        {"rollout/logprob_gap_mean": 0.3, "rollout/logprob_gap_max": 0.6})
+    assert update.reduce_gap(0.0, 0, 0.0) == {}
