@@ -62,7 +62,7 @@ class ActorObjective:
             rollout.partial_kv keep only in episodes sampled wholly at it, ``update._fresh``).
         ref_logp: ``fn(mb, mask) -> fp32 [N]`` the reference logprobs, or None (no KL term).
         check_gap: the parity guard, called with the measured gap before the first optimiser step when no scoring
-            pass measured it ("update" and "sampler").
+            pass measured it ("update" and "sampler") or measured only part of it ("first-update").
         inject_nan: the ``FASTPO_INJECT_NAN_AT`` test hook for this iteration.
         prior_gap: ``update.gap_sums`` of the rows the scoring pass measured ("first-update": the guard then judges
             them together with the first step's rows).

@@ -521,10 +521,11 @@ class Trainer:
                 prior_gap: tuple[float, int, float] = (0.0, 0, 0.0)) -> dict[str, float]:
         """The critic's update (when there is a critic), then the actor's, through ``_fit``. ``source``: where the
         actor's old logprobs come from (``update.old_logprob_source``). Where no scoring pass measured the logprob
-        gap ("update", "sampler"), the actor's first optimiser step measures it and runs the parity guard before
-        the weights move; with ``algorithm.offpolicy_correction`` each token's clipped term is weighed by the
-        trainer-vs-sampler ratio (``algorithms.offpolicy_weights``). ``prior_gap``: the gap sums of the rows a
-        scoring pass measured ("first-update"; ``update.gap_sums``), judged with the first step's."""
+        gap of every row ("update", "sampler", "first-update"), the actor's first optimiser step measures it and
+        runs the parity guard before the weights move; with ``algorithm.offpolicy_correction`` each token's clipped
+        term is weighed by the trainer-vs-sampler ratio (``algorithms.offpolicy_weights``). ``prior_gap``: the gap
+        sums of the rows a scoring pass measured ("first-update"; ``update.gap_sums``), judged with the first
+        step's."""
         m, norm_len, metrics = self.models, update.norm_len(trajs, kept), {}
         if self.critic is not None:
             metrics.update(self._fit(trajs, kept, CriticObjective(self.critic, trajs, self.cfg, self.device, norm_len),
