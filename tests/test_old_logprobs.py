@@ -46,10 +46,16 @@ def test_take_engine_logprobs_returns_exact_ones_and_the_rest():
     assert batch[0].old_logp is old[0] and batch[1] is trajs[1] and trajs[0].old_logp is None
 
 
-def _first_update(tmp_path, monkeypatch, run: str, *extra: str):
+def _first_update(tmp_path, monkeypatch, run: str, *extra: str, score_every_row: bool = False):
     """One iteration; returns its metrics, the actor's weights after it and the (actor, extras, n) of each
-    scoring call."""
+    scoring call. ``score_every_row``: the trainer scores the first mini-batch too (the "trainer" source) instead
+    of taking its old logprobs from the update's first forward ("first-update"), the reference these tests
+    compare the sampler's logprobs with."""
     calls = []
+    if score_every_row:
+        source = update.old_logprob_source
+        monkeypatch.setattr(update, "old_logprob_source",
+                            lambda *a, **k: "trainer" if source(*a, **k) == "first-update" else source(*a, **k))
 
     def spy(self, trajs, kept, actor=True, extras=True):
         calls.append((actor, extras, len(kept)))
@@ -64,7 +70,8 @@ def _first_update(tmp_path, monkeypatch, run: str, *extra: str):
 @pytest.mark.slow
 def test_engine_old_logprobs_skip_the_scoring_forward_and_match_it(tmp_path, monkeypatch):
     m_eng, w_eng, c_eng = _first_update(tmp_path, monkeypatch, "engine", "--algorithm.old_logprobs", "engine")
-    m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer", "--algorithm.old_logprobs", "trainer")
+    m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer", "--algorithm.old_logprobs", "trainer",
+                                        score_every_row=True)
     assert m_ref["rollout/kept_trajectories"] == 8 and c_ref == [(True, True, 8)]
     assert c_eng == [(False, True, 8)]  # no actor forward: every sample logprob is exact (KV-reuse rollout)
     # the gap guard measured on the first optimiser step's forward, against the same weights as the scoring pass
@@ -94,7 +101,7 @@ def test_inexact_sample_logprobs_are_still_scored(tmp_path, monkeypatch):
     m_eng, w_eng, c_eng = _first_update(tmp_path, monkeypatch, "engine", "--rollout.canonical", "true",
                                         "--algorithm.old_logprobs", "engine")
     m_ref, w_ref, c_ref = _first_update(tmp_path, monkeypatch, "trainer", "--rollout.canonical", "true",
-                                        "--algorithm.old_logprobs", "trainer")
+                                        "--algorithm.old_logprobs", "trainer", score_every_row=True)
     assert c_eng == [(False, True, 8), (True, False, 8)] and c_ref == [(True, True, 8)]
     assert "rollout/logprob_gap_mean" not in m_eng  # no exact token to measure on
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl"):
