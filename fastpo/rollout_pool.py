@@ -30,7 +30,7 @@ a weight push never lands in the middle of a forward. What the push does to thei
 turn; keep leaves it, and the next turn prefills only its new tokens under the new weights
 (``HFEngine.sync_weights(keep_cache=True)``). Either way a token records the version that sampled it; under keep
 its context's cached keys / values may come from older versions (down to the version of the episode's first turn).
-``PoolStats.prefill_tokens`` shows the difference.
+``PoolStats.engine.prefill_tokens`` shows the difference.
 
 Batches: one ``RolloutBatch`` per part, groups in start order, members in instance order.
 """
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from .config import RolloutConfig
-from .engine.base import SamplingParams, as_async
+from .engine.base import EngineStats, SamplingParams, as_async
 from .rollout import RolloutBatch, RolloutPart, _PartRun
 
 
@@ -75,11 +76,9 @@ class PoolStats:
             call under the new weights.
         held: finished groups kept for the next call (more finished than the batch takes).
         forced: groups that had to finish in this call (the staleness bound, or ``drain``).
-        decoded_tokens, row_steps, slot_steps: the engine's counters over the call (occupancy).
-        prefill_tokens: tokens the engine prefilled in the call (the carried contexts' re-prefill included under
-            ``rollout.partial_kv recompute``; 0 when the engine keeps no counters).
-        prefill_s, decode_s: seconds in the engine's prefill and decode forwards over the call (0 when the engine
-            does not time them).
+        engine: the engine's counters over the call (``EngineStats.since``; all 0 when the engine keeps none):
+            occupancy, ``prefill_tokens`` (the carried contexts' re-prefill included under ``rollout.partial_kv
+            recompute``), and the forwards' seconds.
     """
 
     started: int = 0
@@ -89,29 +88,23 @@ class PoolStats:
     interrupted: int = 0
     held: int = 0
     forced: int = 0
-    decoded_tokens: int = 0
-    row_steps: int = 0
-    slot_steps: int = 0
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    engine: EngineStats = field(default_factory=EngineStats)
 
     @staticmethod
     def combined(every: Sequence[PoolStats]) -> dict[str, float]:
         """``rollout/partial_*`` metrics (counts summed over `every`, e.g. the ranks' stats of one iteration) and the
         occupancy of their decode steps together (docs/LOGGING.md)."""
         out = {f"rollout/partial_{k}": float(sum(getattr(x, k) for x in every))
-               for k in ("carried", "tail_turns", "interrupted", "forced", "started", "finished", "held",
-                         "prefill_tokens")}
-        rows, slots = sum(x.row_steps for x in every), sum(x.slot_steps for x in every)
-        decoded = sum(x.decoded_tokens for x in every)
-        if rows:
-            out["rollout/decode_occupancy"] = decoded / rows
-        if slots:
-            out["rollout/slot_occupancy"] = decoded / slots
+               for k in ("carried", "tail_turns", "interrupted", "forced", "started", "finished", "held")}
+        total = functools.reduce(EngineStats.plus, (x.engine for x in every), EngineStats())
+        out["rollout/partial_prefill_tokens"] = float(total.prefill_tokens)
+        if total.row_steps:
+            out["rollout/decode_occupancy"] = total.occupancy()
+        if total.slot_steps:
+            out["rollout/slot_occupancy"] = total.slot_occupancy()
         if every:  # per rank, as the drivers without partial rollouts log them
-            out["rollout/prefill_s"] = sum(x.prefill_s for x in every) / len(every)
-            out["rollout/decode_s"] = sum(x.decode_s for x in every) / len(every)
+            out["rollout/prefill_s"] = total.prefill_s / len(every)
+            out["rollout/decode_s"] = total.decode_s / len(every)
         return out
 
 
@@ -210,11 +203,7 @@ class RolloutPool:
         stats.started, stats.finished, stats.carried = self.next_group - first, len(taken), self.in_flight()
         stats.held = len(self.held)
         if before is not None:
-            spent = engine.stats.since(before)
-            stats.decoded_tokens, stats.row_steps, stats.slot_steps = spent.useful_tokens(), spent.row_steps, \
-                spent.slot_steps
-            stats.prefill_tokens, stats.prefill_s, stats.decode_s = spent.prefill_tokens, spent.prefill_s, \
-                spent.decode_s
+            stats.engine = engine.stats.since(before)
         return batches, stats
 
     def _start_next(self, version: int) -> list[tuple[int, int]]:

@@ -194,7 +194,7 @@ def test_pool_keeps_the_carried_caches(tmp_path):
         for call in range(4):
             batches, stats = pool.run(target=4, drain=call == 3)
             trajs += [t for b in batches for t in b.trajectories]
-            prefill.append(stats.prefill_tokens)
+            prefill.append(stats.engine.prefill_tokens)
             carried.clear()
             carried.update({sid: s.cached for sid, s in engine._sessions.items() if s.cached})
             engine.sync_weights(model, keep_cache=mode == "keep")

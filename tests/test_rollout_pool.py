@@ -76,11 +76,11 @@ def test_unchanged_weights_give_the_async_trajectories(agent):
     assert sum(s.tail_turns for s in stats) > 0 and max(s.carried for s in stats[:-1]) > 0  # really partial
     assert all(s.finished >= 4 for s in stats)
     # each call's forward seconds add up to the engine's; logged per rank as the mean over ranks
-    assert sum(s.prefill_s for s in stats) == pytest.approx(engine.stats.prefill_s)
-    assert sum(s.decode_s for s in stats) == pytest.approx(engine.stats.decode_s)
-    assert all(s.prefill_s > 0 and s.decode_s > 0 for s in stats)
+    assert sum(s.engine.prefill_s for s in stats) == pytest.approx(engine.stats.prefill_s)
+    assert sum(s.engine.decode_s for s in stats) == pytest.approx(engine.stats.decode_s)
+    assert all(s.engine.prefill_s > 0 and s.engine.decode_s > 0 for s in stats)
     logged = PoolStats.combined(stats[:2])
-    assert logged["rollout/prefill_s"] == pytest.approx((stats[0].prefill_s + stats[1].prefill_s) / 2)
+    assert logged["rollout/prefill_s"] == pytest.approx((stats[0].engine.prefill_s + stats[1].engine.prefill_s) / 2)
     assert sorted(got) == list(range(pool.next_group))  # every started group came back once
     want = reference([group(n) for n in range(pool.next_group)], tok, model)
     spans = 0
@@ -180,3 +180,19 @@ def test_env_failure_fails_the_call_and_close_leaves_nothing(agent):
     assert engine.num_unfinished() == 0
     pool.close()
     assert not engine._sessions
+
+
+def test_combined_sums_the_engine_counters_and_averages_the_seconds():
+    from fastpo.engine.base import EngineStats
+
+    a = EngineStats(decode_steps=4, row_steps=8, slot_steps=16, tokens=10, first_tokens=2, prefill_tokens=30,
+                    prefill_positions=40, prefill_s=1.0, decode_s=3.0)
+    b = EngineStats(decode_steps=2, row_steps=4, slot_steps=4, tokens=5, first_tokens=1, prefill_tokens=6,
+                    prefill_positions=6, prefill_s=0.5, decode_s=1.0)
+    assert a.plus(b).since(b) == a and a.plus(b).useful_tokens() == 12
+    out = PoolStats.combined([PoolStats(started=1, carried=2, engine=a), PoolStats(started=3, engine=b)])
+    assert out["rollout/partial_started"] == 4.0 and out["rollout/partial_carried"] == 2.0
+    assert out["rollout/partial_prefill_tokens"] == 36.0
+    assert out["rollout/decode_occupancy"] == 12 / 12 and out["rollout/slot_occupancy"] == 12 / 20
+    assert out["rollout/prefill_s"] == 0.75 and out["rollout/decode_s"] == 2.0
+    assert "rollout/slot_occupancy" not in PoolStats.combined([PoolStats()])

@@ -220,8 +220,8 @@ class EngineStats:
         prefill_positions: query positions those forwards computed, left padding included (>= prefill_tokens; an
             engine that computes no padding leaves it 0).
         prefill_s, decode_s: wall seconds in the prefill forwards (with their KV copies) and in the decode forwards
-            (the built-in engine; on a GPU each ends with a device synchronize, so the time is the kernels'). An
-            engine that does not time its forwards leaves them 0.
+            (with the slot compaction before them), in the built-in engine; on a GPU each ends with a device
+            synchronize, so the time is the kernels'. An engine that does not time its forwards leaves them 0.
     """
 
     decode_steps: int = 0
@@ -237,6 +237,10 @@ class EngineStats:
     def since(self, before: EngineStats) -> EngineStats:
         """The counters accumulated after `before` (an earlier copy of these stats): one rollout's or call's."""
         return EngineStats(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
+
+    def plus(self, other: EngineStats) -> EngineStats:
+        """The counters of two engines (or calls) together, field by field."""
+        return EngineStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def useful_tokens(self) -> int:
         """Tokens sampled by decode steps (a request's first token comes from its prefill and is not counted)."""

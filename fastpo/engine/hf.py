@@ -687,8 +687,9 @@ class HFEngine(SessionEngine):
 
     def _since(self, t0: float) -> float:
         """Seconds since `t0` (``time.perf_counter``), after the device's queued kernels have run."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device = self._pool.device  # a plain attribute: ``self.device`` looks up the lm head on every call
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
     def _compact(self) -> None:
