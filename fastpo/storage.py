@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from . import distributed as du
 from .config import ConfigError
@@ -417,6 +416,10 @@ def _is_disk_full(err: BaseException) -> bool:
 def disk_full_as_error(path: str | os.PathLike, what: str) -> Iterator[None]:
     """Re-raise a write failure caused by a full disk as :class:`DiskFullError` naming `what`, `path` and the free
     space (torch reports it as ``unexpected pos N vs M``); other errors pass through unchanged."""
+    # imported by the writes that use it, not with this module: torch.distributed.checkpoint takes ~1 s to import,
+    # and the config checks import this module
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException

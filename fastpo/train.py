@@ -31,12 +31,18 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from . import distributed as du
 from . import log
 from .config import Config, ConfigError
 from .config_load import parse_args
-from .storage import DiskFullError, RankFailedError
+from .preflight import validate
+
+if TYPE_CHECKING:
+    from . import distributed as du
+
+# transformers, the trainer and its engines are imported only once the config has passed its checks: `--help`
+# answers in under a second and a config error in ~2 s (torch only) instead of after ~7 s of imports.
 
 #: The longest collective timeout handed to the process group: 2**31 - 1 ms (24.9 days), the largest that fits the
 #: signed 32-bit millisecond counts some timeout paths use. Far longer values overflow inside torch and gloo
@@ -60,6 +66,8 @@ def process_group_timeout(value: float) -> float | None:
 
 def _init(cfg: Config) -> tuple[du.DistInfo, float]:
     """The process group, with trainer.collective_timeout_s clamped to what it takes (said once on rank 0)."""
+    from . import distributed as du
+
     timeout = process_group_timeout(cfg.trainer.collective_timeout_s)
     info = du.init(timeout_s=timeout)  # validate reports a bad value
     requested = cfg.trainer.collective_timeout_s
@@ -73,13 +81,14 @@ def _init(cfg: Config) -> tuple[du.DistInfo, float]:
 def main(argv: list[str] | None = None) -> int:
     """Run training; returns the exit status (see the module docstring): build, train, close in one ``try``, and
     one place (:func:`_exit_status`) that maps what stopped it to a status."""
-    from .trainer import Trainer
-
-    info, trainer, timeout = None, None, du.DEFAULT_TIMEOUT_S
+    info, trainer, timeout = None, None, None
     try:
         log.console()  # the library's messages on the console from the start (config errors included)
         cfg = parse_args(argv)
         log.console(cfg.trainer.log_level)
+        validate(cfg, _env_int("WORLD_SIZE", 1))  # refused here, before the trainer's imports (it checks again)
+        from .trainer import Trainer
+
         info, timeout = _init(cfg)
         trainer = Trainer(cfg, info)  # validates, checks, locks and claims the run directory, then builds
         trainer.train()
@@ -95,19 +104,34 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             trainer.unlock()  # closed or not (a failed run is not exported); a failed Trainer() released it itself
         if info is not None:
+            from . import distributed as du
+
             du.shutdown()
 
 
-def _exit_status(err: Exception, info: du.DistInfo | None, trainer: object, timeout: float) -> int:
-    """The status for what stopped ``main`` (its one line printed), or the exception raised again (a bug)."""
-    from .envs.text import TextEnvError
-    from .trainer import TrainingAborted
+def _env_int(name: str, default: int) -> int:
+    """An integer set by the launcher (torchrun's WORLD_SIZE, RANK), or `default` when unset or not an integer
+    (the process group's own set-up then reports it)."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
 
-    main_rank = info is None or info.is_main
+
+def _exit_status(err: Exception, info: du.DistInfo | None, trainer: object, timeout: float | None) -> int:
+    """The status for what stopped ``main`` (its one line printed), or the exception raised again (a bug).
+    ``timeout`` is the process group's (None before it exists, as ``info``)."""
+    # before the process group exists (a config refused on every rank), the launcher's RANK says which one speaks
+    main_rank = info.is_main if info is not None else _env_int("RANK", 0) == 0
     if isinstance(err, ConfigError):  # bad input: before any model loads (the Trainer's late checks too)
         if main_rank:
             print(f"config error: {err}", file=sys.stderr)
         return 2
+    from . import distributed as du
+    from .envs.text import TextEnvError
+    from .storage import DiskFullError, RankFailedError
+    from .trainer import TrainingAborted
+
     if isinstance(err, TrainingAborted):
         if main_rank:
             print(f"training stopped: {err}", file=sys.stderr, flush=True)

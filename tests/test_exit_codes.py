@@ -190,6 +190,29 @@ def test_entry_point_exit_2_without_traceback(probe_dir, capsys, monkeypatch):
     assert not list((probe_dir / "r2").glob("checkpoints/*")) and not (probe_dir / "r2" / "hf").exists()
 
 
+def test_help_and_config_errors_answer_before_the_trainer_is_imported(probe_dir):
+    """`--help` imports no torch, and a config refused by the checks (on rank 1 of 2, as torchrun starts it) imports
+    neither transformers nor the trainer and prints nothing: rank 0 says it once."""
+    code = ("import sys; from fastpo.train import main\n"
+            "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print('LOADED', rc, *(m for m in ('torch', 'transformers', 'fastpo.trainer') if m in sys.modules))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(args: list[str], **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, *args], cwd=probe_dir, env={**env, **extra},
+                              capture_output=True, text=True, timeout=120)
+
+    res = run(["--help"])
+    assert res.stdout.splitlines()[-1] == "LOADED 0", res.stdout[-500:] + res.stderr[-2000:]
+    bad = [*TINY, "--rollout.max_staleness", "-3", "--trainer.run_dir", "r"]
+    res = run(bad)
+    assert res.stdout.splitlines()[-1] == "LOADED 2 torch", res.stdout[-500:] + res.stderr[-2000:]
+    assert res.stderr.startswith("config error:") and "rollout.max_staleness must lie in [1, 8], got -3" in res.stderr
+    res = run(bad, RANK="1", WORLD_SIZE="2")
+    assert res.stdout.splitlines()[-1] == "LOADED 2 torch" and res.stderr == "", res.stderr[-2000:]
+    assert not (probe_dir / "r").exists()
+
+
 def test_help_documents_the_exit_codes(capsys):
     import fastpo.train
 
