@@ -38,11 +38,12 @@ from typing import Any
 
 import numpy as np
 
+from .chat_tokens import TextCache, chat_sequence, encode, prompt_text, system_len
 from .config import RolloutConfig
 from .engine.base import Engine, GenerationResult, SamplingParams, as_async
 from .envs.base import text_state_keys
 from .parsing import canonical_response, generation_prefix, parse_actions, parse_generation
-from .prompts import EnvPromptSpec, Turn, build_messages, render_chat, turn_messages, turn_reward
+from .prompts import EnvPromptSpec, Turn, build_messages, turn_messages, turn_reward
 from .rollout_metrics import batch_metrics
 from .trajectory import Trajectory, turn_data
 
@@ -99,10 +100,6 @@ class _Episode:
     turn_prompts: list[list[int]] = field(default_factory=list)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-
 def _decode(tokenizer: Any, ids: Sequence[int], skip_special: bool) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
@@ -141,70 +138,6 @@ def _step_subset(env: Any, todo: dict[int, Any], render_kw: dict[str, Any]) -> t
     actions = [todo.get(i, "") for i in range(n)]
     active = np.array([i in todo for i in range(n)], dtype=bool)
     return env.step(actions, active=active, **render_kw)
-
-
-def _chat_sequence(
-    tokenizer: Any,
-    messages: list[dict[str, str]],
-    contents: list[tuple[list[int], list[float], str] | None],
-    enable_think: bool,
-) -> tuple[list[int], list[int], list[float], list[int]]:
-    """Tokenize an update-time chat in chunks, keeping the assistant turns' token spans.
-
-    Args:
-        messages: ``build_messages(..., for_update=True)`` output.
-        contents: one entry per assistant message: ``(sampled_ids, logprobs, stop_text)`` to use the sampled ids
-            for the content after the generation prefix (the prefix itself is template text), or None to
-            re-tokenize the content text (canonical mode; the template's end-of-turn token after it is trained).
-        enable_think: which generation prefix the sampled contents start with.
-
-    Returns:
-        ``(ids [T], mask [T], logprobs [T], turn_last [n_assistant])``: mask 1 on assistant tokens, turn_last the
-        index of each assistant turn's last token.
-    """
-    full = render_chat(tokenizer, messages, enable_think, for_update=True)
-    eos_text = getattr(tokenizer, "eos_token", None) or ""
-    ids: list[int] = []
-    mask: list[int] = []
-    logps: list[float] = []
-    turn_last: list[int] = []
-    pos = 0
-    assistant = [m for m, msg in enumerate(messages) if msg["role"] == "assistant"]
-    if len(assistant) != len(contents):
-        raise ValueError(f"{len(contents)} contents for {len(assistant)} assistant messages")
-
-    def add(new: list[int], trained: int, lp: list[float] | None = None) -> None:
-        ids.extend(new)
-        mask.extend([trained] * len(new))
-        logps.extend(lp if lp is not None else [0.0] * len(new))
-
-    prefix = generation_prefix(enable_think)
-    for m, content in zip(assistant, contents, strict=True):
-        header = tokenizer.apply_chat_template(messages[:m], add_generation_prompt=True, tokenize=False)
-        text = messages[m]["content"]
-        if not full.startswith(header, 0) or full[len(header) : len(header) + len(text)] != text or pos > len(header):
-            raise ValueError("the chat template does not render earlier messages verbatim; cannot locate turns")
-        end = len(header) + len(text)
-        if content is None:
-            add(_encode(tokenizer, full[pos : len(header)]), 0)
-            closing = eos_text if eos_text and full.startswith(eos_text, end) else ""
-            add(_encode(tokenizer, text + closing), 1)
-            pos = end + len(closing)
-        else:
-            sampled, lp, stop_text = content
-            if not text.startswith(prefix):
-                raise ValueError(f"a sampled assistant content must start with {prefix!r}")
-            add(_encode(tokenizer, full[pos : len(header) + len(prefix)]), 0)
-            add(list(sampled), 1, list(lp))
-            pos = end + (len(stop_text) if stop_text and full.startswith(stop_text, end) else 0)
-        turn_last.append(len(ids) - 1)
-    add(_encode(tokenizer, full[pos:]), 0)
-    return ids, mask, logps, turn_last
-
-
-def _system_len(tokenizer: Any, messages: list[dict[str, str]]) -> int:
-    """Tokens of the rendered system message (where RAGEN's ``turn_indicators`` reaches 2)."""
-    return len(_encode(tokenizer, tokenizer.apply_chat_template(messages[:1], tokenize=False)))
 
 
 def run_rollout(
@@ -441,6 +374,7 @@ class _PartRun:
         self.window = cfg.max_context_window if cfg.max_context_window > 0 else -1
         self.timings = {"generate_s": 0.0, "env_s": 0.0, "prompt_s": 0.0}
         self.pending: list[list[int]] = []
+        self.cache = TextCache()  # the prompts rendered and encoded since the last batch
         self.rseeds: list[int] | None = None
         self.request_seeds = None if part.request_seeds is None else [int(x) for x in part.request_seeds]
         self.version = int(getattr(engine, "weight_version", 0))  # recorded on every turn absorbed
@@ -495,14 +429,14 @@ class _PartRun:
                 messages = build_messages(self.spec, ep.turns, self.window)
             else:
                 messages = turn_messages(self.spec, ep.turns, self.mode, self.cfg.max_context_window)
-            text = render_chat(tok, messages, self.think)
+            text = prompt_text(tok, messages, self.think, self.cache)
             if self.kv:
                 if not text.startswith(ep.text):
                     raise ValueError("the chat template re-renders earlier turns differently; use canonical=True")
-                new = _encode(tok, _drop_prefix(text[len(ep.text) :], ep.stop_text))
+                new = encode(tok, _drop_prefix(text[len(ep.text) :], ep.stop_text), self.cache)
                 length = ep.context_len + len(new)
             else:
-                new = _encode(tok, text)
+                new = encode(tok, text, self.cache)
                 length = len(new)
             if length + sampling.max_new_tokens > self.cfg.max_model_len:
                 ep.active, ep.context_truncated = False, True
@@ -586,7 +520,8 @@ class _PartRun:
         """The batch of the episodes `indices` (default: every instance), in that order."""
         t0 = time.perf_counter()
         eps = self.eps if indices is None else [self.eps[i] for i in indices]
-        trajectories = [_finish(ep, self.tokenizer, self.spec, self.cfg, self.kv) for ep in eps]
+        trajectories = [_finish(ep, self.tokenizer, self.spec, self.cfg, self.kv, self.cache) for ep in eps]
+        self.cache = TextCache()  # a pool's run lives across iterations: its texts are kept for one batch only
         self.timings["prompt_s"] += time.perf_counter() - t0
         env = self.env
         label = self.part.label or ENV_LABELS.get(getattr(env, "name", ""), getattr(env, "name", "") or "env")
@@ -635,11 +570,12 @@ class _PartRun:
             self.sessions = []
 
 
-def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfig, kv: bool) -> Trajectory:
+def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfig, kv: bool,
+            cache: TextCache | None = None) -> Trajectory:
     """Build the training sequence, mask and rewards of one finished episode (per-turn context modes:
-    :func:`_finish_turns`)."""
+    :func:`_finish_turns`). ``cache``: what the tokenizer already rendered and encoded."""
     if cfg.context_window_mode != "full":
-        return _finish_turns(ep, tokenizer, spec, cfg)
+        return _finish_turns(ep, tokenizer, spec, cfg, cache)
     think = spec.enable_think
     window = cfg.max_context_window if cfg.max_context_window > 0 else -1
     messages = build_messages(spec, ep.turns, window, for_update=True)
@@ -652,7 +588,7 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
             contents.append(None)
         else:
             contents.append((list(res.token_ids), list(res.logprobs), stop_text))
-    ids, mask, logps, turn_last = _chat_sequence(tokenizer, messages, contents, think)
+    ids, mask, logps, turn_last = chat_sequence(tokenizer, messages, contents, think, cache)
     versions = np.full(len(ids), -1, dtype=np.int32)
     for pos, k in zip(turn_last, range(first, num_turns), strict=True):  # each turn's trained run ends at pos
         start = pos
@@ -663,7 +599,7 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
     if not exact:
         logps = [0.0] * len(ids)
     if cfg.train_on_observations and num_turns:
-        start = _system_len(tokenizer, messages) + 1
+        start = system_len(tokenizer, messages, cache) + 1
         mask = [1 if j >= start else m for j, m in enumerate(mask)]
     turn_end = [0] * len(ids)
     for j in turn_last:
@@ -709,7 +645,8 @@ def _finish(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfi
     )
 
 
-def _finish_turns(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfig) -> Trajectory:
+def _finish_turns(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: RolloutConfig,
+                  cache: TextCache | None = None) -> Trajectory:
     """One finished episode under a per-turn context mode: its K per-turn training sequences back to back
     (``Trajectory.sample_bounds``). Sequence k is the prompt turn k was generated from, then its sampled tokens
     (the only trained ones, logprobs exact); with ``cfg.canonical`` the chat of ``turn_messages(...,
@@ -732,7 +669,7 @@ def _finish_turns(ep: _Episode, tokenizer: Any, spec: EnvPromptSpec, cfg: Rollou
         messages += chat
         if cfg.canonical:
             n_assistant = sum(1 for m in chat if m["role"] == "assistant")
-            s_ids, s_mask, _, last = _chat_sequence(tokenizer, chat, [None] * n_assistant, think)
+            s_ids, s_mask, _, last = chat_sequence(tokenizer, chat, [None] * n_assistant, think, cache)
             if len(last) > 1:  # earlier answers are context: only the last assistant message is trained
                 s_mask = [0] * (last[-2] + 1) + s_mask[last[-2] + 1 :]
             end = last[-1]

@@ -30,9 +30,10 @@ import torch
 
 from fastpo.envs.bandit import ACTION_HI, ACTION_LO
 
+from .chat_tokens import chat_sequence
 from .progress import progress_bar
 from .prompts import EnvPromptSpec, Turn, build_messages, env_prompt_spec, turn_reward
-from .rollout import _chat_sequence, _step_subset
+from .rollout import _step_subset
 
 #: The second key word of the SFT random streams (the noise and action-count draws of ``generate_episodes``, the
 #: batch draws of ``train_sft``), next to the seed: a fixed arbitrary constant that keeps them apart from any other
@@ -237,7 +238,7 @@ def tokenize_episode(tokenizer: Any, episode: SFTEpisode, enable_think: bool = T
     """``(input_ids [T], loss_mask [T])`` of one episode; the ids decode to ``render_chat(..., for_update=True)``
     and the mask is 1 on each assistant content and the end-of-turn token after it."""
     n_assistant = sum(m["role"] == "assistant" for m in episode.messages)
-    ids, mask, _, _ = _chat_sequence(tokenizer, episode.messages, [None] * n_assistant, enable_think)
+    ids, mask, _, _ = chat_sequence(tokenizer, episode.messages, [None] * n_assistant, enable_think)
     return ids, mask
 
 

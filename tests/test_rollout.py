@@ -442,3 +442,51 @@ def test_turn_state_keys(tok):
     batch, _ = _rollout(tok, bandit, prompt_spec("bandit"), [["x</think><answer>Dragon</answer>"]] * 2)
     keys = [t.turn_state_keys for t in batch.trajectories]
     assert keys[0] == keys[1] == [int(E.base.text_state_keys(obs[:1]).view(np.int64)[0])]
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"max_context_window": 1}, {"canonical": True}, {"train_on_observations": True},
+    {"context_window_mode": "limited_multi_turn", "max_context_window": 2}, {"context_window_mode": "single_turn"},
+    {"context_window_mode": "single_turn", "canonical": True},
+], ids=["kv", "window", "canonical", "observations", "limited", "single", "single-canonical"])
+def test_text_cache_changes_no_trajectory_and_encodes_a_text_once(tok, monkeypatch, options):
+    """The rollout's TextCache (prompts rendered and texts encoded while a batch is built) gives the trajectories
+    built without it, field for field, and each distinct text reaches the tokenizer once per batch."""
+    import fastpo.rollout as R
+    from fastpo.chat_tokens import TextCache
+
+    class Forgetful(dict):  # a cache that never keeps anything: every lookup misses
+        def __setitem__(self, key, value):
+            pass
+
+    script = [[f"t{k}{i}</think><answer>{a}</answer>" for k, a in enumerate(("Left || Up", "Down", "Right"))]
+              for i in range(4)]
+    calls: list[str] = []
+
+    def run(cached: bool):
+        env = E.make("sokoban", 4)
+        env.reset_from_layouts([SOKOBAN] * 4)
+        calls.clear()
+        encode = tok.encode
+
+        def counting(text, **kw):
+            calls.append(text)
+            return encode(text, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(tok, "encode", counting)
+            if not cached:
+                m.setattr(R, "TextCache", lambda: TextCache(ids=Forgetful(), prompts=Forgetful()))
+            batch, _ = _rollout(tok, env, prompt_spec("sokoban"), script, groups=[0, 0, 1, 1], max_turns=3, **options)
+        return batch.trajectories, list(calls)
+
+    plain, plain_calls = run(cached=False)
+    cached, cached_calls = run(cached=True)
+    assert len(cached_calls) == len(set(cached_calls)) < len(plain_calls)
+    assert set(cached_calls) == set(plain_calls)
+    for a, b in zip(plain, cached, strict=True):
+        for name in ("input_ids", "loss_mask", "sample_logprobs", "token_rewards", "turn_end", "messages",
+                     "sample_bounds", "step_keys", "step_rewards", "reward", "num_turns"):
+            assert np.array_equal(np.asarray(getattr(a, name), dtype=object), np.asarray(getattr(b, name),
+                                                                                         dtype=object)), name
+        assert np.array_equal(np.asarray(a.versions), np.asarray(b.versions))
