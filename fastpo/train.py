@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _env_int(name: str, default: int) -> int:
-    """An integer set by the launcher (torchrun's WORLD_SIZE, RANK), or `default` when unset or not an integer
+    """An integer set by the launcher (torchrun's WORLD_SIZE, LOCAL_RANK), or `default` when unset or not an integer
     (the process group's own set-up then reports it)."""
     try:
         return int(os.environ.get(name, default))
@@ -121,8 +121,9 @@ def _env_int(name: str, default: int) -> int:
 def _exit_status(err: Exception, info: du.DistInfo | None, trainer: object, timeout: float | None) -> int:
     """The status for what stopped ``main`` (its one line printed), or the exception raised again (a bug).
     ``timeout`` is the process group's (None before it exists, as ``info``)."""
-    # before the process group exists (a config refused on every rank), the launcher's RANK says which one speaks
-    main_rank = info.is_main if info is not None else _env_int("RANK", 0) == 0
+    # before the process group exists (a config refused on every rank), each node's first rank speaks (torchrun's
+    # LOCAL_RANK): once on one machine, and on every node's console when the nodes were started differently
+    main_rank = info.is_main if info is not None else _env_int("LOCAL_RANK", 0) == 0
     if isinstance(err, ConfigError):  # bad input: before any model loads (the Trainer's late checks too)
         if main_rank:
             print(f"config error: {err}", file=sys.stderr)

@@ -191,8 +191,8 @@ def test_entry_point_exit_2_without_traceback(probe_dir, capsys, monkeypatch):
 
 
 def test_help_and_config_errors_answer_before_the_trainer_is_imported(probe_dir):
-    """`--help` imports no torch, and a config refused by the checks (on rank 1 of 2, as torchrun starts it) imports
-    neither transformers nor the trainer and prints nothing: rank 0 says it once."""
+    """`--help` imports no torch, and a config refused by the checks imports neither transformers nor the trainer;
+    as torchrun starts ranks, only a node's first rank (LOCAL_RANK 0) prints the error."""
     code = ("import sys; from fastpo.train import main\n"
             "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
             "print('LOADED', rc, *(m for m in ('torch', 'transformers', 'fastpo.trainer') if m in sys.modules))")
@@ -208,8 +208,10 @@ def test_help_and_config_errors_answer_before_the_trainer_is_imported(probe_dir)
     res = run(bad)
     assert res.stdout.splitlines()[-1] == "LOADED 2 torch", res.stdout[-500:] + res.stderr[-2000:]
     assert res.stderr.startswith("config error:") and "rollout.max_staleness must lie in [1, 8], got -3" in res.stderr
-    res = run(bad, RANK="1", WORLD_SIZE="2")
+    res = run(bad, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
     assert res.stdout.splitlines()[-1] == "LOADED 2 torch" and res.stderr == "", res.stderr[-2000:]
+    res = run(bad, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2")  # the first rank of a second node speaks there
+    assert res.stderr.startswith("config error:"), res.stderr[-2000:]
     assert not (probe_dir / "r").exists()
 
 
