@@ -24,10 +24,27 @@ class TextCache:
     """What one tokenizer already made of the texts of a batch, read and filled while it is built: a training
     sequence re-renders and re-encodes each episode's chat in pieces, and most pieces are the turns' prompts,
     rendered and encoded when they were generated (or by the group's other episodes: the same first prompt).
-    On the tiny preset 81% of the encode calls repeat a text. The same input always gives the same output."""
+    On the tiny preset 81% of the encode calls repeat a text. The same input always gives the same output.
 
+    The prompts of an episode grow with its turns, so what is kept is bounded: ``limit`` approximate bytes (a
+    prompt's characters, 32 per token id); past it the cache starts over (a miss only costs the work again)."""
+
+    limit: int = 64 << 20
     ids: dict[str, list[int]] = field(default_factory=dict)  # text -> token ids without special tokens
     prompts: dict[tuple, str] = field(default_factory=dict)  # messages -> generation prompt (``render_chat``)
+    size: int = 0  # approximate bytes held
+
+    def make_room(self, size: int) -> bool:
+        """Room for ``size`` more bytes, starting over when they would pass the limit; False (nothing to keep)
+        when they alone pass it."""
+        if size > self.limit:
+            return False
+        if self.size + size > self.limit:
+            self.ids.clear()
+            self.prompts.clear()
+            self.size = 0
+        self.size += size
+        return True
 
 
 def encode(tokenizer: Any, text: str, cache: TextCache | None = None) -> list[int]:
@@ -38,7 +55,9 @@ def encode(tokenizer: Any, text: str, cache: TextCache | None = None) -> list[in
         return list(tokenizer.encode(text, add_special_tokens=False))
     ids = cache.ids.get(text)
     if ids is None:
-        ids = cache.ids[text] = list(tokenizer.encode(text, add_special_tokens=False))
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if cache.make_room(32 * len(ids) + len(text)):
+            cache.ids[text] = ids
     return list(ids)
 
 
@@ -50,7 +69,9 @@ def prompt_text(tokenizer: Any, messages: list[dict[str, str]], enable_think: bo
     key = (enable_think, *(tuple(sorted(m.items())) for m in messages))
     text = cache.prompts.get(key)
     if text is None:
-        text = cache.prompts[key] = render_chat(tokenizer, messages, enable_think)
+        text = render_chat(tokenizer, messages, enable_think)
+        if cache.make_room(len(text)):
+            cache.prompts[key] = text
     return text
 
 

@@ -444,14 +444,16 @@ def test_turn_state_keys(tok):
     assert keys[0] == keys[1] == [int(E.base.text_state_keys(obs[:1]).view(np.int64)[0])]
 
 
+@pytest.mark.parametrize("limit", [64 << 20, 6000], ids=["cache", "small-cache"])
 @pytest.mark.parametrize("options", [
     {}, {"max_context_window": 1}, {"canonical": True}, {"train_on_observations": True},
     {"context_window_mode": "limited_multi_turn", "max_context_window": 2}, {"context_window_mode": "single_turn"},
     {"context_window_mode": "single_turn", "canonical": True},
 ], ids=["kv", "window", "canonical", "observations", "limited", "single", "single-canonical"])
-def test_text_cache_changes_no_trajectory_and_encodes_a_text_once(tok, monkeypatch, options):
+def test_text_cache_changes_no_trajectory_and_encodes_a_text_once(tok, monkeypatch, options, limit):
     """The rollout's TextCache (prompts rendered and texts encoded while a batch is built) gives the trajectories
-    built without it, field for field, and each distinct text reaches the tokenizer once per batch."""
+    built without it, field for field, and each distinct text reaches the tokenizer once per batch; a cache over
+    its limit starts over (it never holds more) and still gives the same trajectories."""
     import fastpo.rollout as R
     from fastpo.chat_tokens import TextCache
 
@@ -462,6 +464,11 @@ def test_text_cache_changes_no_trajectory_and_encodes_a_text_once(tok, monkeypat
     script = [[f"t{k}{i}</think><answer>{a}</answer>" for k, a in enumerate(("Left || Up", "Down", "Right"))]
               for i in range(4)]
     calls: list[str] = []
+    caches: list[TextCache] = []
+
+    def small() -> TextCache:
+        caches.append(TextCache(limit=limit))
+        return caches[-1]
 
     def run(cached: bool):
         env = E.make("sokoban", 4)
@@ -475,14 +482,17 @@ def test_text_cache_changes_no_trajectory_and_encodes_a_text_once(tok, monkeypat
 
         with monkeypatch.context() as m:
             m.setattr(tok, "encode", counting)
-            if not cached:
-                m.setattr(R, "TextCache", lambda: TextCache(ids=Forgetful(), prompts=Forgetful()))
+            m.setattr(R, "TextCache", small if cached else lambda: TextCache(ids=Forgetful(), prompts=Forgetful()))
             batch, _ = _rollout(tok, env, prompt_spec("sokoban"), script, groups=[0, 0, 1, 1], max_turns=3, **options)
         return batch.trajectories, list(calls)
 
     plain, plain_calls = run(cached=False)
     cached, cached_calls = run(cached=True)
-    assert len(cached_calls) == len(set(cached_calls)) < len(plain_calls)
+    assert all(c.size <= limit for c in caches)
+    if limit > 10_000:
+        assert len(cached_calls) == len(set(cached_calls)) < len(plain_calls)
+    else:  # started over: some texts are encoded again (at most as often as without a cache)
+        assert len(set(cached_calls)) < len(cached_calls) <= len(plain_calls)
     assert set(cached_calls) == set(plain_calls)
     for a, b in zip(plain, cached, strict=True):
         for name in ("input_ids", "loss_mask", "sample_logprobs", "token_rewards", "turn_end", "messages",
