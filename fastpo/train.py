@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from . import distributed as du
 
 # transformers, the trainer and its engines are imported only once the config has passed its checks: `--help`
-# answers in under a second and a config error in ~2 s (torch only) instead of after ~7 s of imports.
+# answers in under a second and a refused config in ~3 s (torch only) instead of after ~7 s of imports.
 
 #: The longest collective timeout handed to the process group: 2**31 - 1 ms (24.9 days), the largest that fits the
 #: signed 32-bit millisecond counts some timeout paths use. Far longer values overflow inside torch and gloo
