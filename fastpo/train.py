@@ -153,7 +153,7 @@ def _exit_status(err: Exception, info: du.DistInfo | None, trainer: object, time
 def cli() -> None:
     """Console entry (``python -m fastpo.train``, ``fastpo-train``): run :func:`main` and exit with its status."""
     status = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if _env_int("WORLD_SIZE", 1) > 1:
         # torch 2.13 + gloo + FSDP2: about one process in ten aborts during interpreter teardown ("terminate
         # called without an active exception") after a clean shutdown, failing the whole torchrun. Everything is
         # written and the process group is destroyed by now, so leave without running the teardown.
