@@ -4,6 +4,7 @@ occupancy, on a long-tail multi-turn workload and on the tiny preset's short ans
     python bench/bench_async.py                        # both workloads, built-in engine, 2 threads
     python bench/bench_async.py --workload longtail --episodes 64 --max-new-tokens 256
     python bench/bench_async.py --workload longtail --repeats 0 --partial-iterations 4 --partial-kv recompute keep
+    python bench/bench_async.py --device cuda --dtype bfloat16 --repeats 3 --threads 4   # GPU (bench/gpu_suite.sh)
 
 Workloads (docs/ENGINES.md "The long-tail workload"):
 - ``longtail``: 5-turn Sokoban chats (RAGEN's prompts, ``<think>`` on) sampled by a random ~52M Qwen2 (hidden 768,
@@ -64,12 +65,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "baseline of fastpo.engine.packing)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the models' dtype (bfloat16: AMX / AVX512-BF16 matmuls on recent Xeons)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the built-in engine's model runs (cuda: the first GPU; vLLM picks its own)")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS and torch.set_num_threads")
     parser.add_argument("--note", default="", help="free text stored with every row (e.g. machine load)")
     parser.add_argument("--results-dir", default=None, help="default: bench/results (rows go to async_rollout.csv)")
     parser.add_argument("--no-csv", action="store_true", help="print only")
     add_allow_dirty(parser)
     args = parser.parse_args(argv)
+    if args.engine == "vllm" and args.device != "cpu":
+        parser.error(f"--device {args.device} applies to the built-in engine (--engine hf); vLLM places its own model")
     if not args.no_csv:
         require_clean_tree(args.allow_dirty)
     return args
@@ -111,7 +116,7 @@ def longtail_setup(args: argparse.Namespace, root: Path):
 
     tok = build_tiny_tokenizer(root)
     build_tiny_model(root, tok, **LARGE_SHAPE)
-    model = load_policy(root, dtype=args.dtype).eval()
+    model = load_policy(root, dtype=args.dtype).eval().to(args.device)
     vocab = model.get_output_embeddings().weight.shape[0]
     stops = tuple(range(vocab - args.stop_tokens, vocab))  # the tail ids: plain byte tokens of the tiny tokenizer
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
@@ -127,7 +132,7 @@ def longtail_setup(args: argparse.Namespace, root: Path):
     params = sum(p.numel() for p in model.parameters())
     desc = dict(model=f"qwen2-random-{params / 1e6:.0f}M", episodes=groups * 4, turns=args.turns,
                 max_new_tokens=args.max_new_tokens, stop_tokens=len(stops), vocab=vocab, engine=args.engine,
-                **dtype_field(args),
+                **dtype_field(args), **device_field(args),
                 **(engine_kwargs(args) if args.engine == "hf" else {}))
     if args.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -249,12 +254,17 @@ def dtype_field(args: argparse.Namespace) -> dict:
     return {} if args.dtype == "float32" else {"dtype": args.dtype}
 
 
+def device_field(args: argparse.Namespace) -> dict:
+    """The device for a row's config, only when not the CPU (rows from before the option stay comparable)."""
+    return {} if args.device == "cpu" else {"device": args.device}
+
+
 def tiny_setup(args: argparse.Namespace, root: Path):
     """The tiny preset's training rollout (its env, groups, turns, sampling) on the shipped tiny agent."""
     preset = get_preset("tiny")
     e, r = preset.env, preset.rollout
     path = resolve_model_path(preset.model.path)
-    tok, model = load_tokenizer(path), load_policy(path, dtype=args.dtype).eval()
+    tok, model = load_tokenizer(path), load_policy(path, dtype=args.dtype).eval().to(args.device)
     sampling = SamplingParams(temperature=r.temperature, max_new_tokens=r.response_length, stop=tuple(r.stop))
     name = e.names[0]
     n = e.env_groups * e.group_size
@@ -268,7 +278,7 @@ def tiny_setup(args: argparse.Namespace, root: Path):
 
     cfg = dict(max_model_len=r.max_model_len, enable_think=r.enable_think)
     desc = dict(model="tiny-agent", env=name, episodes=n, turns=e.max_turns, max_new_tokens=r.response_length,
-                **engine_kwargs(args), **dtype_field(args))
+                **engine_kwargs(args), **dtype_field(args), **device_field(args))
     return parts, lambda **kw: HFEngine(model, tok, **engine_kwargs(args), **kw), tok, sampling, cfg, desc
 
 
@@ -324,6 +334,8 @@ def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
 def main() -> None:
     args = ARGS or parse_args()
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workload:
@@ -335,7 +347,7 @@ def main() -> None:
             if workload == "longtail" and args.partial_iterations > 0 and args.engine == "hf":
                 rows += measure_partial(setup, args)
     for row in rows:
-        row["device"] = device_name()
+        row["device"] = device_name(cpu=args.device == "cpu")
     print_table(rows, columns=("name", "mode", "metric", "p50", "p20", "p80"))
     if not args.no_csv:
         print("wrote", append_rows("async_rollout", rows, args.results_dir))

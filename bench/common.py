@@ -69,10 +69,10 @@ def time_median(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     return quantiles(samples)
 
 
-def device_name() -> str:
-    """GPU name when torch sees one, else the CPU model and core count."""
+def device_name(cpu: bool = False) -> str:
+    """GPU name when torch sees one (and ``cpu`` is False: the run used it), else the CPU model and core count."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
+    if not cpu and torch is not None and torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     model = platform.processor() or "cpu"
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first GPU run in one command (<= 8 minutes on one H100 with cold caches): nothing installed, no package index,
+# The first GPU run in one command (<= 9 minutes on one H100 with cold caches): nothing installed, no package index,
 # no project venv; the working tree copied bare, plus the carried wheels of what the image lacks (make gpu-carry).
 #
 #   bash bench/gpu_suite.sh OUTDIR --carry .gpu-carry             # CUDA: python3 with a CUDA torch, triton, pytest
@@ -10,7 +10,7 @@
 # OUTDIR defaults to $OUT. --carry DIR: every *.whl in DIR goes first on PYTHONPATH (pure-Python wheels import from
 # the zip): tyro, docstring-parser, typeguard and typing-extensions at the lock's pins, for the trainer's command
 # line. Default: .gpu-carry in the checkout when it exists. Stages, each under its own time budget (printed first;
-# their sum is the suite's bound, 480 s):
+# their sum is the suite's bound, 520 s):
 #   env    versions, the GPU, where fastpo and the carried packages import from (fails the suite if fastpo does not
 #          come from this checkout)
 #   build  fastpo._C (csrc/ + envs/, CMake + pybind11) with the machine's compilers, into a scratch folder linked
@@ -21,6 +21,9 @@
 #   bench  fused logprob at 8K and 32K tokens (Qwen2.5-0.5B head, bf16): time and peak memory of the tiled and the
 #          persistent kernels (bench_kernels.fused_logprob_variants(): the A/B that decides the default) vs naive eager vs torch.compile of it vs the same-shape cuBLAS
 #          GEMMs (% of their time, % of the device's spec peak)
+#   rollout  the async rollout against lock-step on the same seeds (bench/bench_async.py, built-in engine, bf16):
+#          the long-tail workload (32 five-turn Sokoban episodes, heavy-tailed answer lengths; trajectories/s, slot
+#          occupancy) and the tiny preset's short answers; skipped when fastpo._C did not build (Sokoban needs it)
 #   train  the tiny preset on FrozenLake (Bandit when fastpo._C did not build) under torchrun, 1 GPU, bf16 mixed
 #          precision under FSDP2, 40 iterations, validation at 0, 20 and 40; fails when validation success (first
 #          vs last validation) did not rise
@@ -37,10 +40,10 @@ set -uo pipefail
 
 usage() {
     echo "usage: bash bench/gpu_suite.sh [OUTDIR] [--dry] [--carry DIR] [--stages a,b,...]   (OUTDIR defaults to" \
-         "\$OUT; stages: env build tests bench train gap)" >&2
+         "\$OUT; stages: env build tests bench rollout train gap)" >&2
     exit 2
 }
-STAGES=(env build tests bench train gap)
+STAGES=(env build tests bench rollout train gap)
 DRY=0
 OUTARG=""
 CARRY=""
@@ -77,9 +80,9 @@ cd "$ROOT"
 START=$(date +%s)
 MODE=$([ "$DRY" = 1 ] && echo "dry run on CPU" || echo "CUDA")
 
-# Stage budgets in seconds on the GPU machine (a timeout per stage); their sum, 480, bounds the suite. A dry run
+# Stage budgets in seconds on the GPU machine (a timeout per stage); their sum, 520, bounds the suite. A dry run
 # multiplies them by SUITE_BUDGET_SCALE (default 4: a shared 2-core CI machine takes ~15 s to import torch).
-declare -A BUDGET=([env]=20 [build]=50 [tests]=140 [bench]=120 [train]=140 [gap]=10)
+declare -A BUDGET=([env]=20 [build]=50 [tests]=130 [bench]=110 [rollout]=60 [train]=140 [gap]=10)
 SCALE=${SUITE_BUDGET_SCALE:-$([ "$DRY" = 1 ] && echo 4 || echo 1)}
 TOTAL=0
 for s in "${STAGES[@]}"; do BUDGET[$s]=$((BUDGET[$s] * SCALE)); TOTAL=$((TOTAL + BUDGET[$s])); done
@@ -275,6 +278,26 @@ else
     skip bench "not selected"
 fi
 
+# ---- rollout: async vs lock-step on the same seeds (rows merged into results.csv)
+has_c() { (cd "$SCRATCH" && "$PY" -c "import sys, fastpo._C as c; sys.exit(not c.__file__.startswith('$SHIM'))") \
+    > /dev/null 2>&1; }
+if selected rollout && ! has_c; then
+    skip rollout "fastpo._C did not build: the long-tail workload plays Sokoban"
+elif selected rollout; then
+    if [ "$DRY" = 1 ]; then  # fp32 on CPU: the bench also checks that both drivers sample the same tokens
+        ROLLOUT_ARGS=(--episodes 8 --turns 2 --max-new-tokens 16 --repeats 1 --tiny-repeats 1 --threads 1)
+    else  # bf16 on the GPU: rounding flips tokens between batch shapes, so the comparison is statistical
+        ROLLOUT_ARGS=(--device cuda --dtype bfloat16 --repeats 3 --tiny-repeats 7 --threads 4)
+    fi
+    stage rollout "async vs lock-step: long tail and tiny preset" "$PY" bench/bench_async.py \
+        --workload longtail tiny "${ROLLOUT_ARGS[@]}" --allow-dirty --results-dir "$SCRATCH/rollout"
+    RC[rollout]=$?
+    merge_rows "$SCRATCH/rollout/async_rollout.csv"
+    grep -E '^name |async/lockstep|slot_occupancy' "$SCRATCH/rollout.log" | head -n 13
+else
+    skip rollout "not selected"
+fi
+
 # ---- train: the tiny preset under torchrun, 1 process, bf16 under FSDP2, validation before and after
 if selected train && [ "$HAS_TYRO" = 0 ]; then
     skip train "tyro does not import: pass --carry with its wheels (make gpu-carry)"
@@ -282,8 +305,7 @@ if selected train && [ "$HAS_TYRO" = 0 ]; then
 elif selected train; then
     TRAIN_ENV=()
     # the build's _C, in the shim (an editable install elsewhere could otherwise answer for fastpo._C)
-    if ! (cd "$SCRATCH" && "$PY" -c "import sys, fastpo._C as c; sys.exit(not c.__file__.startswith('$SHIM'))") \
-            > /dev/null 2>&1; then
+    if ! has_c; then
         TRAIN_ENV=(--env.names '[bandit]' --env.kwargs '{}' --env.max_turns 1)  # pure Python, no _C needed
     fi
     if [ "$DRY" = 1 ]; then
@@ -344,6 +366,10 @@ for s in "${STAGES[@]}"; do [ "${RC[$s]:-0}" -eq 0 ] || FAILED="$FAILED $s"; don
         fi
     fi
     if selected bench; then echo; echo "bench (results.csv):"; grep -E '^(name |fused)' "$SCRATCH/bench.log"; fi
+    if selected rollout; then
+        echo; echo "rollout (results.csv):"; grep -E '^name |async/lockstep|slot_occupancy' "$SCRATCH/rollout.log" \
+            2>/dev/null
+    fi
     if selected train; then
         echo
         echo "train (metrics.jsonl):"

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "bench" / "gpu_suite.sh"
 CARRY = ROOT / ".gpu-carry"
 RESULT_FILES = {"summary.txt", "env.txt", "stages.csv", "results.csv", "suite.log", "tests.xml", "metrics.jsonl"}
-STAGES = ["env", "build", "tests", "bench", "train", "gap"]
+STAGES = ["env", "build", "tests", "bench", "rollout", "train", "gap"]
 #: What the GPU image lacks (docs/PLATFORM.md): hidden from the suite's processes by _HIDE below.
 MISSING_ON_IMAGE = ("tyro", "docstring_parser", "typeguard", "vllm", "liger_kernel", "flash_attn")
 #: Carried from the lock: distribution name -> the module the wheel provides.
@@ -105,7 +105,7 @@ def test_usage_errors(tmp_path):
     out = _suite(str(tmp_path / "a"), "--fast", timeout=30, cwd=tmp_path)
     assert out.returncode == 2 and "unknown option --fast" in out.stderr
     out = _suite(str(tmp_path / "a"), "--stages", "env,smoke", timeout=30, cwd=tmp_path)
-    assert out.returncode == 2 and "unknown stage smoke (stages: env build tests bench train gap)" in out.stderr
+    assert out.returncode == 2 and "unknown stage smoke (stages: env build tests bench rollout train gap)" in out.stderr
     out = _suite(str(tmp_path / "a"), "--carry", str(tmp_path / "none"), timeout=30, cwd=tmp_path)
     assert out.returncode == 2 and "no such folder (make gpu-carry fills .gpu-carry)" in out.stderr
 
@@ -117,7 +117,7 @@ def test_dry_run_passes_every_stage_through_the_shim(tmp_path):
     proc = _suite("out", "--dry", timeout=1800, cwd=tmp_path)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-3000:]}"
     lines = proc.stdout.splitlines()
-    assert lines[1].startswith("stage budgets (s): env=") and lines[1].endswith("total=1920")  # 480 s x 4 on CPU
+    assert lines[1].startswith("stage budgets (s): env=") and lines[1].endswith("total=2080")  # 520 s x 4 on CPU
     assert {p.name for p in outdir.iterdir()} == RESULT_FILES
 
     stages = _stages(outdir)
@@ -146,6 +146,15 @@ def test_dry_run_passes_every_stage_through_the_shim(tmp_path):
         assert {("cublas-gemm", "full", "time", n), ("fastpo", "full", "time", n), ("eager", "full", "time", n),
                 ("compile", "full", "time", n), ("fastpo", "full", "pct_of_gemm", n),
                 ("fastpo", "forward", "pct_of_spec_peak", n), ("eager", "full", "peak_memory", n)} <= fused
+    # the rollout stage: bench_async's rows for both workloads, both drivers and their ratio; in fp32 on CPU the
+    # bench itself refuses to write rows unless async sampled the very tokens lock-step did
+    for name in ("rollout_qwen2-random-52M", "rollout_tiny-agent"):
+        got = {(r["mode"], r["metric"]): float(r["p50"]) for r in rows if r["name"] == name}
+        assert got[("async", "trajectories_equal_to_lockstep")] == 1.0, name
+        assert got[("async/lockstep", "trajectories_per_s_ratio")] == pytest.approx(
+            got[("async", "trajectories_per_s")] / got[("lockstep", "trajectories_per_s")]), name
+        assert 0 < got[("async", "slot_occupancy")] <= 1 and 0 < got[("lockstep", "slot_occupancy")] <= 1, name
+    assert "async/lockstep" in (outdir / "summary.txt").read_text()
     train = {r["metric"]: float(r["p50"]) for r in rows if r["name"] == "train_validation"}
     assert set(train) == {"success_before", "success_after", "success_gain"}
     assert train["success_gain"] == pytest.approx(train["success_after"] - train["success_before"])
@@ -169,8 +178,8 @@ def test_a_failed_stage_returns_the_same_files(tmp_path):
     assert {p.name for p in outdir.iterdir()} == RESULT_FILES
     stages = _stages(outdir)
     assert [(s, r["status"]) for s, r in stages.items()] == [
-        ("env", "ok"), ("build", "skipped"), ("tests", "skipped"), ("bench", "skipped"), ("train", "skipped"),
-        ("gap", "skipped")]
+        ("env", "ok"), ("build", "skipped"), ("tests", "skipped"), ("bench", "skipped"), ("rollout", "skipped"),
+        ("train", "skipped"), ("gap", "skipped")]
     assert stages["gap"]["note"] == "no train run metrics"
     assert "failed stages: gap" in (outdir / "summary.txt").read_text()
 
