@@ -1,8 +1,8 @@
 """bench/gpu_suite.sh --dry: the GPU suite's stages, imports and commands on CPU, as a GPU machine would run them
 (a shim package for `fastpo`, PYTHONSAFEPATH=1, fastpo._C built by the suite, the trainer under torchrun with bf16
-mixed precision), its fixed set of 7 result files, and the acceptance check of the GPU image: the suite's import and
-command-line stages pass with tyro, docstring-parser and typeguard (and vllm, liger-kernel, flash-attn) hidden, from
-the wheels that `make gpu-carry` puts in .gpu-carry."""
+mixed precision), its fixed set of 7 result files, and the acceptance check of the GPU image: every stage passes with
+tyro, docstring-parser and typeguard (and vllm, liger-kernel, flash-attn) hidden, the first three from the wheels that
+`make gpu-carry` puts in .gpu-carry."""
 
 from __future__ import annotations
 
@@ -110,11 +110,31 @@ def test_usage_errors(tmp_path):
     assert out.returncode == 2 and "no such folder (make gpu-carry fills .gpu-carry)" in out.stderr
 
 
+def _image_env(tmp_path: Path) -> dict[str, str]:
+    """The suite's environment as on the GPU image: MISSING_ON_IMAGE hidden (importable only from the carry folder),
+    after a probe that the hiding works."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(_HIDE)
+    env = _env(str(hide))
+    env.update(SUITE_TEST_HIDDEN=",".join(MISSING_ON_IMAGE), SUITE_TEST_ALLOWED=str(CARRY))
+    # the hiding works: without the carried wheels on the path, none of these imports
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util as u, sys; print([m for m in sys.argv[1:] "
+                            "if u.find_spec(m) is not None])", *MISSING_ON_IMAGE], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+    return env
+
+
 @pytest.mark.slow
-def test_dry_run_passes_every_stage_through_the_shim(tmp_path):
+def test_dry_run_passes_every_stage_from_the_carried_wheels_without_the_installed_packages(tmp_path):
+    """Every stage through the shim, as the device command runs it: --carry with the image's missing packages
+    hidden (one run covers both: each stage's CPU cost is paid once)."""
+    wheels = _carried_wheels()
+    image_env = _image_env(tmp_path)
     outdir = tmp_path / "out"
     # run from elsewhere with a relative OUTDIR: the suite must find the checkout and the interpreter itself
-    proc = _suite("out", "--dry", timeout=1800, cwd=tmp_path)
+    proc = _suite("out", "--dry", "--carry", str(CARRY), timeout=1800, cwd=tmp_path, env=image_env)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-3000:]}"
     lines = proc.stdout.splitlines()
     assert lines[1].startswith("stage budgets (s): env=") and lines[1].endswith("total=2080")  # 520 s x 4 on CPU
@@ -169,6 +189,14 @@ def test_dry_run_passes_every_stage_through_the_shim(tmp_path):
     summary = (outdir / "summary.txt").read_text()
     assert "failed stages: none" in summary and "wall time:" in summary
 
+    # the carried wheels answered for what the image lacks; the trainer's command line (tyro) ran from them
+    for module in CARRIED.values():  # each from its wheel in the carry folder
+        line = next(line for line in env.splitlines() if line.startswith(module + " "))
+        assert f"{CARRY}/{module}-" in line and ".whl/" in line, line
+    for module in ("vllm", "liger_kernel", "flash_attn"):
+        assert re.search(rf"^{module} +absent$", env, re.MULTILINE), module
+    assert len(wheels) == len(CARRIED)
+
 
 @pytest.mark.slow
 def test_a_failed_stage_returns_the_same_files(tmp_path):
@@ -182,35 +210,3 @@ def test_a_failed_stage_returns_the_same_files(tmp_path):
         ("train", "skipped"), ("gap", "skipped")]
     assert stages["gap"]["note"] == "no train run metrics"
     assert "failed stages: gap" in (outdir / "summary.txt").read_text()
-
-
-@pytest.mark.slow
-def test_import_and_cli_stages_run_from_the_carried_wheels_without_the_installed_packages(tmp_path):
-    wheels = _carried_wheels()
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "sitecustomize.py").write_text(_HIDE)
-    env = _env(str(hide))
-    env.update(SUITE_TEST_HIDDEN=",".join(MISSING_ON_IMAGE), SUITE_TEST_ALLOWED=str(CARRY))
-    # the hiding works: without the carried wheels on the path, none of these imports
-    probe = subprocess.run([sys.executable, "-c", "import importlib.util as u, sys; print([m for m in sys.argv[1:] "
-                            "if u.find_spec(m) is not None])", *MISSING_ON_IMAGE], env=env, capture_output=True,
-                           text=True, timeout=120)
-    assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
-
-    outdir = tmp_path / "out"
-    proc = _suite(str(outdir), "--dry", "--carry", str(CARRY), "--stages", "env,train,gap", timeout=1200,
-                  cwd=tmp_path, env=env)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    assert {p.name for p in outdir.iterdir()} == RESULT_FILES
-    stages = _stages(outdir)
-    assert [stages[s]["status"] for s in ("env", "train", "gap")] == ["ok", "ok", "ok"]
-    env_txt = (outdir / "env.txt").read_text()
-    for module in CARRIED.values():  # each from its wheel in the carry folder
-        line = next(line for line in env_txt.splitlines() if line.startswith(module + " "))
-        assert f"{CARRY}/{module}-" in line and ".whl/" in line, line
-    for module in ("vllm", "liger_kernel", "flash_attn"):
-        assert re.search(rf"^{module} +absent$", env_txt, re.MULTILINE), module
-    assert len(wheels) == len(CARRIED)
-    metrics = [json.loads(line) for line in (outdir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2]  # the trainer's command line (tyro) ran from the wheels
