@@ -336,22 +336,33 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for workload in args.workload:
-            setup = (longtail_setup if workload == "longtail" else tiny_setup)(args, Path(tmp) / workload)
-            if workload == "longtail" and args.repeats > 0:
-                rows += measure(setup, args, args.repeats)
-            elif workload == "tiny":
-                rows += measure(setup, args, args.tiny_repeats)
-            if workload == "longtail" and args.partial_iterations > 0 and args.engine == "hf":
-                rows += measure_partial(setup, args)
-    for row in rows:
-        row["device"] = device_name(cpu=args.device == "cpu")
-    print_table(rows, columns=("name", "mode", "metric", "p50", "p20", "p80"))
-    if not args.no_csv:
-        print("wrote", append_rows("async_rollout", rows, args.results_dir))
+    rows: list[dict] = []
+    written = None
 
+    def done(new: list[dict]) -> None:
+        # each measurement's rows go to the CSV as soon as it ends: a run cut short (the GPU suite's stage timeout)
+        # keeps what it finished
+        nonlocal written
+        for row in new:
+            row["device"] = device_name(cpu=args.device == "cpu")
+        rows.extend(new)
+        if not args.no_csv and new:
+            written = append_rows("async_rollout", new, args.results_dir)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        setups = {}
+        for workload in args.workload:
+            setups[workload] = setup = (longtail_setup if workload == "longtail" else tiny_setup)(
+                args, Path(tmp) / workload)
+            if workload == "longtail" and args.repeats > 0:
+                done(measure(setup, args, args.repeats))
+            elif workload == "tiny":
+                done(measure(setup, args, args.tiny_repeats))
+        if "longtail" in setups and args.partial_iterations > 0 and args.engine == "hf":  # last: the longest part
+            done(measure_partial(setups["longtail"], args))
+    print_table(rows, columns=("name", "mode", "metric", "p50", "p20", "p80"))
+    if written is not None:
+        print("wrote", written)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@
 # OUTDIR defaults to $OUT. --carry DIR: every *.whl in DIR goes first on PYTHONPATH (pure-Python wheels import from
 # the zip): tyro, docstring-parser, typeguard and typing-extensions at the lock's pins, for the trainer's command
 # line. Default: .gpu-carry in the checkout when it exists. Stages, each under its own time budget (printed first;
-# their sum is the suite's bound, 520 s):
+# their sum is the suite's bound, 540 s):
 #   env    versions, the GPU, where fastpo and the carried packages import from (fails the suite if fastpo does not
 #          come from this checkout)
 #   build  fastpo._C (csrc/ + envs/, CMake + pybind11) with the machine's compilers, into a scratch folder linked
@@ -23,7 +23,8 @@
 #          GEMMs (% of their time, % of the device's spec peak)
 #   rollout  the async rollout against lock-step on the same seeds (bench/bench_async.py, built-in engine, bf16):
 #          the long-tail workload (32 five-turn Sokoban episodes, heavy-tailed answer lengths; trajectories/s, slot
-#          occupancy) and the tiny preset's short answers; skipped when fastpo._C did not build (Sokoban needs it)
+#          occupancy) and the tiny preset's short answers, then partial rollouts (KV kept, turns cut) against
+#          synchronous iterations on the long tail; skipped when fastpo._C did not build (Sokoban needs it)
 #   train  the tiny preset on FrozenLake (Bandit when fastpo._C did not build) under torchrun, 1 GPU, bf16 mixed
 #          precision under FSDP2, 40 iterations, validation at 0, 20 and 40; fails when validation success (first
 #          vs last validation) did not rise
@@ -80,9 +81,9 @@ cd "$ROOT"
 START=$(date +%s)
 MODE=$([ "$DRY" = 1 ] && echo "dry run on CPU" || echo "CUDA")
 
-# Stage budgets in seconds on the GPU machine (a timeout per stage); their sum, 520, bounds the suite. A dry run
+# Stage budgets in seconds on the GPU machine (a timeout per stage); their sum, 540, bounds the suite. A dry run
 # multiplies them by SUITE_BUDGET_SCALE (default 4: a shared 2-core CI machine takes ~15 s to import torch).
-declare -A BUDGET=([env]=20 [build]=50 [tests]=130 [bench]=110 [rollout]=60 [train]=140 [gap]=10)
+declare -A BUDGET=([env]=20 [build]=50 [tests]=130 [bench]=110 [rollout]=80 [train]=140 [gap]=10)
 SCALE=${SUITE_BUDGET_SCALE:-$([ "$DRY" = 1 ] && echo 4 || echo 1)}
 TOTAL=0
 for s in "${STAGES[@]}"; do BUDGET[$s]=$((BUDGET[$s] * SCALE)); TOTAL=$((TOTAL + BUDGET[$s])); done
@@ -285,15 +286,18 @@ if selected rollout && ! has_c; then
     skip rollout "fastpo._C did not build: the long-tail workload plays Sokoban"
 elif selected rollout; then
     if [ "$DRY" = 1 ]; then  # fp32 on CPU: the bench also checks that both drivers sample the same tokens
-        ROLLOUT_ARGS=(--episodes 8 --turns 2 --max-new-tokens 16 --repeats 1 --tiny-repeats 1 --threads 1)
+        ROLLOUT_ARGS=(--episodes 4 --turns 2 --max-new-tokens 16 --repeats 1 --tiny-repeats 1 --threads 1
+                      --partial-iterations 2)
     else  # bf16 on the GPU: rounding flips tokens between batch shapes, so the comparison is statistical
-        ROLLOUT_ARGS=(--device cuda --dtype bfloat16 --repeats 3 --tiny-repeats 7 --threads 4)
+        ROLLOUT_ARGS=(--device cuda --dtype bfloat16 --repeats 3 --tiny-repeats 7 --threads 4 --partial-iterations 4)
     fi
-    stage rollout "async vs lock-step: long tail and tiny preset" "$PY" bench/bench_async.py \
-        --workload longtail tiny "${ROLLOUT_ARGS[@]}" --allow-dirty --results-dir "$SCRATCH/rollout"
+    # bench_async writes each measurement's rows when it ends: a stage cut by its timeout keeps the finished ones
+    stage rollout "async vs lock-step: long tail and tiny preset; partial vs sync iterations" "$PY" \
+        bench/bench_async.py --workload longtail tiny "${ROLLOUT_ARGS[@]}" --partial-kv keep --partial-interrupt \
+        --allow-dirty --results-dir "$SCRATCH/rollout"
     RC[rollout]=$?
     merge_rows "$SCRATCH/rollout/async_rollout.csv"
-    grep -E '^name |async/lockstep|slot_occupancy' "$SCRATCH/rollout.log" | head -n 13
+    grep -E '^name |async/lockstep|slot_occupancy|iteration_time_ratio' "$SCRATCH/rollout.log" | head -n 16
 else
     skip rollout "not selected"
 fi
@@ -367,8 +371,8 @@ for s in "${STAGES[@]}"; do [ "${RC[$s]:-0}" -eq 0 ] || FAILED="$FAILED $s"; don
     fi
     if selected bench; then echo; echo "bench (results.csv):"; grep -E '^(name |fused)' "$SCRATCH/bench.log"; fi
     if selected rollout; then
-        echo; echo "rollout (results.csv):"; grep -E '^name |async/lockstep|slot_occupancy' "$SCRATCH/rollout.log" \
-            2>/dev/null
+        echo; echo "rollout (results.csv):"
+        grep -E '^name |async/lockstep|slot_occupancy|iteration_time_ratio' "$SCRATCH/rollout.log" 2>/dev/null
     fi
     if selected train; then
         echo
