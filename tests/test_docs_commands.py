@@ -5,8 +5,10 @@ lines; a ``#`` comment is dropped; a ``$ `` prompt is removed). They run in orde
 from a scratch folder that mirrors the checkout (symlinks to its top-level entries, its own ``runs/``), with the
 test's venv first on PATH: what a user gets after the README's setup line and ``. .venv/bin/activate``.
 Under pytest-xdist a doc's commands may land on different workers, each with its own scratch folder: a command
-that reads a ``runs/NAME`` folder this worker lacks first runs the earlier command of its doc that writes it
-(``--trainer.run_dir``, ``--sft.out`` or ``--out``; see ``producers``).
+that reads a ``runs/NAME`` folder this worker lacks first gets the earlier command of its doc that writes it
+(``--trainer.run_dir``, ``--sft.out`` or ``--out``; see ``producers``). A command that writes run folders runs
+once per test session, in the first test that needs it (its own or a reader's); the other workers wait for it and
+copy what it wrote (``_run_writer``).
 
 A doc says how its commands are tested with an HTML comment right before the block (invisible on GitHub)::
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -195,15 +198,36 @@ def workspace(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("cmd", list(_params()))
-def test_documented_command(cmd: DocCommand, workspace: Path):
+def test_documented_command(cmd: DocCommand, workspace: Path, shared_run):
     if cmd.action == "skip":
         pytest.skip(f"{cmd.command!r}: {cmd.reason}")
     if cmd.action == "unmarked":
         pytest.fail(f"{cmd.id}: `{cmd.command}` has no test rule: put a `<!-- test ... -->` marker before its block "
                     "saying `run`, `+ ARGS` (tiny sizes) or `skip (REASON)` (see this test's docstring)")
     for producer in producers(cmd, workspace):  # this worker may not have run them (xdist hands tests out freely)
-        _run_and_check(producer, workspace, why=f"it writes what {cmd.id} reads")
-    _run_and_check(cmd, workspace)
+        _run_writer(producer, workspace, shared_run, why=f"it writes what {cmd.id} reads")
+    if WRITES.findall(f"{cmd.command} {cmd.extra}"):
+        _run_writer(cmd, workspace, shared_run)
+    else:
+        _run_and_check(cmd, workspace)
+
+
+def _run_writer(cmd: DocCommand, workspace: Path, shared_run, why: str = "") -> None:
+    """Run a command that writes run folders once per test session (conftest's shared_run, in the folder every
+    pytest-xdist worker shares) and copy what it wrote into this workspace. The first test that needs it (its own,
+    or a later command's that reads its folder) runs it here; a test on another worker waits for that run and
+    copies, instead of training the same run again."""
+    written = sorted(set(WRITES.findall(f"{cmd.command} {cmd.extra}")))
+
+    def make(folder: Path) -> None:
+        _run_and_check(cmd, workspace, why=why)
+        for path in written:
+            shutil.copytree(workspace / path, folder / path, symlinks=True)
+
+    folder = shared_run(f"docs-{cmd.doc.replace('/', '-')}-{cmd.line}", make)
+    for path in written:
+        if not (workspace / path).exists():  # made on another worker (or by this one: already here)
+            shutil.copytree(folder / path, workspace / path, symlinks=True)
 
 
 #: where a documented command writes a run folder (train, SFT, the tiny agent's build)
@@ -395,3 +419,17 @@ def test_the_readmes_eval_and_report_name_the_run_they_read():
     for command in ("python -m fastpo.eval", "python -m fastpo.report"):
         reader = next(c for c in readme if c.command.startswith(command))
         assert [c.command.split()[0] for c in producers(reader, Path("/nonexistent"), readme)] == ["torchrun"]
+
+
+def test_a_writer_runs_once_per_session_and_every_workspace_gets_its_folder(tmp_path, shared_run):
+    """Two workers' workspaces: the first to need the writer runs it; the second copies its folder."""
+    cmd = DocCommand("X.md", 10**6, "mkdir -p runs/x && echo ran >> ../count && echo made > runs/x/f && true", "run",
+                     "--out runs/x", "", False)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    _run_writer(cmd, a, shared_run)
+    _run_writer(cmd, b, shared_run)
+    _run_writer(cmd, a, shared_run)  # the same worker again: its folder is there already
+    assert (tmp_path / "count").read_text() == "ran\n"
+    assert (a / "runs/x/f").read_text() == (b / "runs/x/f").read_text() == "made\n"
