@@ -142,6 +142,9 @@ merge_rows() {  # merge_rows CSV: append a bench/common.py CSV to results.csv (o
     if [ -s "$OUTDIR/results.csv" ]; then tail -n +2 "$1" >> "$OUTDIR/results.csv"; else cat "$1" > "$OUTDIR/results.csv"; fi
 }
 imports() { "$PY" -c "import $1" > /dev/null 2>&1; }
+# has_c: the build stage's fastpo._C imports, from the shim (an editable install elsewhere could answer for it)
+has_c() { (cd "$SCRATCH" && "$PY" -c "import sys, fastpo._C as c; sys.exit(not c.__file__.startswith('$SHIM'))") \
+    > /dev/null 2>&1; }
 declare -A RC=()
 
 # ---- env: versions first, then the import paths every later stage relies on
@@ -280,10 +283,8 @@ else
 fi
 
 # ---- rollout: async vs lock-step on the same seeds (rows merged into results.csv)
-has_c() { (cd "$SCRATCH" && "$PY" -c "import sys, fastpo._C as c; sys.exit(not c.__file__.startswith('$SHIM'))") \
-    > /dev/null 2>&1; }
 if selected rollout && ! has_c; then
-    skip rollout "fastpo._C did not build: the long-tail workload plays Sokoban"
+    skip rollout "no fastpo._C from the build stage: the long-tail workload plays Sokoban"
 elif selected rollout; then
     if [ "$DRY" = 1 ]; then  # fp32 on CPU: the bench also checks that both drivers sample the same tokens
         ROLLOUT_ARGS=(--episodes 4 --turns 2 --max-new-tokens 16 --repeats 1 --tiny-repeats 1 --threads 1
@@ -308,7 +309,6 @@ if selected train && [ "$HAS_TYRO" = 0 ]; then
     RC[train]=1
 elif selected train; then
     TRAIN_ENV=()
-    # the build's _C, in the shim (an editable install elsewhere could otherwise answer for fastpo._C)
     if ! has_c; then
         TRAIN_ENV=(--env.names '[bandit]' --env.kwargs '{}' --env.max_turns 1)  # pure Python, no _C needed
     fi
