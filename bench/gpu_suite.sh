@@ -256,12 +256,13 @@ if selected tests; then
     fi
     if [ "$DRY" = 1 ]; then
         # the same command on a subset (CI runs both files in full elsewhere): a Triton kernel in the interpreter and
-        # the CUDA-path checks that need no model
-        stage tests "$XDIST_NOTE; subset" env -u FASTPO_TEST_GPU "$PY" -m pytest tests/kernels tests/test_cuda_paths.py \
-            "${TEST_ARGS[@]}" -k "(clip_boundaries and triton) or auto_attention or reload or vllm_extra or mesh"
+        # the CUDA-path checks that need no model. FASTPO_REQUIRE_VLLM (make test's) is dropped: the image has no vLLM
+        stage tests "$XDIST_NOTE; subset" env -u FASTPO_TEST_GPU -u FASTPO_REQUIRE_VLLM "$PY" -m pytest tests/kernels \
+            tests/test_cuda_paths.py "${TEST_ARGS[@]}" \
+            -k "(clip_boundaries and triton) or auto_attention or reload or vllm_extra or mesh"
     else
-        stage tests "$XDIST_NOTE" env -u TRITON_INTERPRET FASTPO_TEST_GPU=1 "$PY" -m pytest tests/kernels \
-            tests/test_cuda_paths.py "${TEST_ARGS[@]}"
+        stage tests "$XDIST_NOTE" env -u TRITON_INTERPRET -u FASTPO_REQUIRE_VLLM FASTPO_TEST_GPU=1 "$PY" -m pytest \
+            tests/kernels tests/test_cuda_paths.py "${TEST_ARGS[@]}"
     fi
     RC[tests]=$?
     tail -n 15 "$SCRATCH/tests.log"

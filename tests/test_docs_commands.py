@@ -369,13 +369,13 @@ def test_every_doc_parses_and_has_commands():
     assert all(c.action != "skip" or c.reason for c in commands)
 
 
-def test_a_failing_or_hanging_command_fails_the_test(monkeypatch, tmp_path):
+def test_a_failing_or_hanging_command_fails_the_test(monkeypatch, tmp_path, shared_run):
     with pytest.raises(AssertionError, match="exited 3"):
-        test_documented_command(DocCommand("X.md", 1, "echo out; exit 3", "run", "", "", False), tmp_path)
+        test_documented_command(DocCommand("X.md", 1, "echo out; exit 3", "run", "", "", False), tmp_path, shared_run)
     monkeypatch.setattr(sys.modules[__name__], "TIMEOUT_S", 1)
     hang = DocCommand("X.md", 2, f"sleep 60 & echo $! > {tmp_path}/child; wait", "run", "", "", False)
     with pytest.raises(pytest.fail.Exception, match="ran over 1 s"):
-        test_documented_command(hang, tmp_path)
+        test_documented_command(hang, tmp_path, shared_run)
     child = int((tmp_path / "child").read_text())
     for _ in range(50):  # the whole process group was killed, the background child included
         try:
