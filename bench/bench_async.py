@@ -338,13 +338,14 @@ def main() -> None:
         raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     rows: list[dict] = []
     written = None
+    device = device_name(cpu=args.device == "cpu")  # once: on a CPU it reads /proc/cpuinfo
 
     def done(new: list[dict]) -> None:
         # each measurement's rows go to the CSV as soon as it ends: a run cut short (the GPU suite's stage timeout)
         # keeps what it finished
         nonlocal written
         for row in new:
-            row["device"] = device_name(cpu=args.device == "cpu")
+            row["device"] = device
         rows.extend(new)
         if not args.no_csv and new:
             written = append_rows("async_rollout", new, args.results_dir)
@@ -363,6 +364,7 @@ def main() -> None:
     print_table(rows, columns=("name", "mode", "metric", "p50", "p20", "p80"))
     if written is not None:
         print("wrote", written)
+
 
 if __name__ == "__main__":
     main()

@@ -206,7 +206,7 @@ def test_documented_command(cmd: DocCommand, workspace: Path, shared_run):
                     "saying `run`, `+ ARGS` (tiny sizes) or `skip (REASON)` (see this test's docstring)")
     for producer in producers(cmd, workspace):  # this worker may not have run them (xdist hands tests out freely)
         _run_writer(producer, workspace, shared_run, why=f"it writes what {cmd.id} reads")
-    if WRITES.findall(f"{cmd.command} {cmd.extra}"):
+    if writes(cmd):
         _run_writer(cmd, workspace, shared_run)
     else:
         _run_and_check(cmd, workspace)
@@ -217,7 +217,7 @@ def _run_writer(cmd: DocCommand, workspace: Path, shared_run, why: str = "") -> 
     pytest-xdist worker shares) and copy what it wrote into this workspace. The first test that needs it (its own,
     or a later command's that reads its folder) runs it here; a test on another worker waits for that run and
     copies, instead of training the same run again."""
-    written = sorted(set(WRITES.findall(f"{cmd.command} {cmd.extra}")))
+    written = writes(cmd)
 
     def make(folder: Path) -> None:
         _run_and_check(cmd, workspace, why=why)
@@ -235,6 +235,11 @@ WRITES = re.compile(r"--(?:trainer\.run_dir|sft\.out|out)[ =](runs/[\w.-]+)")
 READS = re.compile(r"(?<![\w/.-])(runs/[\w.-]+)")
 
 
+def writes(cmd: DocCommand) -> list[str]:
+    """The run folders a documented command writes (its appended arguments included), sorted, each once."""
+    return sorted(set(WRITES.findall(f"{cmd.command} {cmd.extra}")))
+
+
 def producers(cmd: DocCommand, workspace: Path, commands: list[DocCommand] | None = None) -> list[DocCommand]:
     """The earlier commands of cmd's doc that write the run folders cmd reads and this workspace lacks, in doc order.
 
@@ -245,12 +250,12 @@ def producers(cmd: DocCommand, workspace: Path, commands: list[DocCommand] | Non
     commands = all_commands() if commands is None else commands
     earlier = [c for c in commands if c.doc == cmd.doc and c.line < cmd.line and c.action == "run"]
     line = f"{cmd.command} {cmd.extra}"
-    wanted = set(READS.findall(line)) - set(WRITES.findall(line))
+    wanted = set(READS.findall(line)) - set(writes(cmd))
     out: list[DocCommand] = []
     for path in sorted(wanted):
         if (workspace / path).exists():
             continue
-        writer = next((c for c in reversed(earlier) if path in WRITES.findall(f"{c.command} {c.extra}")), None)
+        writer = next((c for c in reversed(earlier) if path in writes(c)), None)
         if writer is not None and writer not in out:
             out.extend(p for p in producers(writer, workspace, commands) if p not in out)
             out.append(writer)
