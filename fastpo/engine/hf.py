@@ -564,8 +564,9 @@ class HFEngine(SessionEngine):
         columns [len_r, len_r + n_r); its pad queries write past them (columns that are not valid yet)."""
         pool, device = self._pool, self.device
         count, width = len(rows), max(len(ids) for _, ids in rows)
-        slots = torch.tensor([s for s, _ in rows], dtype=torch.long, device=device)
-        starts = torch.tensor([int(pool.lengths[s]) for s, _ in rows], dtype=torch.long, device=device)
+        host_slots, host_starts = [s for s, _ in rows], [int(pool.lengths[s]) for s, _ in rows]
+        slots = torch.tensor(host_slots, dtype=torch.long, device=device)
+        starts = torch.tensor(host_starts, dtype=torch.long, device=device)
         sizes = torch.tensor([len(ids) for _, ids in rows], dtype=torch.long, device=device)
         input_ids = torch.full((count, width), self.pad_token_id, dtype=torch.long)
         for row, (_, ids) in enumerate(rows):
@@ -577,8 +578,9 @@ class HFEngine(SessionEngine):
         # real query j sits at column len + (j - pad); pad queries after the row's real tokens
         cols = torch.where(real, starts[:, None] + j - pad, starts[:, None] + sizes[:, None] + j)
         positions = torch.where(real, cols, starts[:, None])
-        read = slice(0, count) if bool((slots == torch.arange(count, device=device)).all()) else slots
-        total = int((starts + width).max())
+        # decided on the host copies: reading device tensors back would wait for the GPU before each prefill
+        read = slice(0, count) if host_slots == list(range(count)) else slots
+        total = max(host_starts) + width
         self._grow(capacity=total + 1)  # a short row next to a long one writes pad queries up to start + width
         self.stats.prefill_positions += count * width
         chunk = max(1, self.max_prefill_tokens // count)
@@ -622,7 +624,9 @@ class HFEngine(SessionEngine):
             u = torch.from_numpy(np.array([requests[k].uniforms[len(requests[k].tokens)] for k in which]))
             logits = self._logits[index if len(which) == len(slots) else index[which]]
             tok, lp, raw = sample_tokens(logits, u.to(self.device), params.temperature, params.top_k, params.top_p)
-            tokens[which], logps[which], raws[which] = tok.cpu(), lp.cpu(), raw.cpu()
+            # one device-to-host copy, not three (each is a wait on a GPU); float64 holds the ids and fp32 exactly
+            host = torch.stack([tok.double(), lp.double(), raw.double()]).cpu()
+            tokens[which], logps[which], raws[which] = host[0].long(), host[1].float(), host[2].float()
         self.stats.tokens += len(slots)
         self.stats.first_tokens += sum(1 for r in requests if len(r.tokens) == r.resumed)
         done: list[Completion] = []
@@ -673,10 +677,12 @@ class HFEngine(SessionEngine):
         fed = torch.full((hi,), self.pad_token_id, dtype=torch.long)
         for slot, request in self._running.items():
             fed[slot] = request.tokens[-1]
-        lengths = torch.from_numpy(pool.lengths[:hi].copy()).to(device)
+        host_lengths = pool.lengths[:hi].copy()
+        lengths = torch.from_numpy(host_lengths).to(device)
         rows = torch.arange(hi, device=device)
         cols = lengths[:, None]
-        logits = self._forward(rows, fed[:, None].to(device), cols, cols, slice(0, hi), int(lengths.max()) + 1)
+        # the width from the host copy: reading it back from the device would wait for the GPU before the forward
+        logits = self._forward(rows, fed[:, None].to(device), cols, cols, slice(0, hi), int(host_lengths.max()) + 1)
         self._logits[:hi] = logits
         for slot in self._running:
             pool.lengths[slot] += 1
