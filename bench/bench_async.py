@@ -153,8 +153,9 @@ def longtail_setup(args: argparse.Namespace, root: Path):
 
 def measure_partial(setup, args: argparse.Namespace) -> list[dict]:
     """Iterations of the long-tail workload: each iteration rolls out ``episodes / 4`` new groups (new env seeds)
-    and then pushes the weights into the engine (the same weights: the engine's version moves on, the sync cost is
-    paid, the trajectories stay comparable). sync: the async driver, every episode finishes in its iteration.
+    and then pushes the weights into the engine (its own model: the version moves on and the caches are dropped or
+    kept as in training, but no tensor is copied, so the trajectories stay comparable and the copy's cost, the same
+    for every driver, is left out). sync: the async driver, every episode finishes in its iteration.
     partial: ``RolloutPool`` with as many groups per iteration, episodes in flight carried over, their KV caches
     dropped by the push (``--partial-kv recompute``); partial-keep: the same with the caches kept
     (``sync_weights(keep_cache=True)``, ``--partial-kv keep``). The update's time is the same for all and left out.
