@@ -4,6 +4,8 @@ the same order), several vocab splits and programs that each loop over several w
 empty batch, TMA descriptors (emulated by the interpreter) and pointer loads, and the selection switches. The
 truth matrix over dtypes, temperatures, bias and entropy runs through ``fused_backend`` in test_logprob.py."""
 
+import os
+
 import pytest
 import torch
 from _truth import logprob_truth
@@ -12,6 +14,11 @@ import fastpo.kernels as K
 from fastpo.kernels.ops import flp_persistent as P
 from fastpo.kernels.ops import library as lib
 from fastpo.kernels.ops import logprob as L
+
+#: Tests that launch the kernels on CPU tensors: the interpreter runs them; a GPU run (TRITON_INTERPRET unset, compiled
+#: kernels) cannot read CPU memory, and test_tma_choice_on_cuda compares the two kernel families there.
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="launches kernels on CPU tensors: Triton interpreter only")
 
 
 def _inputs(n, h, v, dtype=torch.float32, bias=True):
@@ -26,6 +33,7 @@ def _inputs(n, h, v, dtype=torch.float32, bias=True):
 SHAPES = [(37, 40, 1500), (16, 32, 512), (5, 8, 1), (50, 72, 1030), (18, 70, 600)]
 
 
+@interpreter_only
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("programs", [None, 1, 3])
 @pytest.mark.parametrize("n,h,v", SHAPES)
@@ -45,6 +53,7 @@ def test_bitwise_equal_to_the_tiled_kernels(tma, programs, n, h, v):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
+@interpreter_only
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("dtype,atol,gtol", [(torch.float32, 2e-5, 1e-4), (torch.bfloat16, 2e-5, 2e-2)])
 def test_vocab_splits_and_work_loop_match_truth(monkeypatch, tma, dtype, atol, gtol):
@@ -81,6 +90,7 @@ def test_an_empty_batch_launches_nothing(tma):
     assert d_h.shape == (0, 16) and torch.equal(d_w, torch.zeros_like(weight)) and torch.equal(d_b, torch.zeros(300))
 
 
+@interpreter_only
 def test_logp_only_and_no_weight_gradient():
     hidden, weight, _, ids = _inputs(20, 16, 700, bias=False)
     logp, ent, lse = P.fused_linear_logprob_fwd(hidden, weight, None, ids, 1.0, False, tma=True, programs=2)
@@ -93,11 +103,11 @@ def test_logp_only_and_no_weight_gradient():
     assert torch.equal(d_h, want)
 
 
-def test_selection_switch(monkeypatch):
+def test_selection_switch(monkeypatch, device):
     monkeypatch.delenv("FASTPO_FLP_KERNEL", raising=False)
     assert lib.flp_kernel() == "tiled"
     monkeypatch.setenv("FASTPO_KERNELS", "triton")
-    hidden = torch.zeros(2, 8)
+    hidden = torch.zeros(2, 8, device=device)
     assert lib._flp_impl(hidden) == (L, {})
     monkeypatch.setenv("FASTPO_FLP_KERNEL", "Persistent")
     assert lib._flp_impl(hidden) == (P, {})
@@ -108,7 +118,8 @@ def test_selection_switch(monkeypatch):
     monkeypatch.setenv("FASTPO_FLP_KERNEL", "warp")
     with pytest.raises(ValueError, match=r"FASTPO_FLP_KERNEL must be one of \('tiled', 'persistent', "
                                          r"'persistent-ptr'\).*'warp'"):
-        K.fused_linear_logprob(hidden, torch.zeros(3, 8), torch.zeros(2, dtype=torch.long))
+        K.fused_linear_logprob(hidden, torch.zeros(3, 8, device=device),
+                               torch.zeros(2, dtype=torch.long, device=device))
 
 
 def test_tma_is_never_picked_for_cpu_tensors_and_programs_must_be_positive():
@@ -128,6 +139,7 @@ def test_gpu_configs():
         P.gpu_config("bwd", "half")
 
 
+@interpreter_only
 def test_ab_logprob_rows_on_the_interpreter():
     """The GPU suite's A/B entry point at a tiny shape on CPU: one row per kernel, same results (bitwise under the
     interpreter), the switches restored afterwards; bad arguments name themselves."""

@@ -77,20 +77,21 @@ def test_mismatched_devices():
         K.ppo_loss(x.cuda(), x, x.cuda(), m.cuda())
 
 
-def test_grpo_eps_must_be_positive_on_both_backends(backend):
+def test_grpo_eps_must_be_positive_on_both_backends(backend, device):
     """eps = 0 on a group of equal scores divided 0 by 0: NaN advantages, silently (probe 15f)."""
-    scores, groups, mask = torch.ones(4), torch.tensor([0, 0, 1, 1]), torch.ones(4, 3)
+    d = device
+    scores, groups, mask = torch.ones(4, device=d), torch.tensor([0, 0, 1, 1], device=d), torch.ones(4, 3, device=d)
     for eps in (0.0, -1e-6, float("nan")):
         with pytest.raises(ValueError, match=r"eps must (lie in \(0.0, inf\]|be a number)"):
             K.grpo_advantages(scores, groups, mask, eps=eps)
-    turn_keys, cu_turns = torch.tensor([5, 5, 5, 5]), torch.tensor([0, 1, 2, 3, 4])
+    turn_keys, cu_turns = torch.tensor([5, 5, 5, 5], device=d), torch.tensor([0, 1, 2, 3, 4], device=d)
     with pytest.raises(ValueError, match=r"eps must lie in \(0.0, inf\]"):
-        K.gigpo_advantages(scores, groups, turn_keys, torch.zeros(4), cu_turns, torch.arange(4), torch.ones(4),
-                           eps=0.0)
+        K.gigpo_advantages(scores, groups, turn_keys, torch.zeros(4, device=d), cu_turns, torch.arange(4, device=d),
+                           torch.ones(4, device=d), eps=0.0)
     adv = K.grpo_advantages(scores, groups, mask, eps=1e-6)  # equal scores: zero advantage, finite
-    assert torch.equal(adv, torch.zeros(4, 3))
-    adv, step, _ = K.gigpo_advantages(scores, groups, turn_keys, torch.zeros(4), cu_turns, torch.arange(4),
-                                      torch.ones(4))
+    assert torch.equal(adv, torch.zeros(4, 3, device=d))
+    adv, step, _ = K.gigpo_advantages(scores, groups, turn_keys, torch.zeros(4, device=d), cu_turns,
+                                      torch.arange(4, device=d), torch.ones(4, device=d))
     assert torch.isfinite(adv).all() and torch.isfinite(step).all()
 
 
