@@ -565,8 +565,10 @@ class PhaseTimer:
 _NVML: dict[str, Any] = {}
 
 
-def _nvml_handle(index: int) -> Any | None:
-    """pynvml device handle, or None when nvidia-ml-py is not installed or there is no GPU / driver."""
+def _nvml_handle(device: Any) -> Any | None:
+    """pynvml handle of the CUDA `device` (a torch.device of type cuda), or None when nvidia-ml-py is not installed,
+    there is no GPU / driver, or NVML cannot tell which GPU it is. The device is found by its UUID: CUDA's index
+    is not NVML's under CUDA_VISIBLE_DEVICES, so the index is used only when that variable is unset."""
     if "module" not in _NVML:
         _NVML["module"] = None
         if importlib.util.find_spec("pynvml") is not None:  # optional: GPU util is reported only when present
@@ -580,10 +582,17 @@ def _nvml_handle(index: int) -> Any | None:
     pynvml = _NVML["module"]
     if pynvml is None:
         return None
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     try:
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except pynvml.NVMLError:
-        return None
+        if uuid is not None:
+            return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        if "CUDA_VISIBLE_DEVICES" not in os.environ:
+            return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    except pynvml.NVMLError:  # a MIG slice, or a UUID NVML does not list
+        pass
+    return None
 
 
 def _rss_gb() -> tuple[str, float]:
@@ -613,11 +622,14 @@ def memory_metrics(device: Any = None) -> dict[str, float]:
         if dev.type == "cuda":
             out["memory/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
             out["memory/cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / 2**30
-            handle = _nvml_handle(dev.index or 0)
+            handle = _nvml_handle(dev)
             if handle is not None:
                 pynvml = _NVML["module"]
-                out["gpu/util_percent"] = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-                out["gpu/memory_used_gb"] = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+                try:  # NotSupported on some devices (MIG slices, some virtual GPUs): then the keys are absent
+                    out["gpu/util_percent"] = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                    out["gpu/memory_used_gb"] = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+                except pynvml.NVMLError:
+                    pass
     return out
 
 

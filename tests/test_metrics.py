@@ -5,6 +5,7 @@ import io
 import json
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -117,6 +118,67 @@ def test_memory_metrics_reports_rss_without_gpu():
     assert 0.01 < m["memory/rss_gb"] < 64
     if not __import__("torch").cuda.is_available():
         assert not any(k.startswith(("gpu/", "memory/cuda")) for k in m)
+
+
+class _FakeNVMLError(Exception):
+    pass
+
+
+class _FakeNVML:
+    """pynvml with two GPUs: the one at NVML index 0 is another GPU; ours has UUID GPU-ours."""
+
+    NVMLError = _FakeNVMLError
+
+    def __init__(self, util_error: bool = False):
+        self.util_error, self.asked = util_error, []
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.asked.append(uuid)
+        if uuid != "GPU-ours":
+            raise _FakeNVMLError("not found")
+        return "ours"
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return "other" if index == 0 else "ours"
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        if self.util_error:
+            raise _FakeNVMLError("NotSupported")
+        return SimpleNamespace(gpu={"ours": 37, "other": 99}[handle])
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(used={"ours": 2**30, "other": 5 * 2**30}[handle])
+
+
+@pytest.mark.parametrize("uuid,visible,want", [
+    ("ours", "3", (37.0, 1.0)),       # found by UUID, whatever CUDA_VISIBLE_DEVICES renumbered
+    ("mig-x", None, None),             # a UUID NVML does not list: no GPU keys, no error
+    (None, "3", None),                  # no UUID and renumbered devices: the index would name another GPU
+    (None, None, (99.0, 5.0)),          # no UUID, nothing renumbered: CUDA index 0 is NVML index 0
+])
+def test_memory_metrics_reads_the_gpu_it_runs_on(monkeypatch, uuid, visible, want):
+    import torch
+
+    import fastpo.metrics as M
+
+    nvml = _FakeNVML()
+    monkeypatch.setitem(M._NVML, "module", nvml)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda dev: 2**31)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(uuid=uuid))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    m = memory_metrics("cuda:0")
+    assert m["memory/cuda_max_allocated_gb"] == 1.0 and m["memory/cuda_max_reserved_gb"] == 2.0
+    got = (m["gpu/util_percent"], m["gpu/memory_used_gb"]) if "gpu/util_percent" in m else None
+    assert got == want
+    nvml.util_error = True  # NotSupported (a MIG slice): the keys are absent, the iteration goes on
+    m = memory_metrics("cuda:0")
+    assert "gpu/util_percent" not in m and "gpu/memory_used_gb" not in m and "memory/rss_gb" in m
 
 
 def _run(monitor, series):
