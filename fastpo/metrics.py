@@ -589,7 +589,8 @@ def _nvml_handle(device: Any) -> Any | None:
         if uuid is not None:
             return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
         if "CUDA_VISIBLE_DEVICES" not in os.environ:
-            return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return pynvml.nvmlDeviceGetHandleByIndex(index)
     except pynvml.NVMLError:  # a MIG slice, or a UUID NVML does not list
         pass
     return None
