@@ -18,9 +18,9 @@ Workloads (docs/ENGINES.md "The long-tail workload"):
 Both drivers run the same parts with the same request seeds, in alternation within each repeat; the trajectories
 are checked equal (tokens) before any row is written (in fp32 on the CPU; in bf16, or on CUDA where cuBLAS picks
 kernels by batch shape, rounding flips tokens between batch shapes, so there the share of equal trajectories is
-reported and the comparison is statistical). Occupancy: useful decoded
-tokens / (decode steps x rows computed) (``rollout/decode_occupancy``; 1 = no decode compute wasted), and per batch
-slot (``rollout/slot_occupancy``). Rows go to bench/results/async_rollout.csv.
+reported and the comparison is statistical). Occupancy: useful decoded tokens / (decode steps x rows computed)
+(``rollout/decode_occupancy``; 1 = no decode compute wasted), and per batch slot (``rollout/slot_occupancy``).
+Rows go to bench/results/async_rollout.csv.
 """
 
 from __future__ import annotations
@@ -311,10 +311,10 @@ def measure(setup, args: argparse.Namespace, repeats: int) -> list[dict]:
             tokens_of[mode] = [list(t.input_ids) for t in trajs]
         same = sum(a == b for a, b in zip(tokens_of["async"], tokens_of["lockstep"], strict=True))
         samples["async"].setdefault("trajectories_equal_to_lockstep", []).append(same / len(tokens_of["async"]))
-        # fp32: the two drivers must sample the very same tokens (float differences never flip one on this
-        # workload). bf16's rounding does flip tokens between batch shapes, so there the comparison is statistical
-        # (same seeds, same workload, ~the same lengths): the share of equal trajectories and the useful tokens/s
-        # ratio are reported with it. On CUDA cuBLAS picks kernels by batch shape even in fp32: statistical there too.
+        # fp32 on the CPU: the two drivers must sample the very same tokens (float differences never flip one on
+        # this workload). In bf16, and on CUDA (cuBLAS picks kernels by batch shape even in fp32), rounding flips
+        # tokens between batch shapes, so there the comparison is statistical (same seeds, same workload, ~the same
+        # lengths): the share of equal trajectories and the useful tokens/s ratio are reported with it.
         exact = desc.get("engine", "hf") == "hf" and args.dtype == "float32" and args.device == "cpu"
         if exact and same != len(tokens_of["async"]):
             raise SystemExit("async and lock-step trajectories differ: not a like-for-like comparison")
